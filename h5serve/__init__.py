@@ -1,0 +1,55 @@
+"""h5serve: HDF5 shards in shared memory for distributed PyTorch training.
+
+Layering (imports only point down; nothing imports a layer above it)::
+
+    h5serve.cli                      thin: arguments -> library calls -> exit codes
+    h5serve.daemon  | h5serve.client server side | training side: never imports h5serve.daemon
+    h5serve.protocol, segments, source, runtime, sharding
+    h5serve.errors
+
+Client code (``from h5serve.client import SharedH5Dataset``) never imports the daemon
+package, and ``import h5serve`` itself imports nothing heavy (no torch, h5py or zmq).
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    BudgetExceeded,
+    CapacityError,
+    ConfigError,
+    DaemonAlreadyRunning,
+    DaemonUnavailable,
+    DataError,
+    H5ServeError,
+    KeyNotFound,
+    LengthMismatch,
+    ProtocolError,
+    RemoteError,
+    SegmentError,
+    ShmFull,
+    SourceChanged,
+    SourceNotFound,
+    UnsupportedDataset,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "H5ServeError",
+    "ConfigError",
+    "DataError",
+    "SourceNotFound",
+    "KeyNotFound",
+    "UnsupportedDataset",
+    "LengthMismatch",
+    "SourceChanged",
+    "CapacityError",
+    "ShmFull",
+    "BudgetExceeded",
+    "SegmentError",
+    "DaemonUnavailable",
+    "DaemonAlreadyRunning",
+    "ProtocolError",
+    "RemoteError",
+]

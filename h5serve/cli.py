@@ -1,0 +1,259 @@
+"""``h5serve`` command line: parses arguments, calls library functions, maps errors to exits.
+
+Exit codes: 0 success; 1 an h5serve error (the message says what to do); 2 bad usage;
+3 ``status``: no daemon is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from . import __version__
+from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError
+from .protocol import Ping
+from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
+from .segments import format_bytes
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+
+
+def parse_ranks(text: str, world_size: int) -> list[int]:
+    """'0-3,5' -> [0, 1, 2, 3, 5]. Raised when malformed or out of range: ConfigError."""
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            ranks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError as exc:
+        raise ConfigError(f"--ranks {text!r} is not a list like 0-3,5") from exc
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad or not ranks:
+        raise ConfigError(f"--ranks {text!r}: ranks must be in [0, {world_size - 1}] (got {bad or 'none'})")
+    return sorted(ranks)
+
+
+def _client(args: argparse.Namespace, timeout: float | None = None) -> Any:
+    from .client.connection import DaemonClient  # zmq only for the commands that talk
+
+    return DaemonClient(args.runtime_dir, timeout)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    location = resolve_runtime(args.runtime_dir)
+    if args.foreground:
+        return _run_foreground(args, location)
+    if args.max_memory is not None:
+        from .daemon.config import parse_size
+
+        parse_size(args.max_memory)  # a bad size is the caller's error, not a failed start
+    ensure_runtime_dir(location)
+    with _client(args, timeout=2.0) as client:
+        if client.available():
+            info = client.ping()
+            print(f"h5serve daemon already running (pid {info['pid']}) on {location.directory}")
+            return EXIT_OK
+        cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
+        for flag in ("shm_dir", "max_memory", "loaders", "log_level"):
+            value = getattr(args, flag)
+            if value is not None:
+                cmd += [f"--{flag.replace('_', '-')}", str(value)]
+        with open(location.logfile, "ab") as log:
+            process = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if client.available():
+                try:
+                    info = client.request(Ping(), timeout=1.0)
+                except DaemonUnavailable:
+                    continue
+                print(f"h5serve daemon started (pid {info['pid']}) on {location.endpoint}; log: {location.logfile}")
+                return EXIT_OK
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+        if process.poll() is None:
+            process.kill()
+        tail = location.logfile.read_text(errors="replace").strip().splitlines()[-5:]
+        raise H5ServeError(
+            f"the daemon did not start on {location.directory}; last log lines:\n  " + "\n  ".join(tail)
+        )
+
+
+def _run_foreground(args: argparse.Namespace, location: Any) -> int:
+    from .daemon import DaemonConfig, serve
+    from .daemon.config import parse_size
+
+    logging.basicConfig(
+        level=getattr(logging, (args.log_level or "INFO").upper(), logging.INFO),
+        format="%(asctime)s h5serve[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    config = DaemonConfig(
+        location=location,
+        shm_dir=resolve_shm_dir(args.shm_dir),
+        max_memory=parse_size(args.max_memory) if args.max_memory is not None else None,
+        loaders=args.loaders or 0,
+    )
+    try:
+        serve(config)
+    except DaemonAlreadyRunning as exc:
+        print(f"{exc}; nothing to do", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if not client.available():
+            print(f"no h5serve daemon running on {client.location.directory}")
+            return EXIT_OK
+        pid = int(client.location.pidfile.read_text().strip() or 0)
+        try:
+            client.shutdown()
+        except DaemonUnavailable:
+            if pid:
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while client.available() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if client.available():
+            raise H5ServeError(f"the daemon (pid {pid}) did not stop within {STOP_TIMEOUT_S:g}s; kill it with `kill {pid}`")
+    print(f"h5serve daemon stopped (pid {pid})")
+    return EXIT_OK
+
+
+def _format_status(info: dict[str, Any]) -> str:
+    mem = info["memory"]
+    lines = [
+        f"h5serve {info['version']} pid {info['pid']} on {info['runtime_dir']} (shm {info['shm_dir']})",
+        f"memory: {format_bytes(mem['used'])} used of {format_bytes(mem['budget'])} budget; "
+        f"{format_bytes(mem['shm_free'])} free in shm",
+    ]
+    segments = info["segments"]
+    if not segments:
+        lines.append("no segments")
+        return "\n".join(lines)
+    header = ("file", "key", "rank", "mode", "dtype", "size", "hits", "state")
+    rows = [
+        (s["file"], s["key"], f"{s['rank']}/{s['world_size']}", s["mode"], s["dtype"], format_bytes(s["bytes"]),
+         str(s["hits"]), s["state"] if s["state"] == "ready" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
+        for s in segments
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        try:
+            info = client.status()
+        except DaemonUnavailable as exc:
+            print(json.dumps({"running": False, "runtime_dir": str(client.location.directory)}) if args.json else str(exc))
+            return EXIT_NOT_RUNNING
+    print(json.dumps({"running": True, **info}, indent=2) if args.json else _format_status(info))
+    return EXIT_OK
+
+
+def cmd_preload(args: argparse.Namespace) -> int:
+    from .protocol import Acquire
+    from .source import resolve_dtype
+
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    ranks = parse_ranks(args.ranks, args.world_size) if args.ranks else list(range(args.world_size))
+    path = os.path.abspath(args.file)
+    dtypes = {args.x_key: resolve_dtype(args.dtype_x, "--dtype-x")}
+    if args.y_key:
+        dtypes[args.y_key] = resolve_dtype(args.dtype_y, "--dtype-y")
+    requests = [
+        Acquire(path, key, args.world_size, rank, args.mode, None if dtype is None else dtype.str)
+        for rank in ranks for key, dtype in dtypes.items()
+    ]
+    start = time.monotonic()
+    with _client(args) as client:
+        for request in requests:  # start every load, then wait for each
+            client.request(request)
+        for request in requests:
+            client.acquire(request)
+        status = client.status()
+    loaded = [s for s in status["segments"] if s["file"] == os.path.realpath(path) and s["state"] == "ready"]
+    print(f"preloaded {len(requests)} segments of {path} for ranks {ranks} in {time.monotonic() - start:.2f}s "
+          f"({format_bytes(sum(s['bytes'] for s in loaded))} for this file in shm)")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(rows=args.rows, epochs=args.epochs, nproc=args.nproc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h5serve", description="HDF5 shards in shared memory for DDP training.")
+    parser.add_argument("--version", action="version", version=f"h5serve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_runtime(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--runtime-dir", help="where the socket and pidfile live "
+                       "(default: $H5SERVE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/h5serve, else /tmp/h5serve-$UID)")
+        return p
+
+    p = with_runtime(sub.add_parser("start", help="start the daemon (returns once it answers)"))
+    p.add_argument("--foreground", action="store_true", help="stay attached and log to stderr (systemd, srun)")
+    p.add_argument("--shm-dir", help="where segments live (default: $H5SERVE_SHM_DIR, else /dev/shm)")
+    p.add_argument("--max-memory", help="memory budget for segments, e.g. 64G (default: 80%% of free shm space)")
+    p.add_argument("--loaders", type=int, help="concurrent loader processes (default: cores, at most 4)")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    p.set_defaults(func=cmd_start)
+
+    p = with_runtime(sub.add_parser("stop", help="stop the daemon and unlink its segments"))
+    p.set_defaults(func=cmd_stop)
+
+    p = with_runtime(sub.add_parser("status", help="segments and memory (exit 3 when not running)"))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = with_runtime(sub.add_parser("preload", help="load shards now; returns when they are loaded"))
+    p.add_argument("file")
+    p.add_argument("--x-key", required=True)
+    p.add_argument("--y-key")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
+    p.add_argument("--mode", choices=["contiguous", "interleave"], default="contiguous")
+    p.add_argument("--dtype-x")
+    p.add_argument("--dtype-y")
+    p.set_defaults(func=cmd_preload)
+
+    p = sub.add_parser("demo", help="a real 2-rank torchrun job from the daemon, then without it")
+    p.add_argument("--rows", type=int, default=20_000)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except H5ServeError as exc:
+        print(f"h5serve: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

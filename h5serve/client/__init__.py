@@ -1,0 +1,25 @@
+"""The training side of h5serve: datasets and samplers for each DDP rank.
+
+Light, fork- and spawn-safe; never imports ``h5serve.daemon``.
+"""
+
+from ..sharding import balanced_contiguous_shard, interleaved_indices, shard_indices
+from .compat import RankMemCachedH5Dataset
+from .connection import DaemonClient
+from .dataset import Batch, SharedH5Dataset, collate
+from .lazy import H5LazyDataset, h5_worker_init_fn
+from .sampler import EpochShuffleSampler
+
+__all__ = [
+    "SharedH5Dataset",
+    "EpochShuffleSampler",
+    "H5LazyDataset",
+    "RankMemCachedH5Dataset",
+    "h5_worker_init_fn",
+    "balanced_contiguous_shard",
+    "interleaved_indices",
+    "shard_indices",
+    "Batch",
+    "collate",
+    "DaemonClient",
+]

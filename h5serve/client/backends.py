@@ -1,0 +1,227 @@
+"""Where a dataset's rows come from: shared memory, lazy h5py reads, or private memory.
+
+Every backend answers ``gather(local) -> (x, y)`` with fresh, writable arrays in the output
+dtypes, for local positions in this rank's shard. The shm backend's arrays are gathered out
+of a read-only mapping, so nothing a caller does to them can reach another process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import h5py
+import numpy as np
+
+from ..errors import LengthMismatch, SegmentError
+from ..protocol import Acquire, AcquireResult
+from ..segments import AttachedSegment, attach_segment
+from ..sharding import Selection
+from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5, read_rows, read_shard_into
+from .connection import DaemonClient
+
+__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]
+
+log = logging.getLogger("h5serve.client")
+_PROGRESS_LOG_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Everything needed to build any backend for one rank's shard (picklable)."""
+
+    path: str  # absolute
+    x_key: str
+    y_key: str | None
+    selection: Selection
+    dtype_x: np.dtype | None  # requested output dtypes (None: the source dtype)
+    dtype_y: np.dtype | None
+    runtime_dir: str | None = None
+    timeout: float | None = None
+    h5_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.x_key,) if self.y_key is None else (self.x_key, self.y_key)
+
+    @property
+    def dtypes(self) -> tuple[np.dtype | None, ...]:
+        return (self.dtype_x,) if self.y_key is None else (self.dtype_x, self.dtype_y)
+
+
+def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+class H5Handle:
+    """An h5py file opened once per process (keyed on pid), never pickled."""
+
+    def __init__(self, path: str, options: dict[str, Any]) -> None:
+        self.path = path
+        self.options = options
+        self._pid = -1
+        self._file: h5py.File | None = None
+
+    def file(self) -> h5py.File:
+        if self._pid != os.getpid():
+            self._file = None  # inherited across fork: never use or close the parent's handle
+        if self._file is None:
+            self._file = open_h5(self.path, **self.options)
+            self._pid = os.getpid()
+        return self._file
+
+    def drop_inherited(self) -> None:
+        if self._pid != os.getpid():
+            self._file = None
+
+    def close(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self._file = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None}
+
+
+class ArrayBackend:
+    """Rows held in arrays (a mapping or private memory): one vectorised gather per array."""
+
+    name = "memory"
+
+    def __init__(self, arrays: list[np.ndarray], out_dtypes: list[np.dtype], total_rows: int) -> None:
+        self.arrays = arrays
+        self.out_dtypes = out_dtypes
+        self.total_rows = total_rows
+
+    def gather(self, local: np.ndarray) -> list[np.ndarray]:
+        return [_cast(np.take(a, local, axis=0), d) for a, d in zip(self.arrays, self.out_dtypes)]
+
+    def close(self) -> None:
+        self.arrays = []
+
+
+class MemoryBackend(ArrayBackend):
+    """The predecessor's behaviour: the shard read once into this process's private memory."""
+
+    @classmethod
+    def load(cls, spec: BackendSpec) -> "MemoryBackend":
+        arrays, out_dtypes = [], []
+        with open_h5(spec.path, **spec.h5_options) as f:
+            infos = [inspect_dataset(f, key) for key in spec.keys]
+            check_lengths(infos[0], infos[1] if len(infos) > 1 else None)
+            for info, requested in zip(infos, spec.dtypes):
+                out = np.empty((spec.selection.count(info.rows), *info.row_shape), dtype=requested or info.dtype)
+                read_shard_into(f[info.key], info, spec.selection, out)
+                arrays.append(out)
+                out_dtypes.append(out.dtype)
+        return cls(arrays, out_dtypes, infos[0].rows)
+
+
+class ShmBackend(ArrayBackend):
+    """Segments loaded by the daemon, mapped read-only; the lease is held while attached."""
+
+    name = "shm"
+
+    def __init__(self, spec: BackendSpec, segments: list[AttachedSegment]) -> None:
+        out = [requested or np.dtype(s.meta.source_dtype) for s, requested in zip(segments, spec.dtypes)]
+        super().__init__([s.data for s in segments], out, segments[0].meta.total_rows)
+        self.spec = spec
+        self.segments = segments
+
+    @classmethod
+    def connect(cls, spec: BackendSpec, rank_for_logs: int = 0) -> "ShmBackend":
+        """Ask the daemon for the shard's segments (loading them if needed) and attach.
+
+        Raised when no daemon answers: DaemonUnavailable. Raised when x and y differ in
+        length: LengthMismatch. Other daemon errors arrive as their own classes.
+        """
+        requests = [
+            Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
+                    None if dtype is None else dtype.str)
+            for key, dtype in zip(spec.keys, spec.dtypes)
+        ]
+        with DaemonClient(spec.runtime_dir, spec.timeout) as client:
+            first = [AcquireResult.from_wire(client.request(r)) for r in requests]  # starts every load at once
+            if len(first) == 2 and first[0].dataset_rows != first[1].dataset_rows:
+                raise LengthMismatch(
+                    f"x {spec.x_key!r} has {first[0].dataset_rows} rows but y {spec.y_key!r} has "
+                    f"{first[1].dataset_rows}: they must have the same length"
+                )
+            segments = [cls._acquire_attached(client, r, rank_for_logs) for r in requests]
+        return cls(spec, segments)
+
+    @staticmethod
+    def _acquire_attached(client: DaemonClient, request: Acquire, rank_for_logs: int) -> AttachedSegment:
+        last_log = [time.monotonic()]
+
+        def progress(result: AcquireResult) -> None:
+            if time.monotonic() - last_log[0] >= _PROGRESS_LOG_INTERVAL_S:
+                last_log[0] = time.monotonic()
+                pct = 100.0 * result.rows_done / max(result.rows_total, 1)
+                log.info("rank %d: waiting for the daemon to load %s[%s]: %.0f%% (%d/%d rows)", rank_for_logs,
+                         request.path, request.key, pct, result.rows_done, result.rows_total)
+
+        for attempt in range(3):
+            result = client.acquire(request, progress)
+            try:
+                segment = attach_segment(result.shm_dir, result.name)
+            except SegmentError:
+                if attempt == 2:
+                    raise
+                continue  # evicted between the reply and the attach: ask again
+            m = segment.meta
+            if (m.key, m.mode, m.world_size, m.rank) != (request.key, request.mode, request.world_size, request.rank):
+                segment.close()
+                raise SegmentError(f"segment {result.name} does not hold {request.key!r} rank {request.rank}")
+            return segment
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        super().close()
+        for segment in self.segments:
+            segment.close()
+        self.segments = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_reattach, (self.spec, [(str(s.path.parent), s.name) for s in self.segments]))
+
+
+def _reattach(spec: BackendSpec, where: list[tuple[str, str]]) -> ArrayBackend | "LazyBackend":
+    """Unpickling in a spawned worker: map the same segments by name. If they are gone (the
+    daemon stopped or evicted them), read the same rows lazily instead: never fail a worker."""
+    try:
+        return ShmBackend(spec, [attach_segment(d, n) for d, n in where])
+    except SegmentError as exc:
+        log.warning("could not re-attach h5serve segments in pid %d (%s); reading lazily", os.getpid(), exc)
+        return LazyBackend(spec)
+
+
+class LazyBackend:
+    """Rows read through h5py on demand, one batched read per array per batch."""
+
+    name = "lazy"
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        with open_h5(spec.path) as f:  # metadata only; closed before any fork
+            self.infos: list[DatasetInfo] = [inspect_dataset(f, key) for key in spec.keys]
+        check_lengths(self.infos[0], self.infos[1] if len(self.infos) > 1 else None)
+        self.out_dtypes = [requested or info.dtype for info, requested in zip(self.infos, spec.dtypes)]
+        self.total_rows = self.infos[0].rows
+        self.indices = spec.selection.indices(self.total_rows)
+        self.handle = H5Handle(spec.path, spec.h5_options)
+
+    def gather(self, local: np.ndarray) -> list[np.ndarray]:
+        rows = self.indices[local]
+        f = self.handle.file()
+        return [read_rows(f[info.key], info, rows, dtype) for info, dtype in zip(self.infos, self.out_dtypes)]
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+Backend = ArrayBackend | LazyBackend
+BackendFactory = Callable[[BackendSpec], Backend]

@@ -1,0 +1,43 @@
+"""The daemon's settings: one frozen object, named defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..runtime import RuntimeLocation
+
+__all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "default_loaders"]
+
+DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
+POLL_INTERVAL_S = 0.05
+FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def default_loaders() -> int:
+    """Concurrent loader processes: one per core, at most 4 (h5py serialises within a process)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def parse_size(text: str) -> int:
+    """'64G', '512MiB', '1.5T', '1000000' -> bytes (binary multiples).
+
+    Raised when it is not a size: ConfigError.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ConfigError(f"{text!r} is not a size; use e.g. 512M, 16G or a number of bytes")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgtp".index(unit or " "))
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    location: RuntimeLocation
+    shm_dir: Path
+    max_memory: int | None = None  # None: DEFAULT_MEMORY_FRACTION of free shm space at start
+    loaders: int = 0  # 0: default_loaders()

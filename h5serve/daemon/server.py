@@ -1,0 +1,161 @@
+"""The control loop: a ZeroMQ ROUTER socket, request dispatch, signals, pidfile lock.
+
+The loop never blocks on a load (loads run in loader processes) and never dies of input:
+every request gets a reply, malformed ones an error reply.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from .. import __version__
+from ..errors import ConfigError, DaemonAlreadyRunning, H5ServeError, ProtocolError, code_for
+from ..protocol import VERSION, Acquire, Ping, Request, Shutdown, Status, decode_request, encode_error, encode_ok
+from ..runtime import ensure_runtime_dir
+from ..segments import format_bytes
+from .config import DEFAULT_MEMORY_FRACTION, POLL_INTERVAL_S, DaemonConfig, default_loaders
+from .store import SegmentStore
+
+__all__ = ["serve", "Server"]
+
+log = logging.getLogger("h5serve.daemon")
+_MAX_MESSAGES_PER_TICK = 256
+
+
+def _lock_pidfile(config: DaemonConfig) -> int:
+    """Take the runtime dir's exclusive lock before touching the socket: ``bind`` on an ipc
+    path would silently steal it from a running daemon.
+
+    Raised when another daemon holds it: DaemonAlreadyRunning.
+    """
+    path = config.location.pidfile
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            pid = path.read_text().strip() or "?"
+            raise DaemonAlreadyRunning(f"an h5serve daemon (pid {pid}) already serves {config.location.directory}") from exc
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class Server:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        if not config.shm_dir.is_dir():
+            raise ConfigError(f"shm dir {config.shm_dir} does not exist; pass --shm-dir or mount a tmpfs there")
+        budget = config.max_memory
+        if budget is None:
+            st = os.statvfs(config.shm_dir)
+            budget = int(st.f_bavail * st.f_frsize * DEFAULT_MEMORY_FRACTION)
+        self.store = SegmentStore(config.location, config.shm_dir, budget, config.loaders or default_loaders())
+        self._stopping = False
+        self.started = time.time()
+
+    def handle(self, request: Request) -> dict[str, Any]:
+        if isinstance(request, Acquire):
+            return self.store.acquire(request).to_wire()
+        info = {
+            "pid": os.getpid(), "version": __version__, "protocol": VERSION,
+            "runtime_dir": str(self.config.location.directory), "shm_dir": str(self.config.shm_dir),
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+        if isinstance(request, Status):
+            return {**info, **self.store.status()}
+        if isinstance(request, Shutdown):
+            self._stopping = True
+        assert isinstance(request, (Ping, Shutdown))
+        return info
+
+    def reply_to(self, frames: list[bytes]) -> bytes:
+        request_id = 0
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected one frame per request, got {len(frames)}")
+            request_id, request = decode_request(frames[0])
+            return encode_ok(request_id, self.handle(request))
+        except H5ServeError as exc:
+            self.store.counters[f"errors.{exc.code}"] += 1
+            return encode_error(request_id, exc.code, str(exc))
+        except Exception as exc:  # the daemon never dies of a request
+            log.exception("internal error while handling a request")
+            self.store.counters["errors.internal"] += 1
+            return encode_error(request_id, code_for(exc), f"internal daemon error: {type(exc).__name__}: {exc}")
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def run(self) -> None:
+        location = self.config.location
+        ensure_runtime_dir(location)
+        lock_fd = _lock_pidfile(self.config)
+        ctx = zmq.Context()
+        try:
+            self.store.recover()
+            location.socket_path.unlink(missing_ok=True)  # stale: we hold the lock
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            old_umask = os.umask(0o177)
+            try:
+                sock.bind(location.endpoint)
+            finally:
+                os.umask(old_umask)
+            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGINT, self.request_stop)
+            log.info(
+                "h5serve %s serving %s (pid %d, shm %s, budget %s, %d loader processes)",
+                __version__, location.endpoint, os.getpid(), self.config.shm_dir,
+                format_bytes(self.store.max_memory), self.store.max_loaders,
+            )
+            self._loop(sock)
+        finally:
+            log.info("stopping: unlinking segments")
+            self.store.shutdown()
+            ctx.destroy(linger=0)
+            location.socket_path.unlink(missing_ok=True)
+            location.pidfile.unlink(missing_ok=True)
+            os.close(lock_fd)
+            log.info("stopped")
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stopping:
+            try:
+                ready = poller.poll(int(POLL_INTERVAL_S * 1000))
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            for _ in range(_MAX_MESSAGES_PER_TICK if ready else 0):
+                try:
+                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                reply = self.reply_to(frames)
+                try:
+                    sock.send_multipart([identity, reply], zmq.NOBLOCK)
+                except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
+                    pass
+            self.store.poll_loads()
+
+
+def serve(config: DaemonConfig) -> None:
+    """Run the daemon in this process until SIGTERM, SIGINT or a shutdown request.
+
+    Raised when another daemon already serves the runtime dir: DaemonAlreadyRunning.
+    """
+    Server(config).run()

@@ -1,0 +1,271 @@
+"""The daemon's registry of segments: single-flight loads, LRU eviction under a memory
+budget, adoption of complete segments left by a previous daemon, cleanup on shutdown.
+
+Everything here runs on the control loop's thread; loads run in loader processes and are
+reaped by ``poll_loads``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing import Process
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ..errors import BudgetExceeded, H5ServeError, SegmentError, error_from_code
+from ..protocol import Acquire, AcquireResult
+from ..runtime import RuntimeLocation
+from ..segments import (
+    SegmentMeta,
+    format_bytes,
+    read_meta,
+    read_progress,
+    segment_name,
+    segment_prefix,
+    temporary_name,
+    temporary_owner_pid,
+    try_evict,
+)
+from ..sharding import Selection
+from ..source import DatasetInfo, FileIdentity, file_identity, inspect_dataset, open_h5, resolve_dtype, storage_dtype
+from .config import FAILURE_MEMORY_S
+from .loader import LoadJob, loader_context, start_load
+
+__all__ = ["SegmentStore"]
+
+log = logging.getLogger("h5serve.daemon")
+_INFO_CACHE_SIZE = 256
+
+
+@dataclass
+class Entry:
+    name: str
+    meta: SegmentMeta
+    state: str  # "loading" | "ready"
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    hits: int = 0
+    tmp_name: str = ""
+    process: Process | None = None
+    reply: Connection | None = None
+    load_started: float = 0.0
+    load_seconds: float = 0.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SegmentStore:
+    def __init__(self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int) -> None:
+        self.location = location
+        self.shm_dir = shm_dir
+        self.max_memory = max_memory
+        self.max_loaders = loaders
+        self.namespace = location.namespace
+        self.entries: dict[str, Entry] = {}
+        self.failures: dict[str, tuple[float, str, str]] = {}
+        self.counters: Counter[str] = Counter()
+        self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
+        self._ctx = loader_context()
+
+    # ----- startup -------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Remove temporaries of dead loaders; adopt complete segments whose source is unchanged."""
+        prefix = segment_prefix(self.namespace)
+        for path in sorted(self.shm_dir.glob(prefix + "*")):
+            owner = temporary_owner_pid(path.name)
+            if owner is not None:
+                if not _pid_alive(owner):
+                    log.info("removing %s left by dead loader %d", path.name, owner)
+                    path.unlink(missing_ok=True)
+                continue
+            try:
+                meta, complete = read_meta(path)
+                ident = file_identity(meta.source_path)
+                unchanged = (ident.dev, ident.ino, ident.size, ident.mtime_ns) == (
+                    meta.source_dev, meta.source_ino, meta.source_size, meta.source_mtime_ns
+                )
+            except H5ServeError as exc:
+                log.info("dropping %s: %s", path.name, exc)
+                complete = unchanged = False
+            if complete and unchanged and segment_name(self.namespace, meta) == path.name:
+                self.entries[path.name] = Entry(path.name, meta, "ready")
+                self.counters["adopted"] += 1
+                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank, meta.world_size)
+            else:
+                path.unlink(missing_ok=True)
+
+    # ----- requests ------------------------------------------------------------------------
+    def _info(self, ident: FileIdentity, key: str) -> DatasetInfo:
+        cached = self._infos.get((ident, key))
+        if cached is None:
+            with open_h5(ident.path) as f:
+                cached = inspect_dataset(f, key)
+            if len(self._infos) >= _INFO_CACHE_SIZE:
+                self._infos.clear()
+            self._infos[(ident, key)] = cached
+        return cached
+
+    def acquire(self, req: Acquire) -> AcquireResult:
+        """Find or start loading the segment for ``req``. Never waits for a load."""
+        ident = file_identity(req.path)
+        info = self._info(ident, req.key)
+        selection = Selection(req.mode, req.world_size, req.rank)
+        stored = storage_dtype(info.dtype, resolve_dtype(req.dtype, "dtype"))
+        meta = SegmentMeta(
+            source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
+            source_size=ident.size, source_mtime_ns=ident.mtime_ns, key=req.key,
+            mode=req.mode, world_size=req.world_size, rank=req.rank,
+            total_rows=info.rows, rows=selection.count(info.rows), row_shape=info.row_shape,
+            dtype=stored.str, source_dtype=info.dtype.str,
+        )
+        name = segment_name(self.namespace, meta)
+        entry = self.entries.get(name)
+        if entry is not None and entry.state == "ready" and not (self.shm_dir / name).exists():
+            log.warning("segment %s disappeared from %s; loading it again", name, self.shm_dir)
+            del self.entries[name]
+            entry = None
+        if entry is None:
+            failure = self.failures.get(name)
+            if failure is not None and time.monotonic() - failure[0] < FAILURE_MEMORY_S:
+                raise error_from_code(failure[1], failure[2])
+            self.failures.pop(name, None)
+            entry = self._start(name, meta)
+        entry.last_used = time.monotonic()
+        if entry.state == "ready":
+            entry.hits += 1
+            self.counters["hits"] += 1
+            return AcquireResult("ready", name, str(self.shm_dir), meta.rows, meta.rows, meta.total_rows)
+        done, total = read_progress(self.shm_dir / entry.tmp_name) if entry.process else (0, meta.rows)
+        return AcquireResult("loading", name, str(self.shm_dir), done, total or meta.rows, meta.total_rows)
+
+    def _start(self, name: str, meta: SegmentMeta) -> Entry:
+        self._make_room(meta.file_size, meta)
+        entry = Entry(name, meta, "loading", tmp_name=temporary_name(name))
+        self.entries[name] = entry
+        self.counters["loads_requested"] += 1
+        self._launch_pending()
+        return entry
+
+    def _launch_pending(self) -> None:
+        running = sum(1 for e in self.entries.values() if e.process is not None)
+        for entry in self.entries.values():
+            if running >= self.max_loaders:
+                return
+            if entry.state == "loading" and entry.process is None:
+                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta)
+                entry.process, entry.reply = start_load(self._ctx, job)
+                entry.load_started = time.monotonic()
+                running += 1
+                log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
+                         entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
+
+    def used_bytes(self) -> int:
+        return sum(e.meta.file_size for e in self.entries.values())
+
+    def _make_room(self, needed: int, meta: SegmentMeta) -> None:
+        """Evict least-recently-used segments no client holds until ``needed`` fits the budget.
+
+        Raised when it cannot fit even then: BudgetExceeded.
+        """
+        if self.used_bytes() + needed <= self.max_memory:
+            return
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+            if self.used_bytes() + needed <= self.max_memory:
+                return
+            if entry.state == "ready" and try_evict(self.shm_dir / entry.name):
+                del self.entries[entry.name]
+                self.counters["evictions"] += 1
+                log.info("evicted %s to make room", entry.name)
+        if self.used_bytes() + needed > self.max_memory:
+            self.counters["refusals"] += 1
+            raise BudgetExceeded(
+                f"{meta.source_path}[{meta.key}] rank {meta.rank} needs {format_bytes(needed)}, but only "
+                f"{format_bytes(self.max_memory - self.used_bytes())} of the daemon's "
+                f"{format_bytes(self.max_memory)} budget is free and the rest is in use; "
+                "restart the daemon with a larger --max-memory or finish other jobs"
+            )
+
+    def poll_loads(self) -> None:
+        """Reap finished loaders: publish successes, remember failures for pollers."""
+        for entry in list(self.entries.values()):
+            if entry.process is None or entry.reply is None:
+                continue
+            result = None
+            if entry.reply.poll():
+                try:
+                    result = entry.reply.recv()
+                except (EOFError, OSError):
+                    result = None
+            elif entry.process.is_alive():
+                continue
+            entry.process.join(timeout=5)
+            entry.reply.close()
+            exitcode = entry.process.exitcode
+            entry.process, entry.reply = None, None
+            if result is not None and result[0] == "ok":
+                entry.state = "ready"
+                entry.load_seconds = time.monotonic() - entry.load_started
+                self.counters["loads"] += 1
+                log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
+            else:
+                code, message = (result[1], result[2]) if result else (
+                    SegmentError.code, f"the loader process died (exit code {exitcode}); see the daemon log")
+                (self.shm_dir / entry.tmp_name).unlink(missing_ok=True)
+                del self.entries[entry.name]
+                self.failures[entry.name] = (time.monotonic(), code, message)
+                self.counters["load_errors"] += 1
+                self.counters[f"errors.{code}"] += 1
+                log.warning("load of %s failed: %s", entry.name, message)
+        self._launch_pending()
+
+    # ----- reporting and shutdown ----------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        segments = []
+        now = time.time()
+        for entry in self.entries.values():
+            m = entry.meta
+            done = m.rows if entry.state == "ready" else (
+                read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
+            segments.append({
+                "name": entry.name, "file": m.source_path, "key": m.key, "rank": m.rank,
+                "world_size": m.world_size, "mode": m.mode, "dtype": str(m.np_dtype),
+                "source_dtype": str(np.dtype(m.source_dtype)),
+                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
+                "hits": entry.hits, "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
+            })
+        st = os.statvfs(self.shm_dir)
+        return {
+            "segments": segments,
+            "memory": {"used": self.used_bytes(), "budget": self.max_memory, "shm_free": st.f_bavail * st.f_frsize},
+            "counters": dict(self.counters),
+        }
+
+    def shutdown(self) -> None:
+        """Stop loaders and unlink every segment and temporary of this daemon.
+
+        Clients that already mapped a segment keep reading it: unlink removes the name, the
+        memory goes when the last mapping does.
+        """
+        for entry in self.entries.values():
+            if entry.process is not None:
+                entry.process.kill()
+                entry.process.join(timeout=5)
+        # The namespace is this runtime dir, whose pidfile lock we hold: every file under the
+        # prefix is ours (published, or a temporary of a loader we just killed).
+        for path in self.shm_dir.glob(segment_prefix(self.namespace) + "*"):
+            path.unlink(missing_ok=True)
+        self.entries.clear()

@@ -1,0 +1,181 @@
+"""Every error h5serve raises on purpose.
+
+    H5ServeError                    base: catch this to catch everything below
+    ├── ConfigError                 a bad argument or setting (mode, rank, runtime dir, size)
+    ├── DataError                   the HDF5 source cannot be served as asked
+    │   ├── SourceNotFound          the file does not exist or cannot be opened
+    │   ├── KeyNotFound             the dataset key is not in the file
+    │   ├── UnsupportedDataset      no rows dimension, or a dtype h5serve cannot serve
+    │   ├── LengthMismatch          x and y have different numbers of rows
+    │   └── SourceChanged           the file changed while it was being loaded
+    ├── CapacityError               not enough room to hold a shard
+    │   ├── ShmFull                 the shm filesystem has less free space than the shard needs
+    │   └── BudgetExceeded          the daemon's --max-memory cannot fit the shard
+    ├── SegmentError                a shared-memory segment is missing, foreign or invalid
+    ├── DaemonUnavailable           no daemon answered on the runtime dir in time
+    ├── DaemonAlreadyRunning        ``start --foreground`` found a live daemon on the runtime dir
+    ├── ProtocolError               a message that does not follow the wire protocol
+    └── RemoteError                 the daemon failed in a way that has no more specific class
+
+Errors from ZeroMQ, the OS and h5py are translated into these classes where they happen
+(``raise ... from exc``), so callers never need to catch third-party exceptions.
+
+``ERROR_CODES`` maps the wire error codes (protocol.py) to classes and back: the daemon
+sends ``code`` + ``message``; the client raises the same class the daemon caught.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "H5ServeError",
+    "ConfigError",
+    "DataError",
+    "SourceNotFound",
+    "KeyNotFound",
+    "UnsupportedDataset",
+    "LengthMismatch",
+    "SourceChanged",
+    "CapacityError",
+    "ShmFull",
+    "BudgetExceeded",
+    "SegmentError",
+    "DaemonUnavailable",
+    "DaemonAlreadyRunning",
+    "ProtocolError",
+    "RemoteError",
+    "ERROR_CODES",
+    "code_for",
+    "error_from_code",
+]
+
+
+class H5ServeError(Exception):
+    """Base class of every error h5serve raises on purpose."""
+
+    code = "error"
+
+
+class ConfigError(H5ServeError, ValueError):
+    """Raised when an argument or setting is invalid (bad mode, rank out of range, ...)."""
+
+    code = "config"
+
+
+class DataError(H5ServeError):
+    """Raised when the HDF5 source cannot be served as requested."""
+
+    code = "data"
+
+
+class SourceNotFound(DataError, FileNotFoundError):
+    """Raised when the HDF5 file does not exist or is not a readable HDF5 file."""
+
+    code = "source_not_found"
+
+
+class KeyNotFound(DataError, KeyError):
+    """Raised when the dataset key is not in the file (the message lists the keys that are)."""
+
+    code = "key_not_found"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedDataset(DataError, TypeError):
+    """Raised when a dataset has no rows dimension or a dtype that is not plain numeric."""
+
+    code = "unsupported_dataset"
+
+
+class LengthMismatch(DataError):
+    """Raised when the x and y datasets have different numbers of rows."""
+
+    code = "length_mismatch"
+
+
+class SourceChanged(DataError):
+    """Raised when the HDF5 file was modified while a shard of it was being loaded."""
+
+    code = "source_changed"
+
+
+class CapacityError(H5ServeError):
+    """Raised when there is not enough room to hold a shard in shared memory."""
+
+    code = "capacity"
+
+
+class ShmFull(CapacityError):
+    """Raised when the shm filesystem has less free space than the shard needs."""
+
+    code = "shm_full"
+
+
+class BudgetExceeded(CapacityError):
+    """Raised when the shard does not fit in the daemon's --max-memory budget."""
+
+    code = "budget_exceeded"
+
+
+class SegmentError(H5ServeError):
+    """Raised when a segment is missing, evicted, truncated or not written by h5serve."""
+
+    code = "segment"
+
+
+class DaemonUnavailable(H5ServeError):
+    """Raised when no daemon answers on the runtime dir within the timeout."""
+
+    code = "daemon_unavailable"
+
+
+class DaemonAlreadyRunning(H5ServeError):
+    """Raised when a daemon already holds the runtime dir's pidfile lock."""
+
+    code = "already_running"
+
+
+class ProtocolError(H5ServeError):
+    """Raised when a message does not follow the h5serve wire protocol."""
+
+    code = "protocol"
+
+
+class RemoteError(H5ServeError):
+    """Raised when the daemon reports a failure with no more specific error class."""
+
+    code = "remote"
+
+
+ERROR_CODES: dict[str, type[H5ServeError]] = {
+    cls.code: cls
+    for cls in (
+        H5ServeError,
+        ConfigError,
+        DataError,
+        SourceNotFound,
+        KeyNotFound,
+        UnsupportedDataset,
+        LengthMismatch,
+        SourceChanged,
+        CapacityError,
+        ShmFull,
+        BudgetExceeded,
+        SegmentError,
+        DaemonUnavailable,
+        DaemonAlreadyRunning,
+        ProtocolError,
+        RemoteError,
+    )
+}
+
+
+def code_for(exc: BaseException) -> str:
+    """The wire code for an exception: its class code, or ``remote`` for anything else."""
+    return exc.code if isinstance(exc, H5ServeError) else RemoteError.code
+
+
+def error_from_code(code: str, message: str) -> H5ServeError:
+    """The exception the client raises for an error reply from the daemon."""
+    return ERROR_CODES.get(code, RemoteError)(message)

@@ -1,0 +1,199 @@
+"""The wire protocol between clients and the daemon: msgpack maps over ZeroMQ.
+
+Every request is one frame ``{"v": VERSION, "id": <int>, "op": <str>, ...fields}``; every
+reply is ``{"v": VERSION, "id": <same int>, "ok": true, "result": {...}}`` or
+``{"v": VERSION, "id": <same int>, "ok": false, "code": <str>, "message": <str>}``, where
+``code`` is a key of ``h5serve.errors.ERROR_CODES``.
+
+Decoding is strict: msgpack limits stop a hostile length from allocating memory, every field
+is type- and range-checked, unknown ops and fields are refused. No pickle, no eval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+from .errors import H5ServeError, ProtocolError, error_from_code
+from .sharding import MODES
+
+__all__ = [
+    "VERSION",
+    "MAX_FRAME_BYTES",
+    "Ping",
+    "Status",
+    "Shutdown",
+    "Acquire",
+    "AcquireResult",
+    "Request",
+    "encode_request",
+    "decode_request",
+    "encode_ok",
+    "encode_error",
+    "decode_reply",
+]
+
+VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024  # requests are small; a reply with many segments stays far below 16 MiB
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+MAX_PATH_CHARS = 4096
+MAX_KEY_CHARS = 1024
+MAX_WORLD_SIZE = 1 << 20
+MAX_DTYPE_CHARS = 32
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Is a daemon there? Answered with its pid, version and shm dir."""
+
+    OP: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Status:
+    """Everything the daemon holds: segments, memory, counters."""
+
+    OP: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the daemon gracefully (its segments are unlinked)."""
+
+    OP: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """Load (or find) the segment holding ``rank``'s shard of ``path[key]`` as ``dtype``.
+
+    Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
+    with progress (the client asks again), never blocked on the load itself.
+    """
+
+    OP: ClassVar[str] = "acquire"
+    path: str
+    key: str
+    world_size: int
+    rank: int
+    mode: str = "contiguous"
+    dtype: Union[str, None] = None
+
+    def __post_init__(self) -> None:
+        _check_str("path", self.path, MAX_PATH_CHARS)
+        _check_str("key", self.key, MAX_KEY_CHARS)
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _check_int("rank", self.rank, 0, self.world_size - 1)
+        if self.mode not in MODES:
+            raise ProtocolError(f"field 'mode' must be one of {MODES}, got {self.mode!r}")
+        if self.dtype is not None:
+            _check_str("dtype", self.dtype, MAX_DTYPE_CHARS)
+
+
+Request = Union[Ping, Status, Shutdown, Acquire]
+REQUEST_TYPES: dict[str, type] = {cls.OP: cls for cls in (Ping, Status, Shutdown, Acquire)}
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """Reply to Acquire: ``state`` is ``ready`` (``name`` can be attached) or ``loading``."""
+
+    state: str
+    name: str
+    shm_dir: str
+    rows_done: int = 0
+    rows_total: int = 0  # rows in this shard
+    dataset_rows: int = 0  # rows in the whole dataset, before sharding
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, result: dict[str, Any]) -> "AcquireResult":
+        try:
+            value = cls(**result)
+        except TypeError as exc:
+            raise ProtocolError(f"malformed acquire result: {exc}") from exc
+        if value.state not in ("ready", "loading") or not isinstance(value.name, str):
+            raise ProtocolError(f"malformed acquire result: {result!r}")
+        return value
+
+
+def _check_str(name: str, value: object, max_len: int) -> None:
+    if not isinstance(value, str) or not value or len(value) > max_len or "\0" in value:
+        raise ProtocolError(f"field {name!r} must be a non-empty string of at most {max_len} characters")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _unpack_map(frame: bytes, max_bytes: int) -> dict[str, Any]:
+    if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) > max_bytes:
+        raise ProtocolError(f"frame must be at most {max_bytes} bytes")
+    try:
+        message = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=max_bytes,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=max_bytes,
+            max_map_len=max_bytes,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"frame is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(message, dict):
+        raise ProtocolError("frame must be a msgpack map")
+    version = message.get("v")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")
+    _check_int("id", message.get("id"), 0, 2**63 - 1)
+    return message
+
+
+def encode_request(request_id: int, request: Request) -> bytes:
+    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
+
+
+def decode_request(frame: bytes) -> tuple[int, Request]:
+    """Parse one request frame. Raised when it is malformed in any way: ProtocolError."""
+    message = _unpack_map(frame, MAX_FRAME_BYTES)
+    request_id = message.pop("id")
+    message.pop("v")
+    op = message.pop("op", None)
+    cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(sorted(REQUEST_TYPES))}")
+    try:
+        return request_id, cls(**message)
+    except TypeError as exc:  # missing or unexpected fields
+        raise ProtocolError(f"bad fields for op {op!r}: {exc}") from exc
+
+
+def encode_ok(request_id: int, result: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": request_id, "ok": True, "result": result})
+
+
+def encode_error(request_id: int, code: str, message: str) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": request_id, "ok": False, "code": code, "message": message})
+
+
+def decode_reply(frame: bytes) -> tuple[int, dict[str, Any] | H5ServeError]:
+    """Parse a reply: its request id, and its result or the error it carries (the
+    H5ServeError subclass named by its code, for the caller to raise once the id matches).
+
+    Raised when the frame is malformed: ProtocolError.
+    """
+    message = _unpack_map(frame, MAX_REPLY_BYTES)
+    if message.get("ok") is True and isinstance(message.get("result"), dict):
+        return message["id"], message["result"]
+    if message.get("ok") is False and isinstance(message.get("code"), str):
+        return message["id"], error_from_code(message["code"], str(message.get("message", "")))
+    raise ProtocolError(f"malformed reply: {message!r:.200}")

@@ -1,0 +1,350 @@
+"""Shared-memory segments: naming, header, create, publish, attach, lease, evict.
+
+A segment is one file in the shm dir (``/dev/shm`` by default), mode 0600::
+
+    offset 0     magic "H5SRVSEG", format version, complete flag, rows done, rows total,
+                 length of the msgpack metadata (SegmentMeta), then the metadata itself
+    offset 4096  the rows, C-contiguous, native byte order (page-aligned)
+
+Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
+with ``posix_fallocate`` (a full tmpfs is a clear ShmFull now, never a SIGBUS later);
+the loader fills it and ``publish`` sets the complete flag and renames it to ``<name>``,
+atomically. Clients only ever open final names, so they never see a partial segment.
+
+Leases: every attached client holds ``flock(LOCK_SH)`` on its open fd (inherited by forked
+DataLoader workers, re-taken by spawned ones). ``try_evict`` unlinks only after
+``flock(LOCK_EX | LOCK_NB)`` succeeds. The kernel drops the locks of dead processes, so a
+crashed client never pins a segment. What nothing can clean up: a SIGKILLed daemon leaves its
+temporaries and segments behind; the next daemon on the same runtime dir removes or adopts them.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import secrets
+import struct
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import SegmentError, ShmFull
+
+__all__ = [
+    "HEADER_SIZE",
+    "SegmentMeta",
+    "SegmentWriter",
+    "AttachedSegment",
+    "segment_prefix",
+    "segment_name",
+    "temporary_name",
+    "temporary_owner_pid",
+    "create_segment",
+    "attach_segment",
+    "read_progress",
+    "read_meta",
+    "try_evict",
+    "format_bytes",
+]
+
+MAGIC = b"H5SRVSEG"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+_FIXED = struct.Struct("<8sIIQQI")  # magic, version, complete, rows_done, rows_total, meta_len
+_COMPLETE_OFFSET = 12
+_PROGRESS = struct.Struct("<QQ")
+_PROGRESS_OFFSET = 16
+_META_OFFSET = 64
+_TMP_MARK = ".tmp-"
+
+
+@dataclass(frozen=True)
+class SegmentMeta:
+    """What a segment holds: which rows of which file's dataset, in which dtype and shape.
+
+    The source identity (path, dev, inode, size, mtime) is part of the segment name, so an
+    edited file never maps to a segment of its old contents.
+    """
+
+    source_path: str
+    source_dev: int
+    source_ino: int
+    source_size: int
+    source_mtime_ns: int
+    key: str
+    mode: str
+    world_size: int
+    rank: int
+    total_rows: int  # rows in the whole dataset, before sharding
+    rows: int  # rows in this shard
+    row_shape: tuple[int, ...]
+    dtype: str  # stored dtype (numpy str, native byte order)
+    source_dtype: str
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.np_dtype.itemsize
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + self.nbytes
+
+    def identity(self) -> tuple[Any, ...]:
+        return (
+            self.source_path, self.source_dev, self.source_ino, self.source_size, self.source_mtime_ns,
+            self.key, self.mode, self.world_size, self.rank, self.dtype,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["row_shape"] = list(self.row_shape)
+        return out
+
+    @classmethod
+    def from_wire(cls, data: object) -> "SegmentMeta":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise SegmentError("segment metadata has missing or unknown fields")
+        try:
+            meta = cls(**{**data, "row_shape": tuple(int(n) for n in data["row_shape"])})
+            meta.np_dtype  # noqa: B018 - validates the dtype string
+        except (TypeError, ValueError) as exc:
+            raise SegmentError(f"segment metadata is invalid: {exc}") from exc
+        return meta
+
+
+def segment_prefix(namespace: str) -> str:
+    """Every segment of one daemon (uid + runtime-dir namespace) starts with this."""
+    return f"h5serve-{os.getuid()}-{namespace}-"
+
+
+def segment_name(namespace: str, meta: SegmentMeta) -> str:
+    digest = hashlib.blake2b(msgpack.packb(list(meta.identity())), digest_size=12).hexdigest()
+    return segment_prefix(namespace) + digest
+
+
+def temporary_name(name: str) -> str:
+    return f"{name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def temporary_owner_pid(filename: str) -> int | None:
+    """The pid that created a temporary segment file, or None if it is not a temporary."""
+    if _TMP_MARK not in filename:
+        return None
+    try:
+        return int(filename.rsplit(_TMP_MARK, 1)[1].split("-", 1)[0])
+    except ValueError:
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _data_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray:
+    count = meta.rows * int(np.prod(meta.row_shape, dtype=np.int64))
+    flat = np.frombuffer(buffer, dtype=meta.np_dtype, count=count, offset=HEADER_SIZE)
+    return flat.reshape((meta.rows, *meta.row_shape))
+
+
+class SegmentWriter:
+    """A temporary segment being filled by a loader. ``data`` is writable."""
+
+    def __init__(self, path: Path, fd: int, meta: SegmentMeta) -> None:
+        self.path = path
+        self.meta = meta
+        self._fd = fd
+        self._map = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.data = _data_view(self._map, meta)
+
+    def set_progress(self, rows_done: int) -> None:
+        self._map[_PROGRESS_OFFSET:_PROGRESS_OFFSET + _PROGRESS.size] = _PROGRESS.pack(rows_done, self.meta.rows)
+
+    def publish(self, final_name: str) -> Path:
+        """Mark complete and rename to ``final_name`` in the same directory (atomic)."""
+        self.set_progress(self.meta.rows)
+        self._map[_COMPLETE_OFFSET:_COMPLETE_OFFSET + 4] = struct.pack("<I", 1)
+        final = self.path.with_name(final_name)
+        self.close()
+        os.rename(self.path, final)
+        return final
+
+    def abort(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.data = None  # type: ignore[assignment]
+        if self._map is not None:
+            self._map.close()
+            self._map = None  # type: ignore[assignment]
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta) -> SegmentWriter:
+    """Create ``shm_dir/tmp_name`` (0600) with every byte reserved, header written, incomplete.
+
+    Raised when the shm filesystem has no room for it: ShmFull (says needed and free bytes).
+    """
+    path = Path(shm_dir) / tmp_name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, meta.file_size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise ShmFull(
+                    f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
+                    f"{format_bytes(meta.file_size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
+                    "free space (h5serve stop, or remove other files there), or enlarge the mount"
+                ) from exc
+            raise
+        blob = msgpack.packb(meta.to_wire())
+        if _META_OFFSET + len(blob) > HEADER_SIZE:
+            raise SegmentError(f"segment metadata too large ({len(blob)} bytes): shorten the path or key")
+        header = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob))
+        os.pwrite(fd, header.ljust(_META_OFFSET, b"\0") + blob, 0)
+        return SegmentWriter(path, fd, meta)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+
+
+def _parse_header(raw: bytes, where: str) -> tuple[SegmentMeta, bool]:
+    if len(raw) < HEADER_SIZE:
+        raise SegmentError(f"{where} is truncated ({len(raw)} bytes): not an h5serve segment")
+    magic, version, complete, _done, _total, meta_len = _FIXED.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise SegmentError(f"{where} is not an h5serve segment (bad magic)")
+    if version != FORMAT_VERSION:
+        raise SegmentError(f"{where} has segment format {version}, this h5serve reads {FORMAT_VERSION}")
+    if _META_OFFSET + meta_len > HEADER_SIZE:
+        raise SegmentError(f"{where} has a corrupt header (metadata length {meta_len})")
+    try:
+        data = msgpack.unpackb(raw[_META_OFFSET:_META_OFFSET + meta_len], raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise SegmentError(f"{where} has a corrupt header: {exc}") from exc
+    return SegmentMeta.from_wire(data), complete == 1
+
+
+def read_meta(path: Path) -> tuple[SegmentMeta, bool]:
+    """Header of a segment file on disk: (meta, complete). Raised when invalid: SegmentError."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError as exc:
+        raise SegmentError(f"cannot read segment {path}: {exc.strerror}") from exc
+    return _parse_header(raw, str(path))
+
+
+def read_progress(path: Path) -> tuple[int, int]:
+    """(rows done, rows total) of a segment being loaded; (0, 0) if it cannot be read yet."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0, 0
+    try:
+        raw = os.pread(fd, _PROGRESS.size, _PROGRESS_OFFSET)
+    finally:
+        os.close(fd)
+    return _PROGRESS.unpack(raw) if len(raw) == _PROGRESS.size else (0, 0)
+
+
+class AttachedSegment:
+    """A published segment mapped read-only, with a shared lease held on its fd.
+
+    ``data`` is a read-only ndarray over the mapping: copy rows out of it (a gather does),
+    never hand it to torch directly.
+    """
+
+    def __init__(self, name: str, path: Path, fd: int, meta: SegmentMeta, buffer: mmap.mmap) -> None:
+        self.name = name
+        self.path = path
+        self.meta = meta
+        self._fd = fd
+        self._map = buffer
+        self.data = _data_view(buffer, meta)
+        self.data.flags.writeable = False
+
+    def close(self) -> None:
+        """Drop this process's view and lease. The mapping itself goes when the last view does."""
+        self.data = None  # type: ignore[assignment]
+        self._map = None  # type: ignore[assignment]
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the flock once no forked child shares the fd
+            self._fd = -1
+
+
+def attach_segment(shm_dir: Path, name: str) -> AttachedSegment:
+    """Open, lease and map a published segment read-only; validates header and size.
+
+    Raised when it is missing, evicted, truncated, incomplete or not ours: SegmentError.
+    """
+    path = Path(shm_dir) / name
+    if _TMP_MARK in name or "/" in name:
+        raise SegmentError(f"{name!r} is not a published segment name")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise SegmentError(f"segment {path} cannot be opened: {exc.strerror} (evicted or not loaded)") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            raise SegmentError(f"segment {path} was evicted while attaching; request it again")
+        if st.st_uid != os.getuid():
+            raise SegmentError(f"segment {path} belongs to uid {st.st_uid}, not to you: refusing to map it")
+        meta, complete = _parse_header(os.pread(fd, HEADER_SIZE, 0), str(path))
+        if not complete:
+            raise SegmentError(f"segment {path} is not complete: refusing to map a partial load")
+        if st.st_size != meta.file_size:
+            raise SegmentError(
+                f"segment {path} is {st.st_size} bytes but its header describes {meta.file_size}: refusing to map it"
+            )
+        buffer = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return AttachedSegment(name, path, fd, meta, buffer)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def try_evict(path: Path) -> bool:
+    """Unlink a segment if no process holds a lease on it. True if it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)

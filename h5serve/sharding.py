@@ -1,0 +1,124 @@
+"""Which global rows belong to which rank: pure functions, no I/O.
+
+``balanced_contiguous_shard`` and ``interleaved_indices`` keep the predecessor's semantics
+(the first ``total % world_size`` ranks get one extra row in contiguous mode).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = [
+    "MODES",
+    "Selection",
+    "balanced_contiguous_shard",
+    "interleaved_indices",
+    "shard_indices",
+    "validate_shard",
+    "resolve_rank_world",
+]
+
+MODES = ("contiguous", "interleave")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One rank's share of the rows: ``mode`` over ``world_size`` ranks, this ``rank``."""
+
+    mode: str
+    world_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        validate_shard(self.mode, self.world_size, self.rank)
+
+    def indices(self, total: int) -> np.ndarray:
+        return shard_indices(total, self.world_size, self.rank, self.mode)
+
+    def count(self, total: int) -> int:
+        if self.mode == "contiguous":
+            start, end = balanced_contiguous_shard(total, self.world_size, self.rank)
+            return end - start
+        return len(range(self.rank, total, self.world_size))
+
+
+def validate_shard(mode: str, world_size: int, rank: int) -> None:
+    """Raise ConfigError unless (mode, world_size, rank) describe a valid shard."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    _check_rank_world(world_size, rank)
+
+
+def _check_rank_world(world_size: int, rank: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+        raise ConfigError(f"world_size must be an integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise ConfigError(f"rank must be an integer, got {rank!r}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, {world_size - 1}] for world_size={world_size}, got {rank}")
+
+
+def balanced_contiguous_shard(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Start (inclusive) and end (exclusive) of ``rank``'s contiguous slice of ``total`` rows."""
+    validate_shard("contiguous", world_size, rank)
+    if total < 0:
+        raise ConfigError(f"total must be >= 0, got {total}")
+    base, extra = divmod(total, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def interleaved_indices(total: int, world_size: int, rank: int) -> np.ndarray:
+    """Rows ``rank, rank + world_size, rank + 2 * world_size, ...`` below ``total``."""
+    validate_shard("interleave", world_size, rank)
+    if total < 0:
+        raise ConfigError(f"total must be >= 0, got {total}")
+    return np.arange(rank, total, world_size, dtype=np.int64)
+
+
+def shard_indices(total: int, world_size: int, rank: int, mode: str = "contiguous") -> np.ndarray:
+    """Global row numbers of ``rank``'s shard, in local order, as an int64 array."""
+    validate_shard(mode, world_size, rank)
+    if mode == "contiguous":
+        start, end = balanced_contiguous_shard(total, world_size, rank)
+        return np.arange(start, end, dtype=np.int64)
+    return interleaved_indices(total, world_size, rank)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from exc
+
+
+def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """Rank and world size: explicit arguments, else an initialized torch.distributed
+    process group, else the RANK / WORLD_SIZE variables torchrun sets, else 0 / 1."""
+    if rank is None or world_size is None:
+        dist_rank, dist_world = None, None
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist_rank, dist_world = dist.get_rank(), dist.get_world_size()
+        except ImportError:  # torch is a dependency, but sharding itself does not need it
+            pass
+        if world_size is None:
+            world_size = dist_world if dist_world is not None else _env_int("WORLD_SIZE")
+            world_size = 1 if world_size is None else world_size
+        if rank is None:
+            rank = dist_rank if dist_rank is not None else _env_int("RANK")
+            rank = 0 if rank is None else rank
+    _check_rank_world(world_size, rank)
+    return int(rank), int(world_size)
