@@ -150,11 +150,11 @@ class ShmBackend(ArrayBackend):
                     f"x {spec.x_key!r} has {first[0].dataset_rows} rows but y {spec.y_key!r} has "
                     f"{first[1].dataset_rows}: they must have the same length"
                 )
-            segments = [cls._acquire_attached(client, r, rank_for_logs) for r in requests]
+            segments = [cls._attach(client, r, result, rank_for_logs) for r, result in zip(requests, first)]
         return cls(spec, segments)
 
     @staticmethod
-    def _acquire_attached(client: DaemonClient, request: Acquire, rank_for_logs: int) -> AttachedSegment:
+    def _attach(client: DaemonClient, request: Acquire, result: AcquireResult, rank_for_logs: int) -> AttachedSegment:
         last_log = [time.monotonic()]
 
         def progress(result: AcquireResult) -> None:
@@ -165,13 +165,15 @@ class ShmBackend(ArrayBackend):
                          request.path, request.key, pct, result.rows_done, result.rows_total)
 
         for attempt in range(3):
-            result = client.acquire(request, progress)
+            if result.state != "ready":
+                result = client.acquire(request, progress)
             try:
                 segment = attach_segment(result.shm_dir, result.name)
             except SegmentError:
                 if attempt == 2:
                     raise
-                continue  # evicted between the reply and the attach: ask again
+                result = AcquireResult("loading", result.name, result.shm_dir)  # evicted meanwhile: ask again
+                continue
             m = segment.meta
             if (m.key, m.mode, m.world_size, m.rank) != (request.key, request.mode, request.world_size, request.rank):
                 segment.close()

@@ -1,0 +1,60 @@
+"""The training script ``h5serve demo`` runs under torchrun: a tiny model, 2 epochs, DDP on
+gloo, data from SharedH5Dataset. Each rank writes its report to ``<report-dir>/rank<N>.json``
+(files, not stdout: torchrun interleaves the ranks' output)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from h5serve.client import EpochShuffleSampler, SharedH5Dataset, collate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--report-dir", required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    ds = SharedH5Dataset(args.path, x_key="images", y_key="labels", mode="contiguous", dtype_x=np.float32)
+    ready_s = time.perf_counter() - t0
+    sampler = EpochShuffleSampler(len(ds), seed=42)
+    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
+    features = int(np.prod(ds[0][0].shape))
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Flatten(), nn.Linear(features, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seen, loss = 0, torch.tensor(0.0)
+    t1 = time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x / 255.0), y)
+            loss.backward()
+            optimizer.step()
+            seen += len(y)
+    train_s = time.perf_counter() - t1
+    report = {
+        "rank": dist.get_rank(), "backend": ds.backend, "rows": len(ds), "first_row": int(ds.indices[0]),
+        "ready_ms": round(ready_s * 1000, 1), "samples": seen, "samples_per_s": round(seen / train_s),
+        "loss": round(float(loss), 4),
+    }
+    with open(f"{args.report_dir}/rank{report['rank']}.json", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
