@@ -1,0 +1,179 @@
+"""Every bad input a user can hit gives an H5ServeError subclass that says what to do, on
+both backends, and the daemon keeps serving afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import h5py
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from h5serve.client import H5LazyDataset, RankMemCachedH5Dataset, SharedH5Dataset
+from h5serve.errors import (
+    BudgetExceeded,
+    ConfigError,
+    H5ServeError,
+    KeyNotFound,
+    LengthMismatch,
+    ShmFull,
+    SourceNotFound,
+    UnsupportedDataset,
+)
+
+from .helpers import Daemon, short_tmpdir
+
+
+@pytest.fixture(scope="module")
+def bad_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bad") / "bad.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((100, 2), dtype=np.float32)
+        f["y_short"] = np.zeros(99, dtype=np.int64)
+        f["scalar"] = 3.0
+        f["strings"] = np.array([b"a", b"b"] * 50)
+        f.create_dataset("vlen", shape=(100,), dtype=h5py.vlen_dtype(np.int32))
+        f["compound"] = np.zeros(100, dtype=[("a", "<i4"), ("b", "<f8")])
+        f.create_group("grp/inner")
+    return path
+
+
+@pytest.fixture(params=["daemon", "lazy"])
+def where(request: pytest.FixtureRequest, shared_daemon: Daemon, no_daemon_env: Path) -> dict:
+    if request.param == "daemon":
+        return {"runtime_dir": shared_daemon.runtime_dir, "fallback": "error"}
+    return {"fallback": "lazy"}
+
+
+CASES = [
+    ("x", "y_short", LengthMismatch, "100 rows.*99"),
+    ("missing", None, KeyNotFound, "'missing' is not in .*datasets there: .*x"),
+    ("scalar", None, UnsupportedDataset, "scalar"),
+    ("strings", None, UnsupportedDataset, "dtype .*S1"),
+    ("vlen", None, UnsupportedDataset, "variable length"),
+    ("compound", None, UnsupportedDataset, "dtype"),
+    ("grp", None, KeyNotFound, "group"),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("x_key,y_key,error,match", CASES)
+def test_bad_dataset(bad_file: Path, where: dict, x_key: str, y_key, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        SharedH5Dataset(bad_file, x_key, y_key, rank=0, world_size=1, **where)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_missing_file(tmp_path: Path, where: dict) -> None:
+    with pytest.raises(SourceNotFound, match="nope.h5"):
+        SharedH5Dataset(tmp_path / "nope.h5", "x", **where)
+    (tmp_path / "text.h5").write_text("not hdf5")
+    with pytest.raises(SourceNotFound, match="cannot be opened as an HDF5 file"):
+        SharedH5Dataset(tmp_path / "text.h5", "x", **where)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"mode": "striped"}, "mode must be one of"),
+        ({"world_size": 0, "rank": 0}, "world_size must be >= 1"),
+        ({"world_size": 2, "rank": 2}, r"rank must be in \[0, 1\]"),
+        ({"world_size": 2, "rank": -1}, r"rank must be in \[0, 1\]"),
+        ({"dtype_x": "notadtype"}, "not a numpy dtype"),
+        ({"dtype_x": "U4"}, "not a numeric dtype"),
+        ({"fallback": "maybe"}, "fallback must be one of"),
+    ],
+)
+def test_bad_arguments(bad_file: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        SharedH5Dataset(bad_file, "x", **kwargs)
+
+
+def test_bad_rank_from_environment(bad_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rank must be in"):
+        SharedH5Dataset(bad_file, "x")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_seed_classes_raise_the_same_errors(bad_file: Path, no_daemon_env: Path) -> None:
+    with pytest.raises(KeyNotFound):
+        H5LazyDataset(str(bad_file), "missing")
+    with pytest.raises(LengthMismatch):
+        H5LazyDataset(str(bad_file), "x", "y_short")
+    with pytest.raises(UnsupportedDataset):
+        RankMemCachedH5Dataset(str(bad_file), "strings", log_fn=lambda _: None)
+
+
+def test_daemon_survives_malformed_frames(shared_daemon: Daemon) -> None:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"ipc://{shared_daemon.runtime_dir}/h5serve.sock")
+        garbage = [
+            b"", b"\xc1", os.urandom(100), msgpack.packb([1, 2]), msgpack.packb({"v": 1, "id": 1, "op": "nope"}),
+            msgpack.packb({"v": 1, "id": 2, "op": "acquire", "path": 5}), msgpack.packb({"v": 99, "id": 3, "op": "ping"}),
+            msgpack.packb({"v": 1, "id": 4, "op": "acquire", "path": "/x", "key": "k", "world_size": 2, "rank": 5}),
+            b"\xdb\xff\xff\xff\xff",  # str of 4 GiB declared
+        ]
+        for frame in garbage:
+            sock.send(frame)
+            assert sock.poll(5000), f"no reply to {frame[:20]!r}"
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["ok"] is False and reply["code"] == "protocol", reply
+        sock.send_multipart([b"a", b"b", b"c"])
+        assert sock.poll(5000) and msgpack.unpackb(sock.recv())["code"] == "protocol"
+    finally:
+        ctx.destroy(linger=0)
+    assert shared_daemon.status()["running"] is True
+
+
+def test_budget_exceeded_falls_back_or_raises(tmp_path: Path) -> None:
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.ones((1000, 256), dtype=np.uint8)
+    d = Daemon("--max-memory", "64K").start()
+    try:
+        with pytest.raises(BudgetExceeded, match="--max-memory"):
+            SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error")
+        with pytest.warns(RuntimeWarning, match="budget"):
+            ds = SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir)
+        assert ds.backend == "lazy" and int(ds[999].sum()) == 256
+        assert d.status()["counters"]["refusals"] >= 2
+    finally:
+        d.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_full_shm_filesystem_is_a_clear_error_not_sigbus(tmp_path: Path) -> None:
+    mnt = short_tmpdir("h5s-tmpfs-")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G")
+    try:
+        d.start()
+        path = tmp_path / "big.h5"
+        with h5py.File(path, "w") as f:
+            f["x"] = np.ones((4096, 1024), dtype=np.uint8)  # 4 MiB > 1 MiB tmpfs
+        with pytest.raises(ShmFull, match=r"needs 4\.0 MiB, .* free"):
+            SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error")
+        with pytest.warns(RuntimeWarning):
+            ds = SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir)
+        assert ds.backend == "lazy" and ds[0].shape == (1024,)
+        assert os.listdir(mnt) == []  # the failed temporary was removed
+        assert d.status()["running"] is True
+    finally:
+        d.stop()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        os.rmdir(mnt)
+
+
+def test_every_error_is_an_h5serve_error() -> None:
+    for cls in (BudgetExceeded, ConfigError, KeyNotFound, LengthMismatch, ShmFull, SourceNotFound, UnsupportedDataset):
+        assert issubclass(cls, H5ServeError)
