@@ -1,0 +1,49 @@
+"""A DDP training job for tests/test_ddp.py, run under torchrun (gloo).
+
+Writes ``<out>/rank<N>.json``: the backend and, per epoch, the labels (= global row ids) in
+the order this rank saw them.
+"""
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from h5serve.client import EpochShuffleSampler, SharedH5Dataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path")
+    parser.add_argument("out")
+    parser.add_argument("--mode", default="contiguous")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    ds = SharedH5Dataset(args.path, x_key="x", y_key="y", mode=args.mode, dtype_x="float32")
+    sampler = EpochShuffleSampler(len(ds), seed=42)
+    loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=args.workers, timeout=120)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Flatten(), nn.Linear(48, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    epochs = []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        seen = []
+        for x, y in loader:
+            optimizer.zero_grad()
+            model(x).sum().backward()  # gradients all-reduced over gloo
+            optimizer.step()
+            seen.extend(y.tolist())
+        epochs.append(seen)
+    with open(f"{args.out}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump({"rank": dist.get_rank(), "backend": ds.backend, "epochs": epochs}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
