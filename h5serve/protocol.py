@@ -117,8 +117,12 @@ class AcquireResult:
             value = cls(**result)
         except TypeError as exc:
             raise ProtocolError(f"malformed acquire result: {exc}") from exc
-        if value.state not in ("ready", "loading") or not isinstance(value.name, str):
-            raise ProtocolError(f"malformed acquire result: {result!r}")
+        if value.state not in ("ready", "loading"):
+            raise ProtocolError(f"malformed acquire result: state {value.state!r}")
+        _check_str("name", value.name, MAX_PATH_CHARS)
+        _check_str("shm_dir", value.shm_dir, MAX_PATH_CHARS)
+        for name in ("rows_done", "rows_total", "dataset_rows"):
+            _check_int(name, getattr(value, name), 0, 2**63 - 1)
         return value
 
 
@@ -151,7 +155,7 @@ def _unpack_map(frame: bytes, max_bytes: int) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("frame must be a msgpack map")
     version = message.get("v")
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {VERSION}")
     _check_int("id", message.get("id"), 0, 2**63 - 1)
     return message

@@ -62,6 +62,7 @@ _PROGRESS = struct.Struct("<QQ")
 _PROGRESS_OFFSET = 16
 _META_OFFSET = 64
 _TMP_MARK = ".tmp-"
+_STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype"})
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,12 @@ class SegmentMeta:
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
+        for name, value in data.items():
+            expected = str if name in _STR_FIELDS else (list if name == "row_shape" else int)
+            if type(value) is not expected or (expected is int and value < 0):
+                raise SegmentError(f"segment metadata field {name!r} has a bad value {value!r:.80}")
+        if not all(type(n) is int and n >= 0 for n in data["row_shape"]):
+            raise SegmentError(f"segment metadata row_shape {data['row_shape']!r:.80} is invalid")
         try:
             meta = cls(**{**data, "row_shape": tuple(int(n) for n in data["row_shape"])})
             meta.np_dtype  # noqa: B018 - validates the dtype string

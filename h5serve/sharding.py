@@ -65,11 +65,15 @@ def _check_rank_world(world_size: int, rank: int) -> None:
         raise ConfigError(f"rank must be in [0, {world_size - 1}] for world_size={world_size}, got {rank}")
 
 
+def _check_total(total: int) -> None:
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 0:
+        raise ConfigError(f"total must be a non-negative integer, got {total!r}")
+
+
 def balanced_contiguous_shard(total: int, world_size: int, rank: int) -> tuple[int, int]:
     """Start (inclusive) and end (exclusive) of ``rank``'s contiguous slice of ``total`` rows."""
     validate_shard("contiguous", world_size, rank)
-    if total < 0:
-        raise ConfigError(f"total must be >= 0, got {total}")
+    _check_total(total)
     base, extra = divmod(total, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
@@ -78,8 +82,7 @@ def balanced_contiguous_shard(total: int, world_size: int, rank: int) -> tuple[i
 def interleaved_indices(total: int, world_size: int, rank: int) -> np.ndarray:
     """Rows ``rank, rank + world_size, rank + 2 * world_size, ...`` below ``total``."""
     validate_shard("interleave", world_size, rank)
-    if total < 0:
-        raise ConfigError(f"total must be >= 0, got {total}")
+    _check_total(total)
     return np.arange(rank, total, world_size, dtype=np.int64)
 
 
