@@ -173,3 +173,45 @@ def test_input_only_and_empty_shard(shared_daemon: Daemon, tmp_path: Path) -> No
     assert len(one) == 1 and isinstance(one[0], torch.Tensor) and one[0].shape == (3, 4, 4)
     with pytest.raises(IndexError):
         one[1]
+
+
+def _open_shard(args: tuple[str, str]) -> tuple[str, int]:
+    path, runtime_dir = args
+    ds = SharedH5Dataset(path, "x", "y", rank=0, world_size=2, runtime_dir=runtime_dir, fallback="error")
+    return ds.backend, int(collate(ds.__getitems__(list(range(len(ds)))))[0].sum())
+
+
+def test_concurrent_requests_load_once(tmp_path: Path) -> None:
+    import concurrent.futures
+    import multiprocessing
+
+    path = make_h5(tmp_path / "flight.h5", rows=20_000)
+    d = Daemon().start()
+    try:
+        with concurrent.futures.ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_open_shard, [(str(path), str(d.runtime_dir))] * 8, timeout=120))
+        want = int(expected(path, "x", np.arange(10_000)).astype(np.int64).sum())
+        assert results == [("shm", want)] * 8
+        assert d.status()["counters"]["loads"] == 2  # x and y, once each
+    finally:
+        d.stop()
+
+
+def test_hung_daemon_means_fallback_not_hang(h5file: Path) -> None:
+    import os
+    import signal
+    import time
+
+    d = Daemon().start()
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="did not answer within 0.5s"):
+            ds = SharedH5Dataset(h5file, "x", "y", runtime_dir=d.runtime_dir, timeout=0.5)
+        assert ds.backend == "lazy" and ds[3][1].item() == 3
+        assert time.monotonic() - start < 10
+        with pytest.raises(DaemonUnavailable):
+            SharedH5Dataset(h5file, "x", runtime_dir=d.runtime_dir, timeout=0.5, fallback="error")
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        d.stop()

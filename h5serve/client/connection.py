@@ -64,8 +64,9 @@ class DaemonClient:
         """A daemon holds this runtime dir's lock and its socket exists (no round trip)."""
         return self.location.socket_path.exists() and daemon_lock_held(self.location)
 
-    def request(self, request: Request, timeout: float | None = None) -> dict[str, Any]:
-        """Send one request and wait for its reply.
+    def request(self, request: Request, timeout: float | None = None, retries: int = 1) -> dict[str, Any]:
+        """Send one request and wait for its reply; on a timeout, rebuild the socket and send
+        it again up to ``retries`` times (every request is idempotent).
 
         Raised when no daemon runs there or it does not answer in time: DaemonUnavailable.
         Raised when the daemon answers with an error: that error's H5ServeError subclass.
@@ -76,6 +77,21 @@ class DaemonClient:
                 f"`h5serve start` (or set H5SERVE_RUNTIME_DIR / runtime_dir to where it runs)"
             )
         timeout = self.timeout if timeout is None else timeout
+        for _ in range(retries + 1):
+            reply = self._round_trip(request, timeout)
+            if reply is not None:
+                if isinstance(reply, Exception):
+                    raise reply
+                return reply
+            if not self.available():
+                break
+        raise DaemonUnavailable(
+            f"the h5serve daemon at {self.location.endpoint} did not answer within {timeout:g}s; "
+            "check `h5serve status` and its log, or raise timeout="
+        )
+
+    def _round_trip(self, request: Request, timeout: float) -> dict[str, Any] | Exception | None:
+        """The reply (a result, or the error to raise), or None on timeout."""
         sock = self._socket()
         self._next_id += 1
         request_id = self._next_id
@@ -86,19 +102,14 @@ class DaemonClient:
                 if not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                     continue
                 reply_id, result = decode_reply(sock.recv())
-                if reply_id != request_id:
-                    continue  # a reply to a request that already timed out
-                if isinstance(result, Exception):
-                    raise result
-                return result
+                if reply_id == request_id:
+                    return result
+                # else: a late reply to a request that already timed out
         except zmq.ZMQError as exc:
             self.close()
             raise DaemonUnavailable(f"cannot talk to the daemon at {self.location.endpoint}: {exc}") from exc
-        self.close()
-        raise DaemonUnavailable(
-            f"the h5serve daemon at {self.location.endpoint} did not answer within {timeout:g}s; "
-            "check `h5serve status` and its log, or raise timeout="
-        )
+        self.close()  # never reuse a socket that may still receive the late reply
+        return None
 
     def ping(self) -> dict[str, Any]:
         return self.request(Ping())
@@ -107,7 +118,7 @@ class DaemonClient:
         return self.request(Status())
 
     def shutdown(self) -> dict[str, Any]:
-        return self.request(Shutdown())
+        return self.request(Shutdown(), retries=0)
 
     def acquire(
         self, request: Acquire, on_progress: Callable[[AcquireResult], None] | None = None
