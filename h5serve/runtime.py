@@ -100,9 +100,9 @@ def resolve_shm_dir(shm_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def ensure_runtime_dir(location: RuntimeLocation) -> None:
-    """Create the runtime dir 0700 (parents too) and check that it is private to us.
+    """Create the runtime dir 0700 (parents too); tighten an existing one of ours to 0700.
 
-    Raised when it exists but belongs to another user or is readable by others: ConfigError.
+    Raised when it cannot be created or belongs to another user: ConfigError.
     """
     try:
         location.directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -223,7 +223,12 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta) -> SegmentWr
         try:
             os.posix_fallocate(fd, 0, meta.file_size)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            if exc.errno == errno.EFBIG:
+                raise ShmFull(
+                    f"{meta.key!r} rank {meta.rank} needs a {format_bytes(meta.file_size)} segment, over this "
+                    "process's file size limit; raise it (ulimit -f) for the daemon"
+                ) from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ShmFull(
                     f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
                     f"{format_bytes(meta.file_size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
@@ -299,7 +304,8 @@ class AttachedSegment:
         self.data.flags.writeable = False
 
     def close(self) -> None:
-        """Drop this process's view and lease. The mapping itself goes when the last view does."""
+        """Drop this object's references. Python's mmap holds its own dup of the fd, so the
+        lease lasts exactly as long as the mapping: until the last array viewing it is gone."""
         self.data = None  # type: ignore[assignment]
         self._map = None  # type: ignore[assignment]
         if self._fd >= 0:
