@@ -87,6 +87,11 @@ class SegmentMeta:
     row_shape: tuple[int, ...]
     dtype: str  # stored dtype (numpy str, native byte order)
     source_dtype: str
+    linked: tuple = ()  # (path, dev, ino, size, mtime_ns) of an externally linked file holding the data
+
+    @property
+    def source(self) -> tuple[str, int, int, int, int]:
+        return (self.source_path, self.source_dev, self.source_ino, self.source_size, self.source_mtime_ns)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -102,13 +107,13 @@ class SegmentMeta:
 
     def identity(self) -> tuple[Any, ...]:
         return (
-            self.source_path, self.source_dev, self.source_ino, self.source_size, self.source_mtime_ns,
-            self.key, self.mode, self.world_size, self.rank, self.dtype,
+            *self.source, self.key, self.mode, self.world_size, self.rank, self.dtype, *self.linked,
         )
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
         out["row_shape"] = list(self.row_shape)
+        out["linked"] = list(self.linked)
         return out
 
     @classmethod
@@ -117,13 +122,16 @@ class SegmentMeta:
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():
-            expected = str if name in _STR_FIELDS else (list if name == "row_shape" else int)
+            expected = str if name in _STR_FIELDS else (list if name in ("row_shape", "linked") else int)
             if type(value) is not expected or (expected is int and value < 0):
                 raise SegmentError(f"segment metadata field {name!r} has a bad value {value!r:.80}")
         if not all(type(n) is int and n >= 0 for n in data["row_shape"]):
             raise SegmentError(f"segment metadata row_shape {data['row_shape']!r:.80} is invalid")
+        linked = data["linked"]
+        if linked and not (len(linked) == 5 and type(linked[0]) is str and all(type(n) is int for n in linked[1:])):
+            raise SegmentError(f"segment metadata linked {linked!r:.80} is invalid")
         try:
-            meta = cls(**{**data, "row_shape": tuple(int(n) for n in data["row_shape"])})
+            meta = cls(**{**data, "row_shape": tuple(data["row_shape"]), "linked": tuple(linked)})
             meta.np_dtype  # noqa: B018 - validates the dtype string
         except (TypeError, ValueError) as exc:
             raise SegmentError(f"segment metadata is invalid: {exc}") from exc

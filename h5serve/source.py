@@ -46,6 +46,9 @@ class FileIdentity:
     size: int
     mtime_ns: int
 
+    def as_tuple(self) -> tuple[str, int, int, int, int]:
+        return (self.path, self.dev, self.ino, self.size, self.mtime_ns)
+
 
 @dataclass(frozen=True)
 class DatasetInfo:
@@ -54,6 +57,11 @@ class DatasetInfo:
     row_shape: tuple[int, ...]
     dtype: np.dtype  # native byte order
     chunk_rows: int  # rows per chunk along axis 0 (the whole dataset if not chunked)
+    linked_file: str = ""  # realpath of the file holding the data when reached by an external link
+
+
+# Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
+KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2"}
 
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
@@ -69,6 +77,17 @@ def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
     if not os.path.isfile(real):
         raise SourceNotFound(f"{os.fspath(path)!r} is not a regular file; pass the path of an HDF5 file")
     return FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def sources_unchanged(source: tuple, linked: tuple = ()) -> bool:
+    """True when the file (and the externally linked file, if any) still has the identity
+    ``(path, dev, ino, size, mtime_ns)`` recorded when its rows were loaded."""
+    try:
+        if file_identity(source[0]).as_tuple() != tuple(source):
+            return False
+        return not linked or file_identity(linked[0]).as_tuple() == tuple(linked)
+    except SourceNotFound:
+        return False
 
 
 def open_h5(path: str | os.PathLike[str], **kwargs: object) -> h5py.File:
@@ -133,14 +152,31 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         raise UnsupportedDataset(f"dataset {key!r} has dtype {dtype}: only bool, integer and float data is served")
     if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
         raise UnsupportedDataset(f"dataset {key!r} has dtype {dtype}: extended precision cannot be served")
+    _check_filters(obj, key)
     chunks = obj.chunks
+    holder = os.path.realpath(obj.file.filename)
     return DatasetInfo(
         key=key,
         rows=int(obj.shape[0]),
         row_shape=tuple(int(n) for n in obj.shape[1:]),
         dtype=dtype.newbyteorder("="),
         chunk_rows=int(chunks[0]) if chunks else max(int(obj.shape[0]), 1),
+        linked_file="" if holder == os.path.realpath(f.filename) else holder,
     )
+
+
+def _check_filters(obj: h5py.Dataset, key: str) -> None:
+    """Raised when a filter the dataset needs is not available here: UnsupportedDataset."""
+    plist = obj.id.get_create_plist()
+    for i in range(plist.get_nfilters()):
+        filter_id, _flags, _values, raw_name = plist.get_filter(i)
+        if not h5py.h5z.filter_avail(filter_id):
+            name = KNOWN_FILTERS.get(filter_id) or raw_name.decode(errors="replace") or "unknown"
+            raise UnsupportedDataset(
+                f"dataset {key!r} is compressed with HDF5 filter {name!r} (id {filter_id}), which is not "
+                "available here; install its plugin (`pip install hdf5plugin`, imported before h5py reads) "
+                "or rewrite the dataset with gzip/lzf"
+            )
 
 
 def check_lengths(x: DatasetInfo, y: DatasetInfo | None) -> None:

@@ -14,6 +14,7 @@ __all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "default_loa
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 POLL_INTERVAL_S = 0.05
+SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
 FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 

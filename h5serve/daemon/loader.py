@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import SourceChanged, code_for
 from ..segments import SegmentMeta, create_segment
 from ..sharding import Selection
-from ..source import file_identity, inspect_dataset, open_h5, read_shard_into
+from ..source import inspect_dataset, open_h5, read_shard_into, sources_unchanged
 
 __all__ = ["LoadJob", "start_load", "loader_context"]
 
@@ -59,10 +59,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
             info = inspect_dataset(f, meta.key)
             selection = Selection(meta.mode, meta.world_size, meta.rank)
             read_shard_into(f[meta.key], info, selection, writer.data, writer.set_progress)
-        ident = file_identity(meta.source_path)
-        if (ident.dev, ident.ino, ident.size, ident.mtime_ns) != (
-            meta.source_dev, meta.source_ino, meta.source_size, meta.source_mtime_ns
-        ):
+        if not sources_unchanged(meta.source, meta.linked):
             raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
         writer.publish(job.final_name)
         writer = None

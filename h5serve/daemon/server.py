@@ -151,6 +151,7 @@ class Server:
                 except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
                     pass
             self.store.poll_loads()
+            self.store.sweep()
 
 
 def serve(config: DaemonConfig) -> None:

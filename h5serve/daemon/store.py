@@ -33,8 +33,17 @@ from ..segments import (
     try_evict,
 )
 from ..sharding import Selection
-from ..source import DatasetInfo, FileIdentity, file_identity, inspect_dataset, open_h5, resolve_dtype, storage_dtype
-from .config import FAILURE_MEMORY_S
+from ..source import (
+    DatasetInfo,
+    FileIdentity,
+    file_identity,
+    inspect_dataset,
+    open_h5,
+    resolve_dtype,
+    sources_unchanged,
+    storage_dtype,
+)
+from .config import FAILURE_MEMORY_S, SWEEP_INTERVAL_S
 from .loader import LoadJob, loader_context, start_load
 
 __all__ = ["SegmentStore"]
@@ -47,7 +56,7 @@ _INFO_CACHE_SIZE = 256
 class Entry:
     name: str
     meta: SegmentMeta
-    state: str  # "loading" | "ready"
+    state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
@@ -79,6 +88,7 @@ class SegmentStore:
         self.failures: dict[str, tuple[float, str, str]] = {}
         self.counters: Counter[str] = Counter()
         self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
+        self._last_sweep = time.monotonic()
         self._ctx = loader_context()
 
     # ----- startup -------------------------------------------------------------------------
@@ -94,10 +104,7 @@ class SegmentStore:
                 continue
             try:
                 meta, complete = read_meta(path)
-                ident = file_identity(meta.source_path)
-                unchanged = (ident.dev, ident.ino, ident.size, ident.mtime_ns) == (
-                    meta.source_dev, meta.source_ino, meta.source_size, meta.source_mtime_ns
-                )
+                unchanged = sources_unchanged(meta.source, meta.linked)
             except H5ServeError as exc:
                 log.info("dropping %s: %s", path.name, exc)
                 complete = unchanged = False
@@ -116,7 +123,8 @@ class SegmentStore:
                 cached = inspect_dataset(f, key)
             if len(self._infos) >= _INFO_CACHE_SIZE:
                 self._infos.clear()
-            self._infos[(ident, key)] = cached
+            if not cached.linked_file:  # another file's metadata can change under the same outer identity
+                self._infos[(ident, key)] = cached
         return cached
 
     def acquire(self, req: Acquire) -> AcquireResult:
@@ -131,6 +139,7 @@ class SegmentStore:
             mode=req.mode, world_size=req.world_size, rank=req.rank,
             total_rows=info.rows, rows=selection.count(info.rows), row_shape=info.row_shape,
             dtype=stored.str, source_dtype=info.dtype.str,
+            linked=file_identity(info.linked_file).as_tuple() if info.linked_file else (),
         )
         name = segment_name(self.namespace, meta)
         entry = self.entries.get(name)
@@ -145,6 +154,8 @@ class SegmentStore:
             self.failures.pop(name, None)
             entry = self._start(name, meta)
         entry.last_used = time.monotonic()
+        if entry.state == "stale":  # requested under the same identity again: the file is back
+            entry.state = "ready"
         if entry.state == "ready":
             entry.hits += 1
             self.counters["hits"] += 1
@@ -186,7 +197,7 @@ class SegmentStore:
         for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
             if self.used_bytes() + needed <= self.max_memory:
                 return
-            if entry.state == "ready" and try_evict(self.shm_dir / entry.name):
+            if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.name):
                 del self.entries[entry.name]
                 self.counters["evictions"] += 1
                 log.info("evicted %s to make room", entry.name)
@@ -198,6 +209,23 @@ class SegmentStore:
                 f"{format_bytes(self.max_memory)} budget is free and the rest is in use; "
                 "restart the daemon with a larger --max-memory or finish other jobs"
             )
+
+    def sweep(self) -> None:
+        """Evict ready segments whose source file changed (or vanished) once no client holds
+        them: new requests already map to new names, so these can only waste memory."""
+        now = time.monotonic()
+        if now - self._last_sweep < SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        for entry in list(self.entries.values()):
+            if entry.state == "loading" or sources_unchanged(entry.meta.source, entry.meta.linked):
+                continue
+            entry.state = "stale"
+            if try_evict(self.shm_dir / entry.name):
+                del self.entries[entry.name]
+                self.counters["evictions"] += 1
+                self.counters["stale_evictions"] += 1
+                log.info("evicted %s: %s changed on disk", entry.name, entry.meta.source_path)
 
     def poll_loads(self) -> None:
         """Reap finished loaders: publish successes, remember failures for pollers."""
@@ -238,7 +266,7 @@ class SegmentStore:
         now = time.time()
         for entry in self.entries.values():
             m = entry.meta
-            done = m.rows if entry.state == "ready" else (
+            done = m.rows if entry.state != "loading" else (
                 read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
             segments.append({
                 "name": entry.name, "file": m.source_path, "key": m.key, "rank": m.rank,
