@@ -14,6 +14,7 @@ package, and ``import h5serve`` itself imports nothing heavy (no torch, h5py or 
 from __future__ import annotations
 
 from .errors import (
+    AccessDenied,
     BudgetExceeded,
     CapacityError,
     ConfigError,
@@ -44,6 +45,7 @@ __all__ = [
     "UnsupportedDataset",
     "LengthMismatch",
     "SourceChanged",
+    "AccessDenied",
     "CapacityError",
     "ShmFull",
     "BudgetExceeded",

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from . import __version__
@@ -42,32 +43,45 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
     return sorted(ranks)
 
 
-def _client(args: argparse.Namespace, timeout: float | None = None) -> Any:
+def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = None) -> Any:
     from .client.connection import DaemonClient  # zmq only for the commands that talk
 
-    return DaemonClient(args.runtime_dir, timeout)
+    return DaemonClient(runtime_dir, timeout)
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    location = resolve_runtime(args.runtime_dir)
+    from .daemon.config import parse_size
+    from .daemon.privileges import lookup_group, lookup_user
+
+    account = lookup_user(args.user) if args.user else None
+    if args.group is not None:
+        lookup_group(args.group)
+    if args.max_memory is not None:
+        parse_size(args.max_memory)  # a bad size is the caller's error, not a failed start
+    if account is not None and os.geteuid() != 0 and os.getuid() != account.uid:
+        raise ConfigError(f"--user {account.name} needs `h5serve start` to run as root")
+    location = resolve_runtime(args.runtime_dir, uid=account.uid if account else None)
     if args.foreground:
         return _run_foreground(args, location)
-    if args.max_memory is not None:
-        from .daemon.config import parse_size
-
-        parse_size(args.max_memory)  # a bad size is the caller's error, not a failed start
-    ensure_runtime_dir(location)
-    with _client(args, timeout=2.0) as client:
+    if account is not None and os.getuid() != account.uid:
+        _prepare_for(location, account.uid, account.gid)
+    else:
+        ensure_runtime_dir(location)
+    with _client(location.directory, timeout=2.0) as client:
         if client.available():
             info = client.ping()
             print(f"h5serve daemon already running (pid {info['pid']}) on {location.directory}")
             return EXIT_OK
         cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
-        for flag in ("shm_dir", "max_memory", "loaders", "log_level"):
+        for flag in ("shm_dir", "max_memory", "loaders", "log_level", "group", "user"):
             value = getattr(args, flag)
             if value is not None:
                 cmd += [f"--{flag.replace('_', '-')}", str(value)]
-        with open(location.logfile, "ab") as log:
+        for root in args.allow_root or ():
+            cmd += ["--allow-root", root]
+        with open(os.open(location.logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+            if account is not None:
+                os.fchown(log.fileno(), account.uid, account.gid)
             process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
             )
@@ -91,20 +105,39 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
 
 
+def _prepare_for(location: Any, uid: int, gid: int) -> None:
+    """Root starting a daemon for another user: the runtime dir must be that user's."""
+    location.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = location.directory.stat()
+    if st.st_uid not in (uid, 0):
+        raise ConfigError(f"runtime dir {location.directory} belongs to uid {st.st_uid}; choose another --runtime-dir")
+    os.chown(location.directory, uid, gid)
+
+
 def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     from .daemon import DaemonConfig, serve
     from .daemon.config import parse_size
+    from .daemon.privileges import drop_privileges, lookup_group, lookup_user
 
     logging.basicConfig(
         level=getattr(logging, (args.log_level or "INFO").upper(), logging.INFO),
         format="%(asctime)s h5serve[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.user:
+        drop_privileges(lookup_user(args.user))  # before the runtime dir, socket or any segment
+        if not os.access(sys.executable, os.X_OK):  # loader processes start this interpreter
+            raise ConfigError(
+                f"user {args.user!r} cannot run the Python interpreter {sys.executable}; install h5serve "
+                "where that user can run it (e.g. a venv outside /root)"
+            )
     config = DaemonConfig(
         location=location,
         shm_dir=resolve_shm_dir(args.shm_dir),
         max_memory=parse_size(args.max_memory) if args.max_memory is not None else None,
         loaders=args.loaders or 0,
+        group=lookup_group(args.group) if args.group is not None else None,
+        allow_roots=tuple(Path(os.path.abspath(r)) for r in args.allow_root or ()),
     )
     try:
         serve(config)
@@ -114,7 +147,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with _client(args.runtime_dir) as client:
         if not client.available():
             print(f"no h5serve daemon running on {client.location.directory}")
             return EXIT_OK
@@ -156,7 +189,7 @@ def _format_status(info: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with _client(args.runtime_dir) as client:
         try:
             info = client.status()
         except DaemonUnavailable as exc:
@@ -182,7 +215,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
         for rank in ranks for key, dtype in dtypes.items()
     ]
     start = time.monotonic()
-    with _client(args) as client:
+    with _client(args.runtime_dir) as client:
         for request in requests:  # start every load, then wait for each
             client.request(request)
         for request in requests:
@@ -216,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", help="memory budget for segments, e.g. 64G (default: 80%% of free shm space)")
     p.add_argument("--loaders", type=int, help="concurrent loader processes (default: cores, at most 4)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    p.add_argument("--group", help="let this group's members connect and map segments (default: owner only)")
+    p.add_argument("--allow-root", action="append", metavar="PATH",
+                   help="serve only files under PATH (after resolving symlinks); repeatable")
+    p.add_argument("--user", help="run as this user (start as root, e.g. from a SLURM prolog)")
     p.set_defaults(func=cmd_start)
 
     p = with_runtime(sub.add_parser("stop", help="stop the daemon and unlink its segments"))

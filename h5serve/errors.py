@@ -7,7 +7,8 @@
     │   ├── KeyNotFound             the dataset key is not in the file
     │   ├── UnsupportedDataset      no rows dimension, or a dtype h5serve cannot serve
     │   ├── LengthMismatch          x and y have different numbers of rows
-    │   └── SourceChanged           the file changed while it was being loaded
+    │   ├── SourceChanged           the file changed while it was being loaded
+    │   └── AccessDenied            the daemon may not serve that file (--allow-root)
     ├── CapacityError               not enough room to hold a shard
     │   ├── ShmFull                 the shm filesystem has less free space than the shard needs
     │   └── BudgetExceeded          the daemon's --max-memory cannot fit the shard
@@ -35,6 +36,7 @@ __all__ = [
     "UnsupportedDataset",
     "LengthMismatch",
     "SourceChanged",
+    "AccessDenied",
     "CapacityError",
     "ShmFull",
     "BudgetExceeded",
@@ -100,6 +102,12 @@ class SourceChanged(DataError):
     code = "source_changed"
 
 
+class AccessDenied(DataError, PermissionError):
+    """Raised when the file lies outside every --allow-root of the daemon."""
+
+    code = "access_denied"
+
+
 class CapacityError(H5ServeError):
     """Raised when there is not enough room to hold a shard in shared memory."""
 
@@ -159,6 +167,7 @@ ERROR_CODES: dict[str, type[H5ServeError]] = {
         UnsupportedDataset,
         LengthMismatch,
         SourceChanged,
+        AccessDenied,
         CapacityError,
         ShmFull,
         BudgetExceeded,

@@ -62,27 +62,30 @@ class RuntimeLocation:
         return hashlib.blake2b(str(self.directory).encode(), digest_size=4).hexdigest()
 
 
-def _private_dir_ok(path: Path) -> bool:
+def _private_dir_ok(path: Path, uid: int) -> bool:
     try:
         st = path.stat()
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) & 0o077 == 0
 
 
-def resolve_runtime(runtime_dir: str | os.PathLike[str] | None = None) -> RuntimeLocation:
+def resolve_runtime(runtime_dir: str | os.PathLike[str] | None = None, uid: int | None = None) -> RuntimeLocation:
     """The runtime location to use, by the precedence in the module docstring. Does not create it.
+    ``uid`` (default: ours) names the default /tmp/h5serve-$UID, for a root parent starting a
+    daemon that will run as another user.
 
     Raised when the resulting socket path is too long for an ipc endpoint: ConfigError.
     """
+    uid = os.getuid() if uid is None else uid
     if runtime_dir is not None and str(runtime_dir) != "":
         directory = Path(runtime_dir)
     elif os.environ.get("H5SERVE_RUNTIME_DIR"):
         directory = Path(os.environ["H5SERVE_RUNTIME_DIR"])
-    elif os.environ.get("XDG_RUNTIME_DIR") and _private_dir_ok(Path(os.environ["XDG_RUNTIME_DIR"])):
+    elif os.environ.get("XDG_RUNTIME_DIR") and _private_dir_ok(Path(os.environ["XDG_RUNTIME_DIR"]), uid):
         directory = Path(os.environ["XDG_RUNTIME_DIR"]) / "h5serve"
     else:
-        directory = Path(f"/tmp/h5serve-{os.getuid()}")
+        directory = Path(f"/tmp/h5serve-{uid}")
     location = RuntimeLocation(Path(os.path.abspath(directory)))
     if len(str(location.socket_path)) > MAX_IPC_PATH:
         raise ConfigError(
@@ -99,8 +102,10 @@ def resolve_shm_dir(shm_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.path.abspath(os.environ.get("H5SERVE_SHM_DIR") or "/dev/shm"))
 
 
-def ensure_runtime_dir(location: RuntimeLocation) -> None:
+def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> None:
     """Create the runtime dir 0700 (parents too); tighten an existing one of ours to 0700.
+    With ``group`` (a gid), the dir is 0750 and belongs to that group, so its members can
+    reach the socket.
 
     Raised when it cannot be created or belongs to another user: ConfigError.
     """
@@ -114,8 +119,14 @@ def ensure_runtime_dir(location: RuntimeLocation) -> None:
             f"runtime dir {location.directory} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
             "choose another --runtime-dir"
         )
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(location.directory, 0o700)
+    if group is not None:
+        try:
+            os.chown(location.directory, -1, group)
+        except OSError as exc:
+            raise ConfigError(f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
+    wanted = 0o700 if group is None else 0o750
+    if stat.S_IMODE(st.st_mode) != wanted:
+        os.chmod(location.directory, wanted)
 
 
 def daemon_lock_held(location: RuntimeLocation) -> bool:

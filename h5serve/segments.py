@@ -220,14 +220,18 @@ class SegmentWriter:
             self._fd = -1
 
 
-def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta) -> SegmentWriter:
-    """Create ``shm_dir/tmp_name`` (0600) with every byte reserved, header written, incomplete.
+def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None) -> SegmentWriter:
+    """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete.
+    Mode 0600, or 0640 owned by ``group`` (a gid) when given.
 
     Raised when the shm filesystem has no room for it: ShmFull (says needed and free bytes).
     """
     path = Path(shm_dir) / tmp_name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        if group is not None:
+            os.fchown(fd, -1, group)
+            os.fchmod(fd, 0o640)
         try:
             os.posix_fallocate(fd, 0, meta.file_size)
         except OSError as exc:
@@ -302,9 +306,10 @@ class AttachedSegment:
     never hand it to torch directly.
     """
 
-    def __init__(self, name: str, path: Path, fd: int, meta: SegmentMeta, buffer: mmap.mmap) -> None:
+    def __init__(self, name: str, path: Path, fd: int, meta: SegmentMeta, buffer: mmap.mmap, owner: int) -> None:
         self.name = name
         self.path = path
+        self.owner = owner
         self.meta = meta
         self._fd = fd
         self._map = buffer
@@ -321,8 +326,9 @@ class AttachedSegment:
             self._fd = -1
 
 
-def attach_segment(shm_dir: Path, name: str) -> AttachedSegment:
-    """Open, lease and map a published segment read-only; validates header and size.
+def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> AttachedSegment:
+    """Open, lease and map a published segment read-only; validates owner, header and size.
+    ``owner`` is the daemon's uid (default: ours): a file of anyone else is never mapped.
 
     Raised when it is missing, evicted, truncated, incomplete or not ours: SegmentError.
     """
@@ -338,8 +344,11 @@ def attach_segment(shm_dir: Path, name: str) -> AttachedSegment:
         st = os.fstat(fd)
         if st.st_nlink == 0:
             raise SegmentError(f"segment {path} was evicted while attaching; request it again")
-        if st.st_uid != os.getuid():
-            raise SegmentError(f"segment {path} belongs to uid {st.st_uid}, not to you: refusing to map it")
+        expected_owner = os.getuid() if owner is None else owner
+        if st.st_uid != expected_owner:
+            raise SegmentError(
+                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: refusing to map it"
+            )
         meta, complete = _parse_header(os.pread(fd, HEADER_SIZE, 0), str(path))
         if not complete:
             raise SegmentError(f"segment {path} is not complete: refusing to map a partial load")
@@ -348,7 +357,7 @@ def attach_segment(shm_dir: Path, name: str) -> AttachedSegment:
                 f"segment {path} is {st.st_size} bytes but its header describes {meta.file_size}: refusing to map it"
             )
         buffer = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
-        return AttachedSegment(name, path, fd, meta, buffer)
+        return AttachedSegment(name, path, fd, meta, buffer, st.st_uid)
     except BaseException:
         os.close(fd)
         raise

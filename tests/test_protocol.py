@@ -517,15 +517,17 @@ VALID_RESULT = {
     "rows_done": 10,
     "rows_total": 10,
     "dataset_rows": 40,
+    "uid": 0,
 }
 
 
 @pytest.mark.parametrize("state", ["ready", "loading"])
 def test_acquire_result_round_trip(state):
-    value = AcquireResult(state=state, name="seg", shm_dir="/dev/shm", rows_done=3, rows_total=10, dataset_rows=20)
+    value = AcquireResult(state=state, name="seg", shm_dir="/dev/shm", rows_done=3, rows_total=10, dataset_rows=20,
+                          uid=1000)
     wire = value.to_wire()
     assert wire == {"state": state, "name": "seg", "shm_dir": "/dev/shm", "rows_done": 3, "rows_total": 10,
-                    "dataset_rows": 20}
+                    "dataset_rows": 20, "uid": 1000}
     assert AcquireResult.from_wire(wire) == value
     # and through a real reply frame
     got_id, result = decode_reply(encode_ok(8, wire))

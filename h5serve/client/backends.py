@@ -168,7 +168,7 @@ class ShmBackend(ArrayBackend):
             if result.state != "ready":
                 result = client.acquire(request, progress)
             try:
-                segment = attach_segment(result.shm_dir, result.name)
+                segment = attach_segment(result.shm_dir, result.name, result.uid)
             except SegmentError:
                 if attempt == 2:
                     raise
@@ -188,14 +188,14 @@ class ShmBackend(ArrayBackend):
         self.segments = []
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reattach, (self.spec, [(str(s.path.parent), s.name) for s in self.segments]))
+        return (_reattach, (self.spec, [(str(s.path.parent), s.name, s.owner) for s in self.segments]))
 
 
-def _reattach(spec: BackendSpec, where: list[tuple[str, str]]) -> ArrayBackend | "LazyBackend":
+def _reattach(spec: BackendSpec, where: list[tuple[str, str, int]]) -> ArrayBackend | "LazyBackend":
     """Unpickling in a spawned worker: map the same segments by name. If they are gone (the
     daemon stopped or evicted them), read the same rows lazily instead: never fail a worker."""
     try:
-        return ShmBackend(spec, [attach_segment(d, n) for d, n in where])
+        return ShmBackend(spec, [attach_segment(d, n, owner) for d, n, owner in where])
     except SegmentError as exc:
         log.warning("could not re-attach h5serve segments in pid %d (%s); reading lazily", os.getpid(), exc)
         return LazyBackend(spec)

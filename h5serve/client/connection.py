@@ -61,8 +61,20 @@ class DaemonClient:
         return self._sock
 
     def available(self) -> bool:
-        """A daemon holds this runtime dir's lock and its socket exists (no round trip)."""
-        return self.location.socket_path.exists() and daemon_lock_held(self.location)
+        """A daemon holds this runtime dir's lock and its socket exists (no round trip).
+
+        Raised when the runtime dir is not accessible to this user: DaemonUnavailable.
+        """
+        try:
+            os.stat(self.location.socket_path)
+        except PermissionError as exc:
+            raise DaemonUnavailable(
+                f"the h5serve runtime dir {self.location.directory} is not accessible to uid {os.getuid()}: "
+                "use a daemon of your own, or ask its owner to start it with --group"
+            ) from exc
+        except OSError:
+            return False
+        return daemon_lock_held(self.location)
 
     def request(self, request: Request, timeout: float | None = None, retries: int = 1) -> dict[str, Any]:
         """Send one request and wait for its reply; on a timeout, rebuild the socket and send

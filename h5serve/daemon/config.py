@@ -42,3 +42,5 @@ class DaemonConfig:
     shm_dir: Path
     max_memory: int | None = None  # None: DEFAULT_MEMORY_FRACTION of free shm space at start
     loaders: int = 0  # 0: default_loaders()
+    group: int | None = None  # gid that may connect and map segments (modes 0750/0660/0640)
+    allow_roots: tuple[Path, ...] = ()  # when set, only files under these (after symlinks) are served

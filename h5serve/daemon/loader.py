@@ -32,6 +32,7 @@ class LoadJob:
     tmp_name: str
     final_name: str
     meta: SegmentMeta
+    group: int | None = None
 
 
 def loader_context() -> multiprocessing.context.BaseContext:
@@ -54,7 +55,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
     writer = None
     try:
         meta = job.meta
-        writer = create_segment(job.shm_dir, job.tmp_name, meta)
+        writer = create_segment(job.shm_dir, job.tmp_name, meta, job.group)
         with open_h5(meta.source_path) as f:
             info = inspect_dataset(f, meta.key)
             selection = Selection(meta.mode, meta.world_size, meta.rank)

@@ -48,6 +48,9 @@ def _lock_pidfile(config: DaemonConfig) -> int:
         raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if config.group is not None:  # clients check the lock before connecting
+        os.fchown(fd, -1, config.group)
+        os.fchmod(fd, 0o640)
     return fd
 
 
@@ -60,7 +63,10 @@ class Server:
         if budget is None:
             st = os.statvfs(config.shm_dir)
             budget = int(st.f_bavail * st.f_frsize * DEFAULT_MEMORY_FRACTION)
-        self.store = SegmentStore(config.location, config.shm_dir, budget, config.loaders or default_loaders())
+        self.store = SegmentStore(
+            config.location, config.shm_dir, budget, config.loaders or default_loaders(),
+            group=config.group, allow_roots=config.allow_roots,
+        )
         self._stopping = False
         self.started = time.time()
 
@@ -99,7 +105,7 @@ class Server:
 
     def run(self) -> None:
         location = self.config.location
-        ensure_runtime_dir(location)
+        ensure_runtime_dir(location, self.config.group)
         lock_fd = _lock_pidfile(self.config)
         ctx = zmq.Context()
         try:
@@ -113,6 +119,9 @@ class Server:
                 sock.bind(location.endpoint)
             finally:
                 os.umask(old_umask)
+            if self.config.group is not None:  # members of the group may connect
+                os.chown(location.socket_path, -1, self.config.group)
+                os.chmod(location.socket_path, 0o660)
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             log.info(

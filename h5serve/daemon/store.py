@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ..errors import BudgetExceeded, H5ServeError, SegmentError, error_from_code
+from ..errors import AccessDenied, BudgetExceeded, H5ServeError, SegmentError, error_from_code
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..segments import (
@@ -78,9 +78,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 class SegmentStore:
-    def __init__(self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int) -> None:
+    def __init__(
+        self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
+        group: int | None = None, allow_roots: tuple[Path, ...] = (),
+    ) -> None:
         self.location = location
         self.shm_dir = shm_dir
+        self.group = group
+        self.allow_roots = tuple(os.path.realpath(r) for r in allow_roots)
         self.max_memory = max_memory
         self.max_loaders = loaders
         self.namespace = location.namespace
@@ -116,6 +121,18 @@ class SegmentStore:
                 path.unlink(missing_ok=True)
 
     # ----- requests ------------------------------------------------------------------------
+    def _check_allowed(self, path: str) -> None:
+        """Raised when --allow-root is set and ``path`` resolves outside every root: AccessDenied."""
+        if not self.allow_roots:
+            return
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, root]) == root for root in self.allow_roots):
+            self.counters["refusals"] += 1
+            raise AccessDenied(
+                f"{path} (resolved to {real}) is outside the daemon's allowed roots "
+                f"({', '.join(self.allow_roots)}); move the file there or restart the daemon with --allow-root"
+            )
+
     def _info(self, ident: FileIdentity, key: str) -> DatasetInfo:
         cached = self._infos.get((ident, key))
         if cached is None:
@@ -129,8 +146,11 @@ class SegmentStore:
 
     def acquire(self, req: Acquire) -> AcquireResult:
         """Find or start loading the segment for ``req``. Never waits for a load."""
+        self._check_allowed(req.path)
         ident = file_identity(req.path)
         info = self._info(ident, req.key)
+        if info.linked_file:
+            self._check_allowed(info.linked_file)
         selection = Selection(req.mode, req.world_size, req.rank)
         stored = storage_dtype(info.dtype, resolve_dtype(req.dtype, "dtype"))
         meta = SegmentMeta(
@@ -159,9 +179,9 @@ class SegmentStore:
         if entry.state == "ready":
             entry.hits += 1
             self.counters["hits"] += 1
-            return AcquireResult("ready", name, str(self.shm_dir), meta.rows, meta.rows, meta.total_rows)
+            return AcquireResult("ready", name, str(self.shm_dir), meta.rows, meta.rows, meta.total_rows, os.getuid())
         done, total = read_progress(self.shm_dir / entry.tmp_name) if entry.process else (0, meta.rows)
-        return AcquireResult("loading", name, str(self.shm_dir), done, total or meta.rows, meta.total_rows)
+        return AcquireResult("loading", name, str(self.shm_dir), done, total or meta.rows, meta.total_rows, os.getuid())
 
     def _start(self, name: str, meta: SegmentMeta) -> Entry:
         self._make_room(meta.file_size, meta)
@@ -177,7 +197,7 @@ class SegmentStore:
             if running >= self.max_loaders:
                 return
             if entry.state == "loading" and entry.process is None:
-                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta)
+                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group)
                 entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = time.monotonic()
                 running += 1
