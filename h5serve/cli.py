@@ -170,7 +170,8 @@ def _format_status(info: dict[str, Any]) -> str:
     mem = info["memory"]
     lines = [
         f"h5serve {info['version']} pid {info['pid']} on {info['runtime_dir']} (shm {info['shm_dir']})",
-        f"memory: {format_bytes(mem['used'])} used of {format_bytes(mem['budget'])} budget; "
+        f"memory: {format_bytes(mem['used'])} used of {format_bytes(mem['budget'])} budget "
+        f"({mem.get('budget_rule', '--max-memory')}); "
         f"{format_bytes(mem['shm_free'])} free in shm",
     ]
     segments = info["segments"]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import zmq
 
 from ..errors import DaemonUnavailable
-from ..protocol import Acquire, AcquireResult, Ping, Request, Shutdown, Status, decode_reply, encode_request
+from ..protocol import MAX_REPLY_BYTES, Acquire, AcquireResult, Ping, Request, Shutdown, Status, decode_reply, encode_request
 from ..runtime import RuntimeLocation, daemon_lock_held, resolve_runtime
 
 __all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S"]
@@ -57,6 +57,7 @@ class DaemonClient:
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             self._sock.connect(self.location.endpoint)
         return self._sock
 

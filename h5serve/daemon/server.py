@@ -18,7 +18,7 @@ import zmq
 
 from .. import __version__
 from ..errors import ConfigError, DaemonAlreadyRunning, H5ServeError, ProtocolError, code_for
-from ..protocol import VERSION, Acquire, Ping, Request, Shutdown, Status, decode_request, encode_error, encode_ok
+from ..protocol import MAX_FRAME_BYTES, VERSION, Acquire, Ping, Request, Shutdown, Status, decode_request, encode_error, encode_ok
 from ..runtime import ensure_runtime_dir
 from ..segments import format_bytes
 from .config import DEFAULT_MEMORY_FRACTION, POLL_INTERVAL_S, DaemonConfig, default_loaders
@@ -28,6 +28,7 @@ __all__ = ["serve", "Server"]
 
 log = logging.getLogger("h5serve.daemon")
 _MAX_MESSAGES_PER_TICK = 256
+STATUS_SCHEMA_VERSION = 1
 
 
 def _lock_pidfile(config: DaemonConfig) -> int:
@@ -59,13 +60,14 @@ class Server:
         self.config = config
         if not config.shm_dir.is_dir():
             raise ConfigError(f"shm dir {config.shm_dir} does not exist; pass --shm-dir or mount a tmpfs there")
-        budget = config.max_memory
+        budget, rule = config.max_memory, "--max-memory"
         if budget is None:
             st = os.statvfs(config.shm_dir)
             budget = int(st.f_bavail * st.f_frsize * DEFAULT_MEMORY_FRACTION)
+            rule = f"{DEFAULT_MEMORY_FRACTION:.0%} of the free space in {config.shm_dir} at start"
         self.store = SegmentStore(
             config.location, config.shm_dir, budget, config.loaders or default_loaders(),
-            group=config.group, allow_roots=config.allow_roots,
+            group=config.group, allow_roots=config.allow_roots, budget_rule=rule,
         )
         self._stopping = False
         self.started = time.time()
@@ -79,7 +81,7 @@ class Server:
             "uptime_s": round(time.time() - self.started, 3),
         }
         if isinstance(request, Status):
-            return {**info, **self.store.status()}
+            return {"schema_version": STATUS_SCHEMA_VERSION, **info, **self.store.status()}
         if isinstance(request, Shutdown):
             self._stopping = True
         assert isinstance(request, (Ping, Shutdown))
@@ -93,11 +95,11 @@ class Server:
             request_id, request = decode_request(frames[0])
             return encode_ok(request_id, self.handle(request))
         except H5ServeError as exc:
-            self.store.counters[f"errors.{exc.code}"] += 1
+            self.store.errors[exc.code] += 1
             return encode_error(request_id, exc.code, str(exc))
         except Exception as exc:  # the daemon never dies of a request
             log.exception("internal error while handling a request")
-            self.store.counters["errors.internal"] += 1
+            self.store.errors["internal"] += 1
             return encode_error(request_id, code_for(exc), f"internal daemon error: {type(exc).__name__}: {exc}")
 
     def request_stop(self, *_: object) -> None:
@@ -114,6 +116,8 @@ class Server:
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # A peer sending a larger message is disconnected before ZeroMQ allocates it.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             old_umask = os.umask(0o177)
             try:
                 sock.bind(location.endpoint)

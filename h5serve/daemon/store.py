@@ -50,6 +50,8 @@ __all__ = ["SegmentStore"]
 
 log = logging.getLogger("h5serve.daemon")
 _INFO_CACHE_SIZE = 256
+# Shown in `status --json` from the start, so watchers never see a key appear.
+COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted")
 
 
 @dataclass
@@ -80,8 +82,9 @@ def _pid_alive(pid: int) -> bool:
 class SegmentStore:
     def __init__(
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
-        group: int | None = None, allow_roots: tuple[Path, ...] = (),
+        group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
     ) -> None:
+        self.budget_rule = budget_rule
         self.location = location
         self.shm_dir = shm_dir
         self.group = group
@@ -91,7 +94,8 @@ class SegmentStore:
         self.namespace = location.namespace
         self.entries: dict[str, Entry] = {}
         self.failures: dict[str, tuple[float, str, str]] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self.errors: Counter[str] = Counter()  # error replies by code
         self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
         self._last_sweep = time.monotonic()
         self._ctx = loader_context()
@@ -276,7 +280,7 @@ class SegmentStore:
                 del self.entries[entry.name]
                 self.failures[entry.name] = (time.monotonic(), code, message)
                 self.counters["load_errors"] += 1
-                self.counters[f"errors.{code}"] += 1
+                self.errors[code] += 1
                 log.warning("load of %s failed: %s", entry.name, message)
         self._launch_pending()
 
@@ -298,8 +302,12 @@ class SegmentStore:
         st = os.statvfs(self.shm_dir)
         return {
             "segments": segments,
-            "memory": {"used": self.used_bytes(), "budget": self.max_memory, "shm_free": st.f_bavail * st.f_frsize},
+            "memory": {
+                "used": self.used_bytes(), "budget": self.max_memory, "budget_rule": self.budget_rule,
+                "shm_free": st.f_bavail * st.f_frsize,
+            },
             "counters": dict(self.counters),
+            "errors": dict(self.errors),
         }
 
     def shutdown(self) -> None:
