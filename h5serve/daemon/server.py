@@ -17,11 +17,34 @@ from typing import Any
 import zmq
 
 from .. import __version__
-from ..errors import ConfigError, DaemonAlreadyRunning, H5ServeError, ProtocolError, code_for
-from ..protocol import MAX_FRAME_BYTES, VERSION, Acquire, Ping, Request, Shutdown, Status, decode_request, encode_error, encode_ok
+from ..errors import (
+    ConfigError,
+    DaemonAlreadyRunning,
+    H5ServeError,
+    ProtocolError,
+    code_for,
+)
+from ..protocol import (
+    MAX_FRAME_BYTES,
+    VERSION,
+    Acquire,
+    Ping,
+    Request,
+    Shutdown,
+    Status,
+    decode_request,
+    encode_error,
+    encode_ok,
+)
 from ..runtime import ensure_runtime_dir
 from ..segments import format_bytes
-from .config import DEFAULT_MEMORY_FRACTION, POLL_INTERVAL_S, DaemonConfig, default_loaders
+from .config import (
+    DEFAULT_MEMORY_FRACTION,
+    POLL_INTERVAL_S,
+    DaemonConfig,
+    default_loaders,
+)
+from .notify import Notifier
 from .store import SegmentStore
 
 __all__ = ["serve", "Server"]
@@ -71,6 +94,7 @@ class Server:
         )
         self._stopping = False
         self.started = time.time()
+        self.notifier = Notifier()
 
     def handle(self, request: Request) -> dict[str, Any]:
         if isinstance(request, Acquire):
@@ -133,14 +157,17 @@ class Server:
                 __version__, location.endpoint, os.getpid(), self.config.shm_dir,
                 format_bytes(self.store.max_memory), self.store.max_loaders,
             )
+            self.notifier.ready(self._status_line())
             self._loop(sock)
         finally:
             log.info("stopping: unlinking segments")
+            self.notifier.stopping()
             self.store.shutdown()
             ctx.destroy(linger=0)
             location.socket_path.unlink(missing_ok=True)
             location.pidfile.unlink(missing_ok=True)
             os.close(lock_fd)
+            self.notifier.close()
             log.info("stopped")
 
     def _loop(self, sock: zmq.Socket) -> None:
@@ -165,6 +192,17 @@ class Server:
                     pass
             self.store.poll_loads()
             self.store.sweep()
+            loading = any(e.state == "loading" for e in self.store.entries.values())
+            self.notifier.tick(loading)
+            self.notifier.status(self._status_line())
+
+    def _status_line(self) -> str:
+        entries = self.store.entries.values()
+        loading = sum(1 for e in entries if e.state == "loading")
+        return (
+            f"{len(entries) - loading} segments ready, {loading} loading, "
+            f"{format_bytes(self.store.used_bytes())} of {format_bytes(self.store.max_memory)}"
+        )
 
 
 def serve(config: DaemonConfig) -> None:

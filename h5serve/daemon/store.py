@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ..errors import AccessDenied, BudgetExceeded, H5ServeError, SegmentError, error_from_code
+
+from ..errors import (
+    AccessDenied,
+    BudgetExceeded,
+    H5ServeError,
+    SegmentError,
+    error_from_code,
+)
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..segments import (
