@@ -108,6 +108,8 @@ class AcquireResult:
     rows_total: int = 0  # rows in this shard
     dataset_rows: int = 0  # rows in the whole dataset, before sharding
     uid: int = 0  # the daemon's uid: the only owner a client accepts for the segment file
+    shm_dev: int = 0  # st_dev and st_ino of shm_dir as the daemon sees it: a client that sees
+    shm_ino: int = 0  # another filesystem there does not share the daemon's /dev/shm
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,7 +124,7 @@ class AcquireResult:
             raise ProtocolError(f"malformed acquire result: state {value.state!r}")
         _check_str("name", value.name, MAX_PATH_CHARS)
         _check_str("shm_dir", value.shm_dir, MAX_PATH_CHARS)
-        for name in ("rows_done", "rows_total", "dataset_rows", "uid"):
+        for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino"):
             _check_int(name, getattr(value, name), 0, 2**63 - 1)
         return value
 

@@ -518,6 +518,8 @@ VALID_RESULT = {
     "rows_total": 10,
     "dataset_rows": 40,
     "uid": 0,
+    "shm_dev": 0,
+    "shm_ino": 0,
 }
 
 
@@ -527,7 +529,7 @@ def test_acquire_result_round_trip(state):
                           uid=1000)
     wire = value.to_wire()
     assert wire == {"state": state, "name": "seg", "shm_dir": "/dev/shm", "rows_done": 3, "rows_total": 10,
-                    "dataset_rows": 20, "uid": 1000}
+                    "dataset_rows": 20, "uid": 1000, "shm_dev": 0, "shm_ino": 0}
     assert AcquireResult.from_wire(wire) == value
     # and through a real reply frame
     got_id, result = decode_reply(encode_ok(8, wire))

@@ -210,3 +210,28 @@ def test_bad_user_and_group_are_clear_errors() -> None:
     assert done.returncode == 1 and "no such user" in done.stderr
     done = h5serve_cli("start", "--group", "no-such-group-h5s", "--runtime-dir", "/tmp/h5s-nogroup")
     assert done.returncode == 1 and "no such group" in done.stderr
+
+
+@root_only
+def test_client_that_does_not_share_dev_shm_is_told_so(daemon: Daemon, h5file: Path) -> None:
+    """A job in its own mount namespace with a private /dev/shm (what SLURM job_container/tmpfs
+    or a container without shared IPC gives): clear warning, lazy reads, correct data."""
+    script = (
+        "import warnings, json\n"
+        "from h5serve.client import SharedH5Dataset\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    ds = SharedH5Dataset({str(h5file)!r}, 'x', 'y', runtime_dir={str(daemon.runtime_dir)!r})\n"
+        "print(json.dumps([ds.backend, int(ds[7][1]), [str(m.message) for m in w]]))\n"
+    )
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", script]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"cannot make a mount namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    backend, label, warnings_seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert backend == "lazy" and label == 7
+    assert any("does not see the daemon's /dev/shm" in w for w in warnings_seen), warnings_seen

@@ -120,6 +120,21 @@ class MemoryBackend(ArrayBackend):
         return cls(arrays, out_dtypes, infos[0].rows)
 
 
+def _check_same_shm(result: AcquireResult) -> None:
+    """Raised when this process does not see the daemon's shm filesystem: SegmentError."""
+    try:
+        st = os.stat(result.shm_dir)
+        same = (st.st_dev, st.st_ino) == (result.shm_dev, result.shm_ino)
+    except OSError:
+        same = False
+    if not same:
+        raise SegmentError(
+            f"this process does not see the daemon's {result.shm_dir}: the daemon and this job do not share "
+            "shared memory (a container without shared IPC / Docker's private /dev/shm, SLURM "
+            "job_container/tmpfs, Apptainer --containall); see docs/operations.md"
+        )
+
+
 class ShmBackend(ArrayBackend):
     """Segments loaded by the daemon, mapped read-only; the lease is held while attached."""
 
@@ -164,6 +179,7 @@ class ShmBackend(ArrayBackend):
                 log.info("rank %d: waiting for the daemon to load %s[%s]: %.0f%% (%d/%d rows)", rank_for_logs,
                          request.path, request.key, pct, result.rows_done, result.rows_total)
 
+        _check_same_shm(result)
         for attempt in range(3):
             if result.state != "ready":
                 result = client.acquire(request, progress)

@@ -190,9 +190,14 @@ class SegmentStore:
         if entry.state == "ready":
             entry.hits += 1
             self.counters["hits"] += 1
-            return AcquireResult("ready", name, str(self.shm_dir), meta.rows, meta.rows, meta.total_rows, os.getuid())
-        done, total = read_progress(self.shm_dir / entry.tmp_name) if entry.process else (0, meta.rows)
-        return AcquireResult("loading", name, str(self.shm_dir), done, total or meta.rows, meta.total_rows, os.getuid())
+            return self._result("ready", name, meta.rows, meta)
+        done = read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0
+        return self._result("loading", name, done, meta)
+
+    def _result(self, state: str, name: str, done: int, meta: SegmentMeta) -> AcquireResult:
+        st = os.stat(self.shm_dir)
+        return AcquireResult(state, name, str(self.shm_dir), done, meta.rows, meta.total_rows, os.getuid(),
+                             st.st_dev, st.st_ino)
 
     def _start(self, name: str, meta: SegmentMeta) -> Entry:
         self._make_room(meta.file_size, meta)
