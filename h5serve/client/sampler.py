@@ -1,8 +1,9 @@
-"""EpochShuffleSampler: the predecessor's per-epoch shuffling over a rank-local shard."""
+"""EpochShuffleSampler: the predecessor's per-epoch shuffling over a rank-local shard, plus
+checkpointable state for resuming mid-epoch."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -11,12 +12,21 @@ from ..errors import ConfigError
 
 __all__ = ["EpochShuffleSampler"]
 
+_STATE_KEYS = ("data_len", "seed", "shuffle", "epoch", "consumed")
+
 
 class EpochShuffleSampler(Sampler[int]):
     """Local indices ``0..data_len-1``, reshuffled each epoch from ``seed + epoch``.
 
     Deterministic: the same (seed, epoch) gives the same order in every process and on
     every backend, so a shm run and a lazy run see exactly the same sequence.
+
+    Resuming: ``state_dict(consumed=n)`` records the epoch and how many samples of it the
+    training loop has consumed; after ``load_state_dict`` the next iteration yields exactly the
+    rest of that epoch's order (whatever ``num_workers`` is then), and later epochs are whole.
+    Without ``consumed``, the count of indices this sampler has handed out is used: with
+    DataLoader workers that runs ahead of training by the prefetched batches, so pass
+    ``consumed=batches_done * batch_size`` when you checkpoint.
     """
 
     def __init__(self, data_len: int, seed: int = 0, shuffle: bool = True) -> None:
@@ -26,12 +36,16 @@ class EpochShuffleSampler(Sampler[int]):
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.epoch = 0
+        self._start = 0  # where the next iteration begins (after load_state_dict)
+        self._yielded = 0  # indices handed out in the current epoch
 
     def set_epoch(self, epoch: int) -> None:
+        if int(epoch) != self.epoch:
+            self._start = 0  # a pending resume applies to the epoch it was saved in only
         self.epoch = int(epoch)
 
     def order(self) -> torch.Tensor:
-        """This epoch's order as an int64 tensor."""
+        """This epoch's whole order as an int64 tensor."""
         if not self.shuffle:
             return torch.arange(self.data_len)
         generator = torch.Generator()
@@ -39,7 +53,38 @@ class EpochShuffleSampler(Sampler[int]):
         return torch.randperm(self.data_len, generator=generator)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order().tolist())
+        start, self._start = self._start, 0
+        self._yielded = start
+        for index in self.order()[start:].tolist():
+            self._yielded += 1
+            yield index
 
     def __len__(self) -> int:
-        return self.data_len
+        return self.data_len - self._start
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """What to checkpoint next to the model. ``consumed``: samples of this epoch already
+        used for training (default: indices handed out so far)."""
+        consumed = self._yielded if consumed is None else int(consumed)
+        if not 0 <= consumed <= self.data_len:
+            raise ConfigError(f"consumed must be in [0, {self.data_len}], got {consumed}")
+        return {"data_len": self.data_len, "seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch,
+                "consumed": consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``.
+
+        Raised when the state is malformed or was saved for a shard of another length: ConfigError.
+        """
+        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+            raise ConfigError(f"sampler state must be a dict with keys {_STATE_KEYS}, got {state!r:.200}")
+        if state["data_len"] != self.data_len:
+            raise ConfigError(
+                f"sampler state was saved for a shard of {state['data_len']} samples, this one has "
+                f"{self.data_len}: resume with the same dataset, world size and mode"
+            )
+        if not 0 <= int(state["consumed"]) <= self.data_len:
+            raise ConfigError(f"sampler state has consumed={state['consumed']!r} outside [0, {self.data_len}]")
+        self.seed, self.shuffle, self.epoch = int(state["seed"]), bool(state["shuffle"]), int(state["epoch"])
+        self._start = int(state["consumed"])
+        self._yielded = self._start
