@@ -73,7 +73,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             print(f"h5serve daemon already running (pid {info['pid']}) on {location.directory}")
             return EXIT_OK
         cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
-        for flag in ("shm_dir", "max_memory", "loaders", "log_level", "group", "user"):
+        for flag in ("shm_dir", "max_memory", "loaders", "log_level", "group", "user", "metrics_port",
+                     "metrics_addr", "metrics_textfile"):
             value = getattr(args, flag)
             if value is not None:
                 cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -138,6 +139,9 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         loaders=args.loaders or 0,
         group=lookup_group(args.group) if args.group is not None else None,
         allow_roots=tuple(Path(os.path.abspath(r)) for r in args.allow_root or ()),
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr or "127.0.0.1",
+        metrics_textfile=Path(os.path.abspath(args.metrics_textfile)) if args.metrics_textfile else None,
     )
     try:
         serve(config)
@@ -254,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-root", action="append", metavar="PATH",
                    help="serve only files under PATH (after resolving symlinks); repeatable")
     p.add_argument("--user", help="run as this user (start as root, e.g. from a SLURM prolog)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    p.add_argument("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote scrapes)")
+    p.add_argument("--metrics-textfile", metavar="DIR", help="write h5serve.prom there for node_exporter's textfile collector")
     p.set_defaults(func=cmd_start)
 
     p = with_runtime(sub.add_parser("stop", help="stop the daemon and unlink its segments"))

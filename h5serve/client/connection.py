@@ -16,7 +16,17 @@ from typing import Any, Callable
 import zmq
 
 from ..errors import DaemonUnavailable
-from ..protocol import MAX_REPLY_BYTES, Acquire, AcquireResult, Ping, Request, Shutdown, Status, decode_reply, encode_request
+from ..protocol import (
+    MAX_REPLY_BYTES,
+    Acquire,
+    AcquireResult,
+    Ping,
+    Request,
+    Shutdown,
+    Status,
+    decode_reply,
+    encode_request,
+)
 from ..runtime import RuntimeLocation, daemon_lock_held, resolve_runtime
 
 __all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S"]

@@ -44,3 +44,6 @@ class DaemonConfig:
     loaders: int = 0  # 0: default_loaders()
     group: int | None = None  # gid that may connect and map segments (modes 0750/0660/0640)
     allow_roots: tuple[Path, ...] = ()  # when set, only files under these (after symlinks) are served
+    metrics_port: int | None = None  # serve Prometheus metrics over HTTP (0: any free port)
+    metrics_addr: str = "127.0.0.1"
+    metrics_textfile: Path | None = None  # write h5serve.prom there for node_exporter

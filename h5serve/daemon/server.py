@@ -44,6 +44,7 @@ from .config import (
     DaemonConfig,
     default_loaders,
 )
+from .metrics import Metrics
 from .notify import Notifier
 from .store import SegmentStore
 
@@ -95,6 +96,10 @@ class Server:
         self._stopping = False
         self.started = time.time()
         self.notifier = Notifier()
+        self.metrics: Metrics | None = None
+        if config.metrics_port is not None or config.metrics_textfile is not None:
+            self.metrics = Metrics(config.metrics_port, config.metrics_textfile, config.metrics_addr)
+            self.store.on_loaded = self.metrics.observe_load
 
     def handle(self, request: Request) -> dict[str, Any]:
         if isinstance(request, Acquire):
@@ -103,6 +108,7 @@ class Server:
             "pid": os.getpid(), "version": __version__, "protocol": VERSION,
             "runtime_dir": str(self.config.location.directory), "shm_dir": str(self.config.shm_dir),
             "uptime_s": round(time.time() - self.started, 3),
+            "metrics_port": self.metrics.port if self.metrics is not None else None,
         }
         if isinstance(request, Status):
             return {"schema_version": STATUS_SCHEMA_VERSION, **info, **self.store.status()}
@@ -168,6 +174,9 @@ class Server:
             location.pidfile.unlink(missing_ok=True)
             os.close(lock_fd)
             self.notifier.close()
+            if self.metrics is not None:
+                self.metrics.refresh(self.store.status(), force=True)
+                self.metrics.close()
             log.info("stopped")
 
     def _loop(self, sock: zmq.Socket) -> None:
@@ -195,6 +204,8 @@ class Server:
             loading = any(e.state == "loading" for e in self.store.entries.values())
             self.notifier.tick(loading)
             self.notifier.status(self._status_line())
+            if self.metrics is not None:
+                self.metrics.refresh(self.store.status())
 
     def _status_line(self) -> str:
         entries = self.store.entries.values()

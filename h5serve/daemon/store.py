@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from multiprocessing import Process
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class SegmentStore:
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
     ) -> None:
         self.budget_rule = budget_rule
+        self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
         self.location = location
         self.shm_dir = shm_dir
         self.group = group
@@ -285,6 +286,8 @@ class SegmentStore:
                 entry.load_seconds = time.monotonic() - entry.load_started
                 self.counters["loads"] += 1
                 log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
+                if self.on_loaded is not None:
+                    self.on_loaded(entry.load_seconds)
             else:
                 code, message = (result[1], result[2]) if result else (
                     SegmentError.code, f"the loader process died (exit code {exitcode}); see the daemon log")
