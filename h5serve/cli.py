@@ -205,7 +205,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
-    from .protocol import Acquire
+    from .client.connection import POLL_INTERVAL_S
+    from .progress import Progress
+    from .protocol import Acquire, AcquireResult
     from .source import resolve_dtype
 
     if args.world_size < 1:
@@ -221,10 +223,17 @@ def cmd_preload(args: argparse.Namespace) -> int:
     ]
     start = time.monotonic()
     with _client(args.runtime_dir) as client:
-        for request in requests:  # start every load, then wait for each
-            client.request(request)
-        for request in requests:
-            client.acquire(request)
+        results = [AcquireResult.from_wire(client.request(r)) for r in requests]  # starts every load
+        bar = Progress(f"preloading {len(requests)} segments", sum(r.rows_total for r in results),
+                       lambda line: print(line, file=sys.stderr, flush=True))
+        try:
+            while not all(r.state == "ready" for r in results):
+                time.sleep(POLL_INTERVAL_S)
+                results = [r if r.state == "ready" else AcquireResult.from_wire(client.request(q))
+                           for q, r in zip(requests, results)]
+                bar.update(sum(r.rows_done for r in results))
+        finally:
+            bar.close()
         status = client.status()
     loaded = [s for s in status["segments"] if s["file"] == os.path.realpath(path) and s["state"] == "ready"]
     print(f"preloaded {len(requests)} segments of {path} for ranks {ranks} in {time.monotonic() - start:.2f}s "

@@ -145,9 +145,11 @@ class DaemonAlreadyRunning(H5ServeError):
 
 
 class ProtocolError(H5ServeError):
-    """Raised when a message does not follow the h5serve wire protocol."""
+    """Raised when a message does not follow the h5serve wire protocol. ``request_id`` is
+    set when the envelope was readable, so the error reply can carry it."""
 
     code = "protocol"
+    request_id = 0
 
 
 class RemoteError(H5ServeError):

@@ -176,12 +176,16 @@ def decode_request(frame: bytes) -> tuple[int, Request]:
     message.pop("v")
     op = message.pop("op", None)
     cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(sorted(REQUEST_TYPES))}")
     try:
-        return request_id, cls(**message)
-    except TypeError as exc:  # missing or unexpected fields
-        raise ProtocolError(f"bad fields for op {op!r}: {exc}") from exc
+        if cls is None:
+            raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(sorted(REQUEST_TYPES))}")
+        try:
+            return request_id, cls(**message)
+        except TypeError as exc:  # missing or unexpected fields
+            raise ProtocolError(f"bad fields for op {op!r}: {exc}") from exc
+    except ProtocolError as exc:
+        exc.request_id = request_id  # the envelope was fine: the error reply can name the request
+        raise
 
 
 def encode_ok(request_id: int, result: dict[str, Any]) -> bytes:

@@ -204,16 +204,19 @@ class SegmentWriter:
         return final
 
     def abort(self) -> None:
-        self.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self.close()
 
     def close(self) -> None:
         self.data = None  # type: ignore[assignment]
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive (e.g. in a traceback): it unmaps when freed
+                pass
             self._map = None  # type: ignore[assignment]
         if self._fd >= 0:
             os.close(self._fd)
@@ -229,6 +232,7 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
     path = Path(shm_dir) / tmp_name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # "being written": a restarted daemon removes it only once unlocked
         if group is not None:
             os.fchown(fd, -1, group)
             os.fchmod(fd, 0o640)

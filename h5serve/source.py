@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import h5py
 import numpy as np
 
-from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceNotFound, UnsupportedDataset
+from .errors import ConfigError, DataError, KeyNotFound, LengthMismatch, SourceNotFound, UnsupportedDataset
 from .sharding import Selection
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
 
 BLOCK_BYTES = 32 * 1024 * 1024  # rows per read are chunk-aligned and about this large
 SERVABLE_KINDS = "biufc"
+MAX_LINKS = 40  # soft and external links followed for one key before it is called a cycle
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,6 @@ class DatasetInfo:
     dtype: np.dtype  # native byte order
     chunk_rows: int  # rows per chunk along axis 0 (the whole dataset if not chunked)
     linked_file: str = ""  # realpath of the file holding the data when reached by an external link
-
 
 # Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
 KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2"}
@@ -129,40 +129,186 @@ def resolve_dtype(dtype: object, what: str) -> np.dtype | None:
 def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     """Shape, dtype and chunking of ``f[key]``.
 
-    Raised when the key is missing (the message lists datasets that exist): KeyNotFound.
-    Raised when it has no rows dimension or a dtype that is not plain numeric: UnsupportedDataset.
+    Raised when the key is missing (the message lists datasets that exist), is not a
+    dataset, or a soft or external link on its path is dangling (the message names the
+    link and its target): KeyNotFound.
+    Raised when it has no rows dimension, a dtype that is not plain numeric, a filter that
+    is not available, or data in files whose changes h5serve cannot track (raw external
+    storage, virtual sources in other files, external links through more than one other
+    file): UnsupportedDataset.
     """
-    try:
-        obj = f.get(key)
-    except (KeyError, ValueError, OSError) as exc:  # broken links, bad names
-        raise KeyNotFound(f"key {key!r} cannot be opened in {f.filename}: {exc}") from exc
-    if obj is None:
-        names = _dataset_names(f)
-        raise KeyNotFound(
-            f"key {key!r} is not in {f.filename}; datasets there: {', '.join(names) or '(none)'}"
-        )
+    obj, linked = _follow(f, key)
     if not isinstance(obj, h5py.Dataset):
-        raise KeyNotFound(f"key {key!r} in {f.filename} is a group, not a dataset; pass a dataset path like '{key}/...'")
+        what = "a group" if isinstance(obj, h5py.Group) else f"a {type(obj).__name__}"
+        raise KeyNotFound(f"key {key!r} in {f.filename} is {what}, not a dataset; pass a dataset path like '{key}/...'")
     if obj.shape is None or len(obj.shape) == 0:
         raise UnsupportedDataset(f"dataset {key!r} in {f.filename} is scalar: it has no rows dimension to shard")
     dtype = obj.dtype
-    if h5py.check_string_dtype(dtype) is not None or h5py.check_vlen_dtype(dtype) is not None:
-        raise UnsupportedDataset(f"dataset {key!r} has dtype {dtype} (strings / variable length): only numeric data is served")
-    if dtype.kind not in SERVABLE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
-        raise UnsupportedDataset(f"dataset {key!r} has dtype {dtype}: only bool, integer and float data is served")
-    if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
-        raise UnsupportedDataset(f"dataset {key!r} has dtype {dtype}: extended precision cannot be served")
+    reason = _unservable(dtype)
+    if reason:
+        raise UnsupportedDataset(
+            f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float and "
+            "complex data is served"
+        )
     _check_filters(obj, key)
+    _check_storage(obj, key)
     chunks = obj.chunks
-    holder = os.path.realpath(obj.file.filename)
     return DatasetInfo(
         key=key,
         rows=int(obj.shape[0]),
         row_shape=tuple(int(n) for n in obj.shape[1:]),
         dtype=dtype.newbyteorder("="),
         chunk_rows=int(chunks[0]) if chunks else max(int(obj.shape[0]), 1),
-        linked_file="" if holder == os.path.realpath(f.filename) else holder,
+        linked_file=linked,
     )
+
+
+def _unservable(dtype: np.dtype) -> str:
+    """Why rows of ``dtype`` cannot be served (a few words), or "" when they can."""
+    string = h5py.check_string_dtype(dtype)
+    if string is not None:
+        return "variable length strings" if string.length is None else "fixed-length strings"
+    if h5py.check_vlen_dtype(dtype) is not None:
+        return "variable length sequences"
+    if h5py.check_ref_dtype(dtype) is not None:
+        return "object references"
+    if dtype.fields is not None:
+        return "a compound type"
+    if dtype.subdtype is not None:
+        return "an array type"
+    if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
+        return "extended precision, which torch cannot hold"
+    if dtype.kind not in SERVABLE_KINDS:
+        return {"M": "datetimes", "m": "timedeltas", "V": "opaque bytes"}.get(dtype.kind, "not numeric")
+    return ""
+
+
+def _message(exc: BaseException) -> str:
+    """An h5py error's text, without the quotes KeyError adds."""
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+def _split(path: str) -> list[str]:
+    return [part for part in path.split("/") if part not in ("", ".")]
+
+
+def _external_candidates(link_file: str, parent: str) -> set[str]:
+    """Realpaths HDF5 may open for an external link to ``link_file`` from the file ``parent``:
+    the absolute name, else the name (or, for an absolute one that is missing, its last
+    component) under HDF5_EXT_PREFIX, the parent file's directory or the working directory."""
+    names = [link_file] if not os.path.isabs(link_file) else [os.path.basename(link_file)]
+    parent_dirs = [os.path.dirname(parent), os.path.dirname(os.path.realpath(parent))]
+    prefixes = [p for p in os.environ.get("HDF5_EXT_PREFIX", "").split(":") if p]
+    dirs = [d for p in prefixes for d in ([p] if p != "${ORIGIN}" else parent_dirs)] + parent_dirs
+    try:
+        dirs.append(os.getcwd())
+    except OSError:  # the working directory was removed: HDF5 cannot have looked there either
+        pass
+    found = {os.path.realpath(os.path.join(d, name)) for d in dirs for name in names}
+    if os.path.isabs(link_file):
+        found.add(os.path.realpath(link_file))
+    return found
+
+
+def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
+    """The object at ``key`` and the realpath of the other file holding it ("" if none),
+    following soft and external links one path component at a time, so that a link behind
+    another link is seen too.
+
+    Raised when the key, or a link's target on its path, does not exist: KeyNotFound.
+    Raised when external links pass through more than one other file (h5serve tracks one
+    linked file for changes), or through a file h5serve cannot tell: UnsupportedDataset.
+    """
+    node: h5py.HLObject = f["/"]
+    parts = _split(key)
+    via: list[str] = []  # the links followed so far, for messages
+    files: list[str] = []  # realpaths of the files external links opened, in order
+
+    def broken(what: str, missing: bool = False) -> KeyNotFound:
+        if missing and not via:
+            names = _dataset_names(f)
+            return KeyNotFound(
+                f"key {key!r} is not in {f.filename}; datasets there: {', '.join(names) or '(none)'}"
+            )
+        through = f" (reached through {', then '.join(via)})" if via else ""
+        return KeyNotFound(f"key {key!r} cannot be opened in {f.filename}: {what}{through}")
+
+    while parts:
+        name = parts.pop(0)
+        here = f"{node.name.rstrip('/')}/{name}"
+        where = os.path.basename(node.file.filename)
+        if not isinstance(node, h5py.Group):
+            raise broken(f"{node.name!r} in {where} is not a group")
+        try:
+            link = node.get(name, getlink=True)
+        except (KeyError, ValueError, TypeError, OSError) as exc:  # user-defined links, bad names
+            raise broken(f"{here!r} in {where} cannot be read: {_message(exc)}") from exc
+        if link is None:
+            raise broken(f"{here!r} does not exist in {where}", missing=True)
+        if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)) and len(via) >= MAX_LINKS:
+            raise broken(f"more than {MAX_LINKS} links followed (a cycle?)")
+        if isinstance(link, h5py.SoftLink):
+            via.append(f"soft link {here!r} -> {link.path!r} in {where}")
+            node = node.file["/"] if link.path.startswith("/") else node
+            parts = _split(link.path) + parts
+            continue
+        try:
+            target = node[name]
+        except (KeyError, ValueError, OSError) as exc:
+            if isinstance(link, h5py.ExternalLink):
+                raise broken(
+                    f"{here!r} in {where} is an external link to {link.path!r} in file {link.filename!r}, "
+                    f"which cannot be opened ({_message(exc)})"
+                ) from exc
+            raise broken(f"{here!r} in {where} cannot be opened: {_message(exc)}") from exc
+        if isinstance(link, h5py.ExternalLink):
+            opened = os.path.realpath(target.file.filename)
+            if opened not in _external_candidates(link.filename, node.file.filename):
+                raise UnsupportedDataset(
+                    f"key {key!r} in {f.filename} goes through external link {here!r} -> {link.filename!r}, "
+                    f"which leads on to another file ({opened}); h5serve can track only one linked file for "
+                    "changes: link straight to the file that holds the data"
+                )
+            via.append(f"external link {here!r} -> {link.path!r} in {link.filename!r}")
+            files.append(opened)
+            node = target.file["/"]
+            parts = _split(link.path) + parts
+            continue
+        node = target
+    outer = os.path.realpath(f.filename)
+    others = sorted({path for path in files if path != outer})
+    if len(others) > 1:
+        raise UnsupportedDataset(
+            f"key {key!r} in {f.filename} goes through external links in {len(others)} other files "
+            f"({', '.join(others)}); h5serve can track only one linked file for changes: link straight to "
+            "the file that holds the data"
+        )
+    holder = os.path.realpath(node.file.filename)
+    if others and holder != others[0]:  # through another file and back: that file is not tracked
+        raise UnsupportedDataset(
+            f"key {key!r} in {f.filename} goes through an external link in {others[0]} back to {holder}; "
+            "h5serve can track only the file that holds the data for changes: link straight to it"
+        )
+    return node, "" if holder == outer else holder
+
+
+def _check_storage(obj: h5py.Dataset, key: str) -> None:
+    """Raised when rows live in files other than the HDF5 file (raw external storage,
+    virtual dataset sources elsewhere), whose changes h5serve cannot track: UnsupportedDataset."""
+    external = obj.external
+    if external:
+        names = ", ".join(str(entry[0]) for entry in external)
+        raise UnsupportedDataset(
+            f"dataset {key!r} keeps its rows in external raw files ({names}), which h5serve cannot track for "
+            "changes; copy the rows into a dataset stored inside the HDF5 file"
+        )
+    if obj.is_virtual:
+        sources = sorted({m.file_name for m in obj.virtual_sources() if m.file_name != "."})
+        if sources:
+            raise UnsupportedDataset(
+                f"dataset {key!r} is a virtual dataset with sources in other files ({', '.join(sources)}), "
+                "which h5serve cannot track for changes; copy the rows into a dataset stored inside one file"
+            )
 
 
 def _check_filters(obj: h5py.Dataset, key: str) -> None:
@@ -205,6 +351,14 @@ def _blocks(start: int, end: int, info: DatasetInfo) -> Iterator[tuple[int, int]
         a = b
 
 
+def _read_error(exc: OSError, dset: h5py.Dataset, info: DatasetInfo, lo: int, hi: int) -> DataError:
+    """The error for rows ``lo..hi-1`` that HDF5 failed to read (``exc`` says why)."""
+    return DataError(
+        f"cannot read rows {lo}..{hi - 1} of dataset {info.key!r} in {dset.file.filename}: {exc}; the file "
+        "may be damaged or truncated (check it with `h5dump -H` / `h5ls -rv`, or rewrite it)"
+    )
+
+
 def read_shard_into(
     dset: h5py.Dataset,
     info: DatasetInfo,
@@ -217,6 +371,8 @@ def read_shard_into(
     Contiguous shards with no cast are read straight into ``out`` (no intermediate copy);
     interleaved shards read contiguous blocks and stride them in memory (h5py is slow at
     ``d[r::W]``).
+
+    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
     """
     indices = selection.indices(info.rows)
     if len(indices) == 0:
@@ -231,14 +387,17 @@ def read_shard_into(
         k1 = -(-(b - first) // W)
         if k1 <= k0:
             continue
-        if W == 1 and out.dtype == info.dtype:
-            dset.read_direct(out, np.s_[a:b], np.s_[k0:k1])
-        else:
-            if buffer is None or buffer.shape[0] < b - a:
-                buffer = np.empty((b - a, *info.row_shape), dtype=info.dtype)
-            block = buffer[: b - a]
-            dset.read_direct(block, np.s_[a:b], np.s_[0:b - a])
-            np.copyto(out[k0:k1], block[first + k0 * W - a :: W][: k1 - k0], casting="unsafe")
+        try:
+            if W == 1 and out.dtype == info.dtype:
+                dset.read_direct(out, np.s_[a:b], np.s_[k0:k1])
+            else:
+                if buffer is None or buffer.shape[0] < b - a:
+                    buffer = np.empty((b - a, *info.row_shape), dtype=info.dtype)
+                block = buffer[: b - a]
+                dset.read_direct(block, np.s_[a:b], np.s_[0:b - a])
+                np.copyto(out[k0:k1], block[first + k0 * W - a :: W][: k1 - k0], casting="unsafe")
+        except OSError as exc:
+            raise _read_error(exc, dset, info, a, b) from exc
         done = k1
         if progress is not None:
             progress(done)
@@ -249,17 +408,22 @@ def read_rows(dset: h5py.Dataset, info: DatasetInfo, rows: np.ndarray, dtype: np
 
     Reads each distinct row once, in increasing order (h5py needs sorted unique indices):
     one slice when the rows are dense, else one point selection.
+
+    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
     """
     rows = np.asarray(rows, dtype=np.int64)
     if rows.size == 0:
         return np.empty((0, *info.row_shape), dtype=dtype)
     unique, inverse = np.unique(rows, return_inverse=True)
     lo, hi = int(unique[0]), int(unique[-1]) + 1
-    if hi - lo <= 4 * len(unique):
-        block = np.empty((hi - lo, *info.row_shape), dtype=info.dtype)
-        dset.read_direct(block, np.s_[lo:hi], np.s_[0:hi - lo])
-        data = block[unique - lo]
-    else:
-        data = np.asarray(dset[unique.tolist()], dtype=info.dtype)
+    try:
+        if hi - lo <= 4 * len(unique):
+            block = np.empty((hi - lo, *info.row_shape), dtype=info.dtype)
+            dset.read_direct(block, np.s_[lo:hi], np.s_[0:hi - lo])
+            data = block[unique - lo]
+        else:
+            data = np.asarray(dset[unique.tolist()], dtype=info.dtype)
+    except OSError as exc:
+        raise _read_error(exc, dset, info, lo, hi) from exc
     out = data[inverse.reshape(-1)]
     return out if out.dtype == dtype else out.astype(dtype)

@@ -7,9 +7,9 @@ of a read-only mapping, so nothing a caller does to them can reach another proce
 
 from __future__ import annotations
 
+import io
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from ..errors import LengthMismatch, SegmentError
+from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
@@ -170,15 +171,25 @@ class ShmBackend(ArrayBackend):
 
     @staticmethod
     def _attach(client: DaemonClient, request: Acquire, result: AcquireResult, rank_for_logs: int) -> AttachedSegment:
-        last_log = [time.monotonic()]
+        bar: list[Progress] = []
 
         def progress(result: AcquireResult) -> None:
-            if time.monotonic() - last_log[0] >= _PROGRESS_LOG_INTERVAL_S:
-                last_log[0] = time.monotonic()
-                pct = 100.0 * result.rows_done / max(result.rows_total, 1)
-                log.info("rank %d: waiting for the daemon to load %s[%s]: %.0f%% (%d/%d rows)", rank_for_logs,
-                         request.path, request.key, pct, result.rows_done, result.rows_total)
+            if not bar:  # rank 0 shows a bar (or log lines); other ranks log at debug level
+                emit = log.info if rank_for_logs == 0 else log.debug
+                stream = None if rank_for_logs == 0 else io.StringIO()
+                bar.append(Progress(f"rank {rank_for_logs}: loading {request.key} into shm", result.rows_total,
+                                    emit, stream, interval=_PROGRESS_LOG_INTERVAL_S))
+            bar[0].update(result.rows_done)
 
+        try:
+            return ShmBackend._attach_ready(client, request, result, progress)
+        finally:
+            for b in bar:
+                b.close()
+
+    @staticmethod
+    def _attach_ready(client: DaemonClient, request: Acquire, result: AcquireResult,
+                      progress: Callable[[AcquireResult], None]) -> AttachedSegment:
         _check_same_shm(result)
         for attempt in range(3):
             if result.state != "ready":

@@ -25,7 +25,6 @@ from ..errors import (
     code_for,
 )
 from ..protocol import (
-    MAX_FRAME_BYTES,
     VERSION,
     Acquire,
     Ping,
@@ -53,6 +52,7 @@ __all__ = ["serve", "Server"]
 log = logging.getLogger("h5serve.daemon")
 _MAX_MESSAGES_PER_TICK = 256
 STATUS_SCHEMA_VERSION = 1
+MAX_PEER_MESSAGE_BYTES = 1024 * 1024
 
 
 def _lock_pidfile(config: DaemonConfig) -> int:
@@ -126,6 +126,8 @@ class Server:
             return encode_ok(request_id, self.handle(request))
         except H5ServeError as exc:
             self.store.errors[exc.code] += 1
+            if isinstance(exc, ProtocolError):
+                request_id = exc.request_id
             return encode_error(request_id, exc.code, str(exc))
         except Exception as exc:  # the daemon never dies of a request
             log.exception("internal error while handling a request")
@@ -146,8 +148,9 @@ class Server:
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            # A peer sending a larger message is disconnected before ZeroMQ allocates it.
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            # Frames up to 1 MiB get a protocol error reply (over MAX_FRAME_BYTES); a peer
+            # sending more is disconnected before ZeroMQ allocates it.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE_BYTES)
             old_umask = os.umask(0o177)
             try:
                 sock.bind(location.endpoint)

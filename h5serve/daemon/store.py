@@ -76,16 +76,6 @@ class Entry:
     load_seconds: float = 0.0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class SegmentStore:
     def __init__(
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
@@ -113,11 +103,11 @@ class SegmentStore:
         """Remove temporaries of dead loaders; adopt complete segments whose source is unchanged."""
         prefix = segment_prefix(self.namespace)
         for path in sorted(self.shm_dir.glob(prefix + "*")):
-            owner = temporary_owner_pid(path.name)
-            if owner is not None:
-                if not _pid_alive(owner):
-                    log.info("removing %s left by dead loader %d", path.name, owner)
-                    path.unlink(missing_ok=True)
+            if temporary_owner_pid(path.name) is not None:
+                # A live loader holds an exclusive lock on its temporary; a dead one's lock is
+                # gone with it (pids in names can be reused or belong to unreaped zombies).
+                if try_evict(path):
+                    log.info("removed %s left by a dead loader", path.name)
                 continue
             try:
                 meta, complete = read_meta(path)
@@ -214,7 +204,7 @@ class SegmentStore:
             if running >= self.max_loaders:
                 return
             if entry.state == "loading" and entry.process is None:
-                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group)
+                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid())
                 entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = time.monotonic()
                 running += 1

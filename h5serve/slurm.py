@@ -1,0 +1,649 @@
+"""Which global ranks run on this node: SLURM hostlists, task layouts and node plans.
+
+Pure functions, no I/O (the environment and the hostname are arguments), except
+``run_plan``, which prints. Every error is a ``ConfigError`` whose message says what to do.
+
+A *node plan* names the global ranks one node runs: ``h5serve plan`` prints it, and a
+node-local daemon preloads exactly those ranks' shards. Ranks are laid out like SLURM's
+default ``block`` distribution (and torchrun's static ``--node_rank``): node ``i`` runs the
+consecutive ranks that follow the tasks of nodes ``0 .. i-1``. Inside an ``srun`` step the
+actual placement (``SLURM_GTIDS``) is used instead, so ``--distribution=cyclic`` is right too.
+
+A wrong plan never gives wrong data: clients acquire their own rank's shard and the daemon
+loads whatever is asked for. A wrong plan only preloads shards nobody reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from itertools import product
+from typing import Any, Mapping, Sequence
+
+from .errors import ConfigError
+
+__all__ = [
+    "MAX_HOSTS",
+    "MAX_WORLD_SIZE",
+    "NodePlan",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "parse_tasks_per_node",
+    "format_ranks",
+    "plan_from_layout",
+    "plan_explicit",
+    "plan_from_env",
+    "resolve_plan",
+    "plan_from_args",
+    "add_plan_arguments",
+    "run_plan",
+]
+
+MAX_HOSTS = 1 << 20  # a hostlist that expands to more names than this is refused (no giant lists)
+MAX_WORLD_SIZE = 1 << 20  # the wire protocol's limit on world_size
+
+_HINT = "run inside a SLURM allocation or pass --world-size/--tasks-per-node/--node-rank"
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+# --------------------------------------------------------------------------- hostlists
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets. Raised when brackets do not pair up: ConfigError."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ConfigError(f"node list {text!r}: nested '[' at position {i}; brackets cannot nest")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"node list {text!r}: ']' at position {i} has no matching '['")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"node list {text!r}: a '[' is never closed; add the missing ']'")
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_brackets(group: str, entry: str) -> list[str]:
+    """'01-03,7' -> ['01', '02', '03', '7']: a range keeps the width of its lower bound."""
+    values: list[str] = []
+    for item in group.split(","):
+        item = item.strip()
+        match = _RANGE.match(item)
+        if not match:
+            raise ConfigError(
+                f"node list entry {entry!r}: [{group}] must hold numbers or ranges like 01-03,7 (got {item!r})"
+            )
+        lo_text, hi_text = match.group(1), match.group(2)
+        if hi_text is None:
+            values.append(lo_text)
+            continue
+        lo, hi = int(lo_text), int(hi_text)
+        if lo > hi:
+            raise ConfigError(f"node list entry {entry!r}: range {item} runs backwards; write {hi_text}-{lo_text}")
+        if hi - lo + 1 > MAX_HOSTS:
+            raise ConfigError(f"node list entry {entry!r}: range {item} has more than {MAX_HOSTS} names")
+        width = len(lo_text)
+        values.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
+    return values
+
+
+def _expand_entry(entry: str) -> list[str]:
+    pieces: list[list[str]] = []  # literal text as one-element lists, bracket groups expanded
+    pos = 0
+    for match in re.finditer(r"\[([^\[\]]*)\]", entry):
+        if match.start() > pos:
+            pieces.append([entry[pos:match.start()]])
+        pieces.append(_expand_brackets(match.group(1), entry))
+        pos = match.end()
+    if pos < len(entry):
+        pieces.append([entry[pos:]])
+    count = 1
+    for piece in pieces:
+        count *= len(piece)
+    if count > MAX_HOSTS:
+        raise ConfigError(f"node list entry {entry!r} expands to {count} names, more than {MAX_HOSTS}")
+    return ["".join(combo) for combo in product(*pieces)]
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Expand a SLURM hostlist, as ``scontrol show hostnames`` does, in order.
+
+    ``"node[01-03,7],gpu-a[1-2]x,login1"`` ->
+    ``["node01", "node02", "node03", "node7", "gpu-a1x", "gpu-a2x", "login1"]``.
+
+    - Entries are separated by commas at the top level; commas inside ``[...]`` separate the
+      numbers and ranges of that bracket.
+    - A range ``lo-hi`` keeps the width of ``lo``: ``[08-10]`` is ``08 09 10``, ``[8-10]`` is
+      ``8 9 10``; a single number is kept as written.
+    - Several bracket groups in one name expand to every combination, the last group varying
+      fastest: ``r[1-2]n[1-2]`` is ``r1n1 r1n2 r2n1 r2n2``.
+    - Whitespace around entries is ignored.
+
+    Raised when the text is empty, has an empty entry, unbalanced or nested brackets, a
+    bracket that is not numbers and ranges, a backwards range, whitespace inside a name, or
+    expands to more than ``MAX_HOSTS`` names: ConfigError.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"node list {text!r} is empty; expected a SLURM hostlist like node[01-04]")
+    hosts: list[str] = []
+    for raw in _split_top_level(text.strip()):
+        entry = raw.strip()
+        if not entry:
+            raise ConfigError(f"node list {text!r} has an empty entry; remove the stray comma")
+        if any(ch.isspace() for ch in entry):
+            raise ConfigError(f"node list entry {entry!r} contains whitespace; host names cannot")
+        hosts.extend(_expand_entry(entry))
+        if len(hosts) > MAX_HOSTS:
+            raise ConfigError(f"node list {text[:80]!r} expands to more than {MAX_HOSTS} names")
+    return hosts
+
+
+# --------------------------------------------------------------------------- task layouts
+
+
+def parse_tasks_per_node(text: str) -> list[int]:
+    """Expand SLURM's compressed tasks-per-node list: ``"3(x2),2,1"`` -> ``[3, 3, 2, 1]``.
+
+    Raised when an entry is not ``N`` or ``N(xK)`` with K >= 1, or the list describes more
+    than ``MAX_HOSTS`` nodes or more than ``MAX_WORLD_SIZE`` tasks: ConfigError.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"tasks per node {text!r} is empty; expected e.g. 4 or 4(x2) or 3(x2),2,1")
+    entries: list[tuple[int, int]] = []
+    nodes = tasks = 0
+    for raw in text.split(","):
+        match = _TASKS.match(raw.strip())
+        if not match:
+            raise ConfigError(
+                f"tasks per node {text!r}: {raw.strip()!r} is not N or N(xK); expected e.g. 3(x2),2,1"
+            )
+        value, repeat = int(match.group(1)), int(match.group(2) or 1)
+        if repeat < 1:
+            raise ConfigError(f"tasks per node {text!r}: repeat count in {raw.strip()!r} must be at least 1")
+        nodes += repeat
+        tasks += value * repeat
+        if nodes > MAX_HOSTS or tasks > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"tasks per node {text[:80]!r} describes more than {MAX_HOSTS} nodes or {MAX_WORLD_SIZE} tasks"
+            )
+        entries.append((value, repeat))
+    return [value for value, repeat in entries for _ in range(repeat)]
+
+
+def expand_tasks_per_node(text: str, nodes: int) -> list[int]:
+    """Expand ``SLURM_TASKS_PER_NODE``-style text and check it covers exactly ``nodes`` nodes.
+
+    ``expand_tasks_per_node("3(x2),2,1", 4)`` -> ``[3, 3, 2, 1]``.
+
+    Raised when the text is malformed (see ``parse_tasks_per_node``) or does not describe
+    exactly ``nodes`` nodes: ConfigError.
+    """
+    tasks = parse_tasks_per_node(text)
+    if len(tasks) != nodes:
+        raise ConfigError(
+            f"tasks per node {text!r} describes {len(tasks)} node(s) but the node list has {nodes}; "
+            "take both from the same job or step (SLURM_TASKS_PER_NODE with SLURM_JOB_NODELIST)"
+        )
+    return tasks
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"`` (the syntax ``h5serve preload --ranks`` takes); ``"none"``
+    for no ranks."""
+    if not ranks:
+        return "none"
+    spans: list[str] = []
+    ordered = sorted(ranks)
+    start = prev = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ",".join(spans)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The global ranks one node runs.
+
+    ``node_rank`` is the node's 0-based position in the job; ``ranks`` are the global ranks
+    that run on it, ascending; ``world_size`` is the number of ranks in the whole job.
+
+    Raised when a field has the wrong type, a rank is out of ``[0, world_size)`` or the
+    ranks are not strictly ascending: ConfigError.
+    """
+
+    node_rank: int
+    ranks: tuple[int, ...]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.node_rank) or self.node_rank < 0:
+            raise ConfigError(f"node_rank must be a non-negative integer, got {self.node_rank!r}")
+        if not _is_int(self.world_size) or not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ConfigError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {self.world_size!r}")
+        if not isinstance(self.ranks, tuple) or not all(_is_int(r) for r in self.ranks):
+            raise ConfigError(f"ranks must be a tuple of integers, got {self.ranks!r}")
+        if any(not 0 <= r < self.world_size for r in self.ranks):
+            raise ConfigError(f"ranks {format_ranks(self.ranks)} must lie in [0, {self.world_size - 1}]")
+        if any(a >= b for a, b in zip(self.ranks, self.ranks[1:])):
+            raise ConfigError(f"ranks must be strictly ascending without repeats, got {list(self.ranks)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"node_rank": N, "ranks": [...], "world_size": W}``."""
+        return {"node_rank": self.node_rank, "ranks": list(self.ranks), "world_size": self.world_size}
+
+    def to_json(self) -> str:
+        """``{"node_rank": N, "ranks": [...], "world_size": W}`` as one line of JSON."""
+        return json.dumps(self.to_dict())
+
+    def describe(self, nodes: int) -> str:
+        """``"node 1 of 4: ranks 4-7 (world size 16)"`` for a job of ``nodes`` nodes."""
+        return f"node {self.node_rank} of {nodes}: ranks {format_ranks(self.ranks)} (world size {self.world_size})"
+
+
+def plan_from_layout(tasks_per_node: Sequence[int], node_rank: int) -> NodePlan:
+    """Block distribution over a (possibly uneven) layout: node ``i`` runs the
+    ``tasks_per_node[i]`` consecutive ranks that follow the tasks of nodes ``0 .. i-1``.
+
+    ``plan_from_layout([3, 3, 2, 1], 2)`` -> ``NodePlan(node_rank=2, ranks=(6, 7), world_size=9)``.
+
+    Raised when the layout is empty, has a negative count, has no tasks at all, or
+    ``node_rank`` is not a node of it: ConfigError.
+    """
+    tasks = list(tasks_per_node)
+    if not tasks or not all(_is_int(t) and t >= 0 for t in tasks):
+        raise ConfigError(f"tasks per node must be a non-empty list of non-negative integers, got {tasks!r}")
+    world = sum(tasks)
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise ConfigError(f"the layout {tasks!r} has {world} tasks; it needs between 1 and {MAX_WORLD_SIZE}")
+    if not _is_int(node_rank) or not 0 <= node_rank < len(tasks):
+        raise ConfigError(
+            f"node rank {node_rank!r} is out of range: the job has {len(tasks)} node(s), "
+            f"so pass a --node-rank in 0-{len(tasks) - 1}"
+        )
+    first = sum(tasks[:node_rank])
+    return NodePlan(node_rank, tuple(range(first, first + tasks[node_rank])), world)
+
+
+def plan_explicit(world_size: int, tasks_per_node: int, node_rank: int) -> NodePlan:
+    """Block distribution of ``world_size`` ranks, ``tasks_per_node`` per node; the last node
+    may have fewer. ``plan_explicit(10, 4, 2)`` -> ranks ``(8, 9)``.
+
+    Raised when ``world_size`` is not in ``[1, MAX_WORLD_SIZE]``, ``tasks_per_node`` is not
+    at least 1, or ``node_rank`` is not in ``[0, ceil(world_size / tasks_per_node))``: ConfigError.
+    """
+    if not _is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(f"--world-size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
+    if not _is_int(tasks_per_node) or tasks_per_node < 1:
+        raise ConfigError(f"--tasks-per-node must be an integer >= 1, got {tasks_per_node!r}")
+    nodes = -(-world_size // tasks_per_node)
+    if not _is_int(node_rank) or not 0 <= node_rank < nodes:
+        raise ConfigError(
+            f"--node-rank {node_rank!r} is out of range: world size {world_size} with {tasks_per_node} "
+            f"tasks per node is {nodes} node(s), so node ranks are 0-{nodes - 1}"
+        )
+    first = node_rank * tasks_per_node
+    return NodePlan(node_rank, tuple(range(first, min(first + tasks_per_node, world_size))), world_size)
+
+
+# --------------------------------------------------------------------------- SLURM environment
+
+
+def _get(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """The first of ``names`` that is set and not empty, with its value."""
+    for name in names:
+        value = env.get(name)
+        if value is not None and value.strip() != "":
+            return name, value.strip()
+    return None
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> tuple[str, int] | None:
+    found = _get(env, *names)
+    if found is None:
+        return None
+    name, value = found
+    if not value.isdigit():
+        raise ConfigError(f"environment variable {name}={value!r} is not a non-negative integer; {_HINT}")
+    return name, int(value)
+
+
+@dataclass(frozen=True)
+class _EnvLayout:
+    tasks: list[int]
+    tasks_var: str
+    nodelist: list[str] | None
+    nodelist_var: str | None
+    in_step: bool
+
+
+def _layout_from_env(env: Mapping[str, str]) -> _EnvLayout:
+    """Tasks per node (and the node list, if any) of the current step or job."""
+    in_step = _get(env, "SLURM_STEP_TASKS_PER_NODE") is not None
+    if in_step:
+        tasks_names, list_names, count_names = (
+            ("SLURM_STEP_TASKS_PER_NODE",), ("SLURM_STEP_NODELIST",), ("SLURM_STEP_NUM_TASKS",)
+        )
+    else:
+        tasks_names, list_names, count_names = (
+            ("SLURM_TASKS_PER_NODE",), ("SLURM_JOB_NODELIST", "SLURM_NODELIST"), ("SLURM_NTASKS", "SLURM_NPROCS")
+        )
+    found_tasks = _get(env, *tasks_names)
+    if found_tasks is None:
+        seen = sorted(k for k in env if k.startswith("SLURM"))
+        where = "no SLURM variables are set" if not seen else f"{tasks_names[0]} is not set"
+        raise ConfigError(f"cannot tell which ranks run on this node: {where}; {_HINT}")
+    tasks_var, tasks_text = found_tasks
+    found_list = _get(env, *list_names)
+    nodelist = nodelist_var = None
+    if found_list is not None:
+        nodelist_var, list_text = found_list
+        nodelist = expand_nodelist(list_text)
+        tasks = expand_tasks_per_node(tasks_text, len(nodelist))
+    else:
+        tasks = parse_tasks_per_node(tasks_text)
+    world = sum(tasks)
+    if world < 1:
+        raise ConfigError(f"{tasks_var}={tasks_text!r} describes no tasks at all; {_HINT}")
+    count = _env_int(env, *count_names)
+    if count is not None and count[1] != world:
+        raise ConfigError(
+            f"{count[0]}={count[1]} disagrees with {tasks_var}={tasks_text!r} ({world} tasks); "
+            "the environment mixes two jobs or steps: " + _HINT
+        )
+    return _EnvLayout(tasks, tasks_var, nodelist, nodelist_var, in_step)
+
+
+def _find_node(nodelist: list[str], name: str, what: str, nodelist_var: str) -> int | None:
+    """Index of ``name`` in ``nodelist``: exact, else its short form (before the first dot)."""
+    for candidate in dict.fromkeys([name, name.split(".", 1)[0]]):
+        hits = [i for i, node in enumerate(nodelist) if node == candidate]
+        if len(hits) > 1:
+            raise ConfigError(f"{what} {candidate!r} appears {len(hits)} times in {nodelist_var}; pass --node-rank")
+        if hits:
+            return hits[0]
+    return None
+
+
+def _node_index(env: Mapping[str, str], hostname: str | None, layout: _EnvLayout) -> int:
+    """This node's index in the layout: SLURM_NODEID, else SLURMD_NODENAME or ``hostname`` in
+    the node list."""
+    nodes = len(layout.tasks)
+    node_id = _env_int(env, "SLURM_NODEID")
+    node_name = _get(env, "SLURMD_NODENAME")
+    if node_id is not None:
+        name, index = node_id
+        if index >= nodes:
+            raise ConfigError(f"{name}={index} is out of range for {nodes} node(s) in {layout.tasks_var}; {_HINT}")
+        if node_name is not None and layout.nodelist is not None:
+            listed = _find_node(layout.nodelist, node_name[1], "SLURMD_NODENAME", layout.nodelist_var or "")
+            if listed is not None and listed != index:
+                raise ConfigError(
+                    f"SLURM_NODEID={index} but SLURMD_NODENAME={node_name[1]!r} is node {listed} of "
+                    f"{layout.nodelist_var}; the environment mixes two jobs or steps: {_HINT}"
+                )
+        return index
+    if layout.nodelist is None:
+        raise ConfigError(
+            f"cannot find this node: neither SLURM_NODEID nor a node list (SLURM_JOB_NODELIST) is set; {_HINT}"
+        )
+    tried: list[str] = []
+    for what, name in (("SLURMD_NODENAME", node_name[1] if node_name else None), ("hostname", hostname)):
+        if not name:
+            continue
+        tried.append(f"{what} {name!r}")
+        index = _find_node(layout.nodelist, name, what, layout.nodelist_var or "")
+        if index is not None:
+            return index
+    shown = ",".join(layout.nodelist[:8]) + (",..." if len(layout.nodelist) > 8 else "")
+    raise ConfigError(
+        f"this node ({' / '.join(tried) or 'no SLURMD_NODENAME and no hostname'}) is not in "
+        f"{layout.nodelist_var} ({shown}): run on a node of the job (e.g. through srun) or pass --node-rank"
+    )
+
+
+def _gtids(env: Mapping[str, str], world: int, expected: int) -> tuple[int, ...]:
+    name, text = _get(env, "SLURM_GTIDS") or ("SLURM_GTIDS", "")
+    try:
+        ranks = sorted(int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise ConfigError(f"{name}={text!r} is not a comma-separated list of task ids; {_HINT}") from exc
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < world for r in ranks):
+        raise ConfigError(f"{name}={text!r} must hold distinct task ids in [0, {world - 1}]; {_HINT}")
+    if len(ranks) != expected:
+        raise ConfigError(
+            f"{name}={text!r} lists {len(ranks)} task(s) but SLURM_STEP_TASKS_PER_NODE gives this node {expected}; {_HINT}"
+        )
+    return tuple(ranks)
+
+
+def _plan_from_env(
+    env: Mapping[str, str], hostname: str | None, node_rank: int | None = None
+) -> tuple[NodePlan, int]:
+    layout = _layout_from_env(env)
+    if node_rank is not None:
+        return plan_from_layout(layout.tasks, node_rank), len(layout.tasks)
+    index = _node_index(env, hostname, layout)
+    world = sum(layout.tasks)
+    if layout.in_step and _get(env, "SLURM_GTIDS") is not None:
+        return NodePlan(index, _gtids(env, world, layout.tasks[index]), world), len(layout.tasks)
+    return plan_from_layout(layout.tasks, index), len(layout.tasks)
+
+
+def plan_from_env(env: Mapping[str, str], hostname: str) -> NodePlan:
+    """This node's plan from the variables SLURM sets (heterogeneous jobs are not supported).
+
+    Variables used, and nothing else:
+
+    1. The layout (tasks on each node, in node-list order) and its node list:
+
+       - inside an ``srun`` step (``SLURM_STEP_TASKS_PER_NODE`` is set):
+         ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_STEP_NODELIST`` and, as a cross-check,
+         ``SLURM_STEP_NUM_TASKS``;
+       - otherwise (batch script, ``salloc`` shell, prolog-like environments):
+         ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST`` (else the older
+         ``SLURM_NODELIST``) and, as a cross-check, ``SLURM_NTASKS`` (else ``SLURM_NPROCS``).
+
+       The tasks-per-node text is required. The node list is optional when ``SLURM_NODEID``
+       is set; when present it must have as many nodes as the tasks-per-node text. The world
+       size is the sum of the tasks; the cross-check variable, if set, must equal it.
+
+    2. This node's index: ``SLURM_NODEID`` if set (checked against ``SLURMD_NODENAME``'s
+       position in the node list when both are available); else the position of
+       ``SLURMD_NODENAME`` in the node list; else of ``hostname`` (exact, then its short
+       name before the first dot).
+
+    3. The ranks: inside an ``srun`` step, ``SLURM_GTIDS`` (the global task ids slurmstepd
+       started on this node, right for any ``--distribution``); otherwise block
+       distribution over the layout (``plan_from_layout``). ``SLURM_GTIDS`` is ignored
+       outside a step, where it describes the batch script's single task.
+
+    In a helper step such as ``srun --ntasks-per-node=1 h5serve ...`` the step's layout is
+    one task per node, not the training job's: pass ``--world-size``/``--tasks-per-node``
+    there (see ``resolve_plan``).
+
+    Raised when the variables are missing ("run inside a SLURM allocation or pass
+    --world-size/--tasks-per-node/--node-rank"), malformed, inconsistent with each other,
+    or this node is not in the node list: ConfigError.
+    """
+    return _plan_from_env(env, hostname)[0]
+
+
+def _resolve(
+    world_size: int | None,
+    tasks_per_node: int | str | None,
+    node_rank: int | None,
+    env: Mapping[str, str],
+    hostname: str | None,
+) -> tuple[NodePlan, int]:
+    if node_rank is not None and (not _is_int(node_rank) or node_rank < 0):
+        raise ConfigError(f"--node-rank must be a non-negative integer, got {node_rank!r}")
+    if tasks_per_node is None:
+        plan, nodes = _plan_from_env(env, hostname, node_rank)
+        if world_size is not None and world_size != plan.world_size:
+            raise ConfigError(
+                f"--world-size {world_size} disagrees with the SLURM environment ({plan.world_size} tasks); "
+                "when the training job's layout differs from this step's, pass --tasks-per-node too"
+            )
+        return plan, nodes
+    if isinstance(tasks_per_node, str) and tasks_per_node.strip().isdigit():
+        tasks_per_node = int(tasks_per_node.strip())
+    if _is_int(tasks_per_node):
+        assert isinstance(tasks_per_node, int)
+        if world_size is None:
+            raise ConfigError("--tasks-per-node N needs --world-size (or pass a SLURM layout such as 4(x2))")
+        if tasks_per_node < 1:
+            raise ConfigError(f"--tasks-per-node must be an integer >= 1, got {tasks_per_node}")
+        if not _is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ConfigError(f"--world-size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
+        nodes = -(-world_size // tasks_per_node)
+        if node_rank is None:
+            node_rank = _index_for_explicit(env, hostname, nodes)
+        return plan_explicit(world_size, tasks_per_node, node_rank), nodes
+    if not isinstance(tasks_per_node, str):
+        raise ConfigError(f"--tasks-per-node must be a number or a SLURM layout like 3(x2),2,1, got {tasks_per_node!r}")
+    tasks = parse_tasks_per_node(tasks_per_node)
+    if world_size is not None and world_size != sum(tasks):
+        raise ConfigError(
+            f"--world-size {world_size} disagrees with --tasks-per-node {tasks_per_node!r} ({sum(tasks)} tasks)"
+        )
+    if node_rank is None:
+        node_rank = _index_for_explicit(env, hostname, len(tasks))
+    return plan_from_layout(tasks, node_rank), len(tasks)
+
+
+def _index_for_explicit(env: Mapping[str, str], hostname: str | None, nodes: int) -> int:
+    """This node's index in an explicit layout of ``nodes`` nodes: SLURM_NODEID, else
+    SLURMD_NODENAME or ``hostname`` in SLURM_JOB_NODELIST (the job's, not a step's)."""
+    node_id = _env_int(env, "SLURM_NODEID")
+    if node_id is not None:
+        if node_id[1] >= nodes:
+            raise ConfigError(
+                f"{node_id[0]}={node_id[1]} is out of range for the {nodes} node(s) of the layout you passed; "
+                "pass --node-rank"
+            )
+        return node_id[1]
+    found = _get(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if found is None:
+        raise ConfigError("--node-rank is missing and SLURM_NODEID / SLURM_JOB_NODELIST are not set; pass --node-rank")
+    nodelist = expand_nodelist(found[1])
+    if len(nodelist) != nodes:
+        raise ConfigError(
+            f"{found[0]} has {len(nodelist)} node(s) but the layout you passed has {nodes}; pass --node-rank"
+        )
+    return _node_index(env, hostname, _EnvLayout([0] * nodes, "--tasks-per-node", nodelist, found[0], False))
+
+
+def resolve_plan(
+    world_size: int | None = None,
+    tasks_per_node: int | str | None = None,
+    node_rank: int | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    hostname: str | None = None,
+) -> NodePlan:
+    """The plan from explicit values where given, the SLURM environment for the rest.
+
+    - Nothing given: ``plan_from_env(env, hostname)``.
+    - ``tasks_per_node`` an integer (or digits): ``plan_explicit(world_size, tasks_per_node,
+      node_rank)``; ``world_size`` is required.
+    - ``tasks_per_node`` a SLURM layout such as ``"3(x2),2,1"``: block distribution over it
+      (``plan_from_layout``); ``world_size``, if given, must equal its sum. This lets a batch
+      script pass its own ``$SLURM_TASKS_PER_NODE`` to a one-task-per-node helper step.
+    - With a ``tasks_per_node`` but no ``node_rank``, the node index comes from
+      ``SLURM_NODEID``, else from ``SLURMD_NODENAME``/``hostname`` in ``SLURM_JOB_NODELIST``.
+    - Without ``tasks_per_node``: the layout comes from the environment; ``node_rank``, if
+      given, picks the node (block distribution); ``world_size``, if given, must match.
+
+    ``env`` defaults to ``os.environ`` and ``hostname`` to ``socket.gethostname()``.
+
+    Raised when the values are out of range, disagree with each other or with the
+    environment, or what is missing cannot be found in the environment: ConfigError.
+    """
+    env = os.environ if env is None else env
+    hostname = socket.gethostname() if hostname is None else hostname
+    return _resolve(world_size, tasks_per_node, node_rank, env, hostname)[0]
+
+
+def plan_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None, hostname: str | None = None
+) -> NodePlan:
+    """``resolve_plan`` with ``args.world_size``, ``args.tasks_per_node`` and ``args.node_rank``
+    (each may be missing from ``args``), as added by ``add_plan_arguments``.
+
+    Raised as ``resolve_plan`` is: ConfigError.
+    """
+    return resolve_plan(
+        getattr(args, "world_size", None), getattr(args, "tasks_per_node", None), getattr(args, "node_rank", None),
+        env=env, hostname=hostname,
+    )
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_plan_arguments(
+    parser: argparse.ArgumentParser, *, include_world_size: bool = True, include_json: bool = True
+) -> None:
+    """Add ``--world-size``, ``--tasks-per-node``, ``--node-rank`` and ``--json`` to ``parser``.
+
+    Pass ``include_world_size=False`` for a parser that already has ``--world-size`` (such
+    as ``preload``) and ``include_json=False`` where ``--json`` makes no sense; the values
+    land in ``args.world_size``, ``args.tasks_per_node`` (a string: ``4`` or ``3(x2),2,1``),
+    ``args.node_rank`` and ``args.json``, all ``None``/``False`` when not given.
+    """
+    if include_world_size:
+        parser.add_argument("--world-size", type=int, metavar="W",
+                            help="ranks in the whole job (default: from the SLURM environment)")
+    parser.add_argument("--tasks-per-node", metavar="N|LAYOUT",
+                        help="ranks per node, e.g. 4, or a SLURM layout like 3(x2),2,1 "
+                             "(default: $SLURM_STEP_TASKS_PER_NODE / $SLURM_TASKS_PER_NODE)")
+    parser.add_argument("--node-rank", type=int, metavar="I",
+                        help="this node's 0-based index in the job (default: $SLURM_NODEID, else this host's "
+                             "position in $SLURM_JOB_NODELIST)")
+    if include_json:
+        parser.add_argument("--json", action="store_true",
+                            help='print {"node_rank": N, "ranks": [...], "world_size": W}')
+
+
+def run_plan(args: argparse.Namespace, env: Mapping[str, str] | None = None, hostname: str | None = None) -> int:
+    """Print this node's plan: ``node 1 of 4: ranks 4-7 (world size 16)``, or with ``--json``
+    ``{"node_rank": 1, "ranks": [4, 5, 6, 7], "world_size": 16}``. Returns 0.
+
+    ``env``/``hostname`` default to ``os.environ`` / ``socket.gethostname()``.
+
+    Raised when no plan can be made (see ``resolve_plan``): ConfigError, which ``h5serve``'s
+    ``main`` turns into exit code 1 with the message.
+    """
+    env = os.environ if env is None else env
+    hostname = socket.gethostname() if hostname is None else hostname
+    plan, nodes = _resolve(
+        getattr(args, "world_size", None), getattr(args, "tasks_per_node", None), getattr(args, "node_rank", None),
+        env, hostname,
+    )
+    print(plan.to_json() if getattr(args, "json", False) else plan.describe(nodes), file=sys.stdout)
+    return 0
