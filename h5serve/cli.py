@@ -210,9 +210,19 @@ def cmd_preload(args: argparse.Namespace) -> int:
     from .protocol import Acquire, AcquireResult
     from .source import resolve_dtype
 
+    if args.plan:
+        if args.ranks:
+            raise ConfigError("--plan and --ranks both choose ranks: pass one of them")
+        from .slurm import plan_from_args
+
+        plan = plan_from_args(args)
+        args.world_size, ranks = plan.world_size, list(plan.ranks)
+    elif args.world_size is None:
+        raise ConfigError("preload needs --world-size (or --plan inside a SLURM allocation)")
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
-    ranks = parse_ranks(args.ranks, args.world_size) if args.ranks else list(range(args.world_size))
+    if not args.plan:
+        ranks = parse_ranks(args.ranks, args.world_size) if args.ranks else list(range(args.world_size))
     path = os.path.abspath(args.file)
     dtypes = {args.x_key: resolve_dtype(args.dtype_x, "--dtype-x")}
     if args.y_key:
@@ -248,6 +258,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .slurm import add_plan_arguments, run_plan
+
     parser = argparse.ArgumentParser(prog="h5serve", description="HDF5 shards in shared memory for DDP training.")
     parser.add_argument("--version", action="version", version=f"h5serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -283,12 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--x-key", required=True)
     p.add_argument("--y-key")
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, help="ranks in the job (with --plan: default from SLURM)")
     p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
+    p.add_argument("--plan", action="store_true", help="load exactly the ranks that run on this node (see `h5serve plan`)")
     p.add_argument("--mode", choices=["contiguous", "interleave"], default="contiguous")
     p.add_argument("--dtype-x")
     p.add_argument("--dtype-y")
+    add_plan_arguments(p, include_world_size=False, include_json=False)
     p.set_defaults(func=cmd_preload)
+
+    p = sub.add_parser("plan", help="which global ranks run on this node (from SLURM variables or arguments)")
+    add_plan_arguments(p)
+    p.set_defaults(func=run_plan)
 
     p = sub.add_parser("demo", help="a real 2-rank torchrun job from the daemon, then without it")
     p.add_argument("--rows", type=int, default=20_000)

@@ -135,3 +135,17 @@ def test_restart_after_kill_adopts_complete_segments(tmp_path: Path) -> None:
         assert ds.backend == "shm" and d.status()["counters"].get("loads", 0) == 0
     finally:
         d.stop()
+
+
+def test_preload_plan_loads_exactly_this_nodes_ranks(daemon: Daemon, h5file: Path) -> None:
+    env = {**daemon.env, "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)",
+           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_NTASKS": "4"}
+    plan = h5serve_cli("plan", "--json", env=env)
+    assert plan.returncode == 0 and json.loads(plan.stdout) == {"node_rank": 1, "ranks": [2, 3], "world_size": 4}
+    done = h5serve_cli("preload", str(h5file), "--x-key", "x", "--plan", env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted((s["rank"], s["world_size"]) for s in daemon.status()["segments"]) == [(2, 4), (3, 4)]
+    both = h5serve_cli("preload", str(h5file), "--x-key", "x", "--plan", "--ranks", "0", env=env)
+    assert both.returncode == 1 and "pass one of them" in both.stderr
+    alone = h5serve_cli("preload", str(h5file), "--x-key", "x", env=daemon.env)
+    assert alone.returncode == 1 and "needs --world-size" in alone.stderr
