@@ -61,7 +61,17 @@ class DatasetInfo:
     linked_file: str = ""  # realpath of the file holding the data when reached by an external link
 
 # Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
-KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2"}
+KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2",
+                 32013: "zfp", 32017: "sz", 32024: "sz3", 32018: "fcidecomp", 305: "lzo", 32002: "mafisc"}
+# Filters the `filters` extra (hdf5plugin) provides: a missing one names the extra to install.
+HDF5PLUGIN_FILTERS = frozenset({32001, 32004, 32008, 32015, 32026, 307, 32013, 32017, 32024, 32018})
+
+try:  # registers blosc, zstd, lz4, bitshuffle, ... with HDF5 for this process
+    import hdf5plugin  # noqa: F401
+
+    HAVE_HDF5PLUGIN = True
+except ImportError:
+    HAVE_HDF5PLUGIN = False
 
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
@@ -318,10 +328,13 @@ def _check_filters(obj: h5py.Dataset, key: str) -> None:
         filter_id, _flags, _values, raw_name = plist.get_filter(i)
         if not h5py.h5z.filter_avail(filter_id):
             name = KNOWN_FILTERS.get(filter_id) or raw_name.decode(errors="replace") or "unknown"
+            if filter_id in HDF5PLUGIN_FILTERS and not HAVE_HDF5PLUGIN:
+                fix = "install the filters extra: pip install 'h5serve[filters]' (hdf5plugin)"
+            else:
+                fix = "install an HDF5 plugin for it (see HDF5_PLUGIN_PATH) or rewrite the dataset with gzip/lzf"
             raise UnsupportedDataset(
                 f"dataset {key!r} is compressed with HDF5 filter {name!r} (id {filter_id}), which is not "
-                "available here; install its plugin (`pip install hdf5plugin`, imported before h5py reads) "
-                "or rewrite the dataset with gzip/lzf"
+                f"available here; {fix}"
             )
 
 
