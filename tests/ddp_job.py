@@ -6,6 +6,7 @@ the order this rank saw them.
 
 import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,18 @@ def main() -> None:
     parser.add_argument("--mode", default="contiguous")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--node-runtime-dirs", help="A,B,...: simulated nodes; rank r uses dir r // ranks-per-node")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
+    if args.node_runtime_dirs:  # what a real multi-node job gets from its node's task prolog
+        dirs = args.node_runtime_dirs.split(",")
+        os.environ["H5SERVE_RUNTIME_DIR"] = dirs[dist.get_rank() // args.ranks_per_node]
     ds = SharedH5Dataset(args.path, x_key="x", y_key="y", mode=args.mode, dtype_x="float32")
     sampler = EpochShuffleSampler(len(ds), seed=42)
-    loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=args.workers, timeout=120)
+    loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=args.workers,
+                        timeout=120 if args.workers else 0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Flatten(), nn.Linear(48, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     epochs = []

@@ -17,12 +17,12 @@ JOB = Path(__file__).with_name("ddp_job.py")
 pytestmark = pytest.mark.slow
 
 
-def run_torchrun(path: Path, out: Path, runtime_dir: Path, mode: str, nproc: int = 2) -> list[dict]:
+def run_torchrun(path: Path, out: Path, runtime_dir: Path, mode: str, nproc: int = 2, *extra: str) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(JOB.parent.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(JOB), str(path), str(out), "--mode", mode]
+           str(JOB), str(path), str(out), "--mode", mode, *extra]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:
@@ -58,3 +58,26 @@ def test_ddp_two_ranks_shm_then_lazy(tmp_path: Path, mode: str) -> None:
     lazy = run_torchrun(path, tmp_path / "lazy", nothing, mode)
     assert [r["backend"] for r in lazy] == ["lazy", "lazy"]
     assert [r["epochs"] for r in lazy] == [r["epochs"] for r in shm]  # same rows, same order
+
+
+def test_two_simulated_nodes_each_daemon_holds_only_its_ranks(tmp_path: Path) -> None:
+    """Two daemons on separate runtime dirs stand for two nodes; a 4-rank gloo job whose ranks
+    0-1 use node A and 2-3 node B (H5SERVE_RUNTIME_DIR per rank)."""
+    rows = 803
+    path = make_h5(tmp_path / "train.h5", rows=rows)
+    a, b = Daemon(), Daemon()
+    try:
+        a.start()
+        b.start()
+        reports = run_torchrun(path, tmp_path / "multi", a.runtime_dir, "contiguous", 4,
+                               "--node-runtime-dirs", f"{a.runtime_dir},{b.runtime_dir}", "--workers", "0")
+        held = {name: sorted({(s["rank"], s["world_size"]) for s in d.status()["segments"]})
+                for name, d in (("A", a), ("B", b))}
+    finally:
+        a.stop()
+        b.stop()
+    assert [r["backend"] for r in reports] == ["shm"] * 4
+    assert held == {"A": [(0, 4), (1, 4)], "B": [(2, 4), (3, 4)]}
+    for epoch in range(2):
+        seen = [y for r in reports for y in r["epochs"][epoch]]
+        assert sorted(seen) == list(range(rows))

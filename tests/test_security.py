@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable
 
 import h5py
-import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
