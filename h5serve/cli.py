@@ -182,15 +182,23 @@ def _format_status(info: dict[str, Any]) -> str:
     if not segments:
         lines.append("no segments")
         return "\n".join(lines)
-    header = ("file", "key", "rank", "mode", "dtype", "size", "hits", "state")
+    header = ("file", "key", "ranks", "mode", "dtype", "size", "holders", "hits", "age", "state")
     rows = [
         (s["file"], s["key"], f"{s['rank']}/{s['world_size']}", s["mode"], s["dtype"], format_bytes(s["bytes"]),
-         str(s["hits"]), s["state"] if s["state"] == "ready" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
-        for s in segments
+         str(s.get("holders", 0)), str(s["hits"]), _format_age(s["age_s"]),
+         s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
+        for s in sorted(segments, key=lambda s: (s["file"], s["key"], s["world_size"], s["rank"]))
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     return "\n".join(lines)
+
+
+def _format_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ __all__ = [
     "read_progress",
     "read_meta",
     "try_evict",
+    "count_leases",
     "format_bytes",
 ]
 
@@ -365,6 +366,36 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
     except BaseException:
         os.close(fd)
         raise
+
+
+def count_leases(paths: list[Path]) -> dict[Path, int]:
+    """Shared leases held on each segment, from /proc/locks: one per attaching process
+    (forked DataLoader workers share their parent's lease; spawned ones take their own)."""
+    wanted: dict[tuple[int, int, int], Path] = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = path
+    counts = dict.fromkeys(paths, 0)
+    try:
+        with open("/proc/locks") as f:
+            lines = f.readlines()
+    except OSError:  # not Linux, or /proc hidden: report no holders rather than fail status
+        return counts
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "READ":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+        except ValueError:
+            continue
+        if key in wanted:
+            counts[wanted[key]] += 1
+    return counts
 
 
 def try_evict(path: Path) -> bool:

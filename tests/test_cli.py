@@ -28,13 +28,20 @@ def test_start_is_idempotent_and_second_daemon_cannot_steal_socket(daemon: Daemo
 def test_status_exit_codes_and_json(daemon: Daemon, h5file: Path) -> None:
     human = h5serve_cli("status", env=daemon.env)
     assert human.returncode == 0 and "no segments" in human.stdout
-    SharedH5Dataset(h5file, "x", "y", rank=1, world_size=2, runtime_dir=daemon.runtime_dir)
+    held = SharedH5Dataset(h5file, "x", "y", rank=1, world_size=2, runtime_dir=daemon.runtime_dir)
+    again = SharedH5Dataset(h5file, "x", rank=1, world_size=2, runtime_dir=daemon.runtime_dir)
     info = daemon.status()
+    assert info["schema_version"] == 1
+    assert {s["key"]: s["holders"] for s in info["segments"]} == {"x": 2, "y": 1}  # one lease per attach
+    again.close()
+    assert {s["key"]: s["holders"] for s in daemon.status()["segments"]} == {"x": 1, "y": 1}
+    held.close()
     rows = {(s["key"], s["rank"], s["world_size"], s["mode"], s["dtype"], s["state"]) for s in info["segments"]}
     assert rows == {("x", 1, 2, "contiguous", "uint8", "ready"), ("y", 1, 2, "contiguous", "int64", "ready")}
     assert info["memory"]["used"] == sum(s["bytes"] for s in info["segments"]) > 0
     table = h5serve_cli("status", env=daemon.env).stdout
     assert "x" in table and "1/2" in table and "ready" in table
+    assert "holders" in table and "age" in table
     assert h5serve_cli("stop", env=daemon.env).returncode == 0
     stopped = h5serve_cli("status", "--json", env=daemon.env)
     assert stopped.returncode == 3 and json.loads(stopped.stdout)["running"] is False

@@ -30,6 +30,7 @@ from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..segments import (
     SegmentMeta,
+    count_leases,
     format_bytes,
     read_meta,
     read_progress,
@@ -293,6 +294,7 @@ class SegmentStore:
     def status(self) -> dict[str, Any]:
         segments = []
         now = time.time()
+        holders = count_leases([self.shm_dir / e.name for e in self.entries.values() if e.state != "loading"])
         for entry in self.entries.values():
             m = entry.meta
             done = m.rows if entry.state != "loading" else (
@@ -302,7 +304,8 @@ class SegmentStore:
                 "world_size": m.world_size, "mode": m.mode, "dtype": str(m.np_dtype),
                 "source_dtype": str(np.dtype(m.source_dtype)),
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
-                "hits": entry.hits, "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
+                "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
+                "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
             })
         st = os.statvfs(self.shm_dir)
         return {
