@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import pty
+import select
+import struct
+import termios
+import time
 
 from h5serve.progress import Progress
 
 
 def test_bar_on_a_terminal() -> None:
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
     try:
         with os.fdopen(slave, "w", closefd=False) as tty:
             lines: list[str] = []
             bar = Progress("loading x", 1000, lines.append, stream=tty)
             for done in (100, 500, 1000):
+                time.sleep(0.15)  # tqdm redraws at most every 0.1 s, as a real load would be seen
                 bar.update(done)
             bar.close()
             tty.flush()
-        output = os.read(master, 65536).decode(errors="replace")
+        output = ""
+        while select.select([master], [], [], 2)[0]:  # never block: a silent bar fails, not hangs
+            chunk = os.read(master, 65536).decode(errors="replace")
+            output += chunk
+            if not chunk or "1.00k/1.00k" in output:
+                break
     finally:
         os.close(master)
         os.close(slave)
