@@ -558,6 +558,9 @@ def test_killed_clients_release_leases(reaper: Reaper) -> None:
     os.killpg(child.pid, signal.SIGKILL)
     child.wait(timeout=10)
     assert wait_for(lambda: not any(proc_alive(p) for p in workers), 10), "DataLoader workers survived SIGKILL"
+    # the kernel drops the dead processes' leases: the daemon sees no holder left on A
+    assert wait_for(lambda: [x["holders"] for x in segments_of(c) if x["name"] == seg_a["name"]] == [0], 10), \
+        segments_of(c)
 
     ds_b = reaper.keep(SharedH5Dataset(path, "x", rank=1, world_size=2, runtime_dir=d.runtime_dir,
                                        fallback="error"))
