@@ -13,45 +13,9 @@ package, and ``import h5serve`` itself imports nothing heavy (no torch, h5py or 
 
 from __future__ import annotations
 
-from .errors import (
-    AccessDenied,
-    BudgetExceeded,
-    CapacityError,
-    ConfigError,
-    DaemonAlreadyRunning,
-    DaemonUnavailable,
-    DataError,
-    H5ServeError,
-    KeyNotFound,
-    LengthMismatch,
-    ProtocolError,
-    RemoteError,
-    SegmentError,
-    ShmFull,
-    SourceChanged,
-    SourceNotFound,
-    UnsupportedDataset,
-)
+from . import errors as _errors
+from .errors import *  # noqa: F403 - the exception classes, drawn as a tree in errors.py
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "H5ServeError",
-    "ConfigError",
-    "DataError",
-    "SourceNotFound",
-    "KeyNotFound",
-    "UnsupportedDataset",
-    "LengthMismatch",
-    "SourceChanged",
-    "AccessDenied",
-    "CapacityError",
-    "ShmFull",
-    "BudgetExceeded",
-    "SegmentError",
-    "DaemonUnavailable",
-    "DaemonAlreadyRunning",
-    "ProtocolError",
-    "RemoteError",
-]
+__all__ = ["__version__", *(name for name in _errors.__all__ if name[0].isupper() and name != "ERROR_CODES")]
