@@ -58,6 +58,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         lookup_group(args.group)
     if args.max_memory is not None:
         parse_size(args.max_memory)  # a bad size is the caller's error, not a failed start
+    if args.loaders is not None and args.loaders < 1:
+        raise ConfigError(f"--loaders must be at least 1, got {args.loaders}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be in 0..65535 (0: any free port), got {args.metrics_port}")
     if account is not None and os.geteuid() != 0 and os.getuid() != account.uid:
         raise ConfigError(f"--user {account.name} needs `h5serve start` to run as root")
     location = resolve_runtime(args.runtime_dir, uid=account.uid if account else None)

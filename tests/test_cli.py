@@ -104,6 +104,21 @@ def test_bad_max_memory_is_refused_before_starting(tmp_path: Path) -> None:
         d.stop()
 
 
+@pytest.mark.parametrize("args,match", [
+    (["--loaders", "0"], "--loaders must be at least 1"),
+    (["--metrics-port", "70000"], "--metrics-port must be in"),
+    (["--max-memory", "12 parsecs"], "not a size"),
+])
+def test_bad_start_options_are_refused_before_starting(args: list[str], match: str) -> None:
+    d = Daemon()
+    try:
+        done = h5serve_cli("start", *args, env=d.env)
+        assert done.returncode == 1 and match in done.stderr
+        assert not (d.runtime_dir / "h5serve.sock").exists()
+    finally:
+        d.stop()
+
+
 def test_too_long_runtime_dir_is_a_clear_error(tmp_path: Path) -> None:
     done = h5serve_cli("status", "--runtime-dir", "/tmp/" + "d" * 120)
     assert done.returncode == 1 and "too long" in done.stderr
