@@ -266,13 +266,21 @@ def cmd_preload(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    for flag, value, low in (("--rows", args.rows, args.nproc), ("--epochs", args.epochs, 1), ("--nproc", args.nproc, 1)):
+        if value < max(low, 1):
+            raise ConfigError(f"{flag} must be at least {max(low, 1)}, got {value}")
     return run_demo(rows=args.rows, epochs=args.epochs, nproc=args.nproc)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .slurm import add_plan_arguments, run_plan
 
-    parser = argparse.ArgumentParser(prog="h5serve", description="HDF5 shards in shared memory for DDP training.")
+    parser = argparse.ArgumentParser(
+        prog="h5serve",
+        description="HDF5 shards in shared memory for DDP training.",
+        epilog="exit codes: 0 success, 1 an h5serve error (the message says what to do), 2 bad usage, "
+        "3 status: no daemon running",
+    )
     parser.add_argument("--version", action="version", version=f"h5serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -304,15 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = with_runtime(sub.add_parser("preload", help="load shards now; returns when they are loaded"))
-    p.add_argument("file")
-    p.add_argument("--x-key", required=True)
-    p.add_argument("--y-key")
+    p.add_argument("file", help="the HDF5 file")
+    p.add_argument("--x-key", required=True, help="dataset of inputs, e.g. images or group/images")
+    p.add_argument("--y-key", help="dataset of targets (optional)")
     p.add_argument("--world-size", type=int, help="ranks in the job (with --plan: default from SLURM)")
     p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
     p.add_argument("--plan", action="store_true", help="load exactly the ranks that run on this node (see `h5serve plan`)")
-    p.add_argument("--mode", choices=["contiguous", "interleave"], default="contiguous")
-    p.add_argument("--dtype-x")
-    p.add_argument("--dtype-y")
+    p.add_argument("--mode", choices=["contiguous", "interleave"], default="contiguous",
+                   help="the sharding the training job uses (default contiguous)")
+    p.add_argument("--dtype-x", help="the dtype_x the training job asks for, e.g. float32")
+    p.add_argument("--dtype-y", help="the dtype_y the training job asks for")
     add_plan_arguments(p, include_world_size=False, include_json=False)
     p.set_defaults(func=cmd_preload)
 
@@ -321,9 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=run_plan)
 
     p = sub.add_parser("demo", help="a real 2-rank torchrun job from the daemon, then without it")
-    p.add_argument("--rows", type=int, default=20_000)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rows", type=int, default=20_000, help="rows in the sample file (default 20000)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per job (default 2)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per job (default 2)")
     p.set_defaults(func=cmd_demo)
     return parser
 

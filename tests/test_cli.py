@@ -171,3 +171,9 @@ def test_preload_plan_loads_exactly_this_nodes_ranks(daemon: Daemon, h5file: Pat
     assert both.returncode == 1 and "pass one of them" in both.stderr
     alone = h5serve_cli("preload", str(h5file), "--x-key", "x", env=daemon.env)
     assert alone.returncode == 1 and "needs --world-size" in alone.stderr
+
+
+def test_demo_refuses_bad_sizes() -> None:
+    for args, match in ((["--nproc", "0"], "--nproc must be at least 1"), (["--rows", "1"], "--rows must be at least 2")):
+        done = h5serve_cli("demo", *args)
+        assert done.returncode == 1 and match in done.stderr
