@@ -215,3 +215,33 @@ def test_hung_daemon_means_fallback_not_hang(h5file: Path) -> None:
     finally:
         os.kill(d.pid, signal.SIGCONT)
         d.stop()
+
+
+def test_daemon_of_another_protocol_version_means_fallback_with_the_reason(shared_daemon: Daemon, h5file: Path) -> None:
+    """A client upgraded while the node's daemon kept running (it runs across jobs)."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, warnings\n"
+        "import h5serve.protocol as protocol\n"
+        "protocol.VERSION = 2  # what a newer client speaks\n"
+        "from h5serve.client import SharedH5Dataset\n"
+        "from h5serve.errors import ProtocolError\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    ds = SharedH5Dataset({str(h5file)!r}, 'x', 'y', runtime_dir={str(shared_daemon.runtime_dir)!r}, timeout=30)\n"
+        "try:\n"
+        f"    SharedH5Dataset({str(h5file)!r}, 'x', runtime_dir={str(shared_daemon.runtime_dir)!r}, fallback='error')\n"
+        "    strict = 'served'\n"
+        "except ProtocolError as exc:\n"
+        "    strict = str(exc)\n"
+        "print(json.dumps([ds.backend, int(ds[4][1]), [str(m.message) for m in w], strict]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    backend, label, warned, strict = json.loads(done.stdout.strip().splitlines()[-1])
+    assert backend == "lazy" and label == 4
+    assert any("different h5serve versions" in w and "h5serve stop; h5serve start" in w for w in warned), warned
+    assert "different h5serve versions" in strict

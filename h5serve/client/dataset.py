@@ -17,7 +17,15 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..errors import AccessDenied, CapacityError, ConfigError, DaemonUnavailable, H5ServeError, SegmentError
+from ..errors import (
+    AccessDenied,
+    CapacityError,
+    ConfigError,
+    DaemonUnavailable,
+    H5ServeError,
+    ProtocolError,
+    SegmentError,
+)
 from ..sharding import Selection, resolve_rank_world
 from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
@@ -27,8 +35,9 @@ __all__ = ["SharedH5Dataset", "Batch", "collate"]
 log = logging.getLogger("h5serve.client")
 FALLBACKS = ("lazy", "error")
 # Errors after which training can go on from the file itself: anything else is the user's to fix.
-# AccessDenied is the daemon's policy (--allow-root), not the user's right to read the file.
-_FALLBACK_ERRORS = (DaemonUnavailable, CapacityError, SegmentError, AccessDenied)
+# AccessDenied is the daemon's policy (--allow-root), not the user's right to read the file;
+# ProtocolError is a daemon of another h5serve version.
+_FALLBACK_ERRORS = (DaemonUnavailable, CapacityError, SegmentError, AccessDenied, ProtocolError)
 
 
 class Batch(list):
