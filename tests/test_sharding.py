@@ -16,7 +16,6 @@ from h5serve.sharding import (
     validate_shard,
 )
 
-
 # --------------------------------------------------------------------------- contiguous
 
 
