@@ -166,7 +166,14 @@ class ShmBackend(ArrayBackend):
                     f"x {spec.x_key!r} has {first[0].dataset_rows} rows but y {spec.y_key!r} has "
                     f"{first[1].dataset_rows}: they must have the same length"
                 )
-            segments = [cls._attach(client, r, result, rank_for_logs) for r, result in zip(requests, first)]
+            segments: list[AttachedSegment] = []
+            try:
+                for request, result in zip(requests, first):
+                    segments.append(cls._attach(client, request, result, rank_for_logs))
+            except BaseException:
+                for segment in segments:  # x attached but y failed: drop x's lease now, not at GC
+                    segment.close()
+                raise
         return cls(spec, segments)
 
     @staticmethod
