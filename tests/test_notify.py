@@ -58,6 +58,7 @@ def test_ready_status_watchdog_stopping(notify_socket, tmp_path: Path, watchdog_
         h5 = make_h5(tmp_path / "n.h5")
         SharedH5Dataset(h5, "x", runtime_dir=d.runtime_dir, fallback="error")
         later = receive(sock, "never", 1.5)
+        assert "EXTEND_TIMEOUT_USEC=30000000" in later + first  # sent as the load started
         watchdogs = [m for m in later if m == "WATCHDOG=1"]
         if watchdog_pid:
             assert watchdogs == []

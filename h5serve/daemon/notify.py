@@ -17,6 +17,8 @@ from typing import Mapping
 __all__ = ["Notifier"]
 
 log = logging.getLogger("h5serve.daemon")
+EXTEND_EVERY_S = 5.0
+EXTEND_BY_S = 30.0
 
 
 class Notifier:
@@ -32,6 +34,8 @@ class Notifier:
         mine = not pid or pid == str(os.getpid())
         self.watchdog_interval = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and mine else 0.0
         self._last_watchdog = 0.0
+        self._last_extend = 0.0
+        self._loading = False
         self._last_status = ""
         # Children (loader processes) must not speak for the daemon.
         if env is os.environ:
@@ -61,13 +65,16 @@ class Notifier:
             self.send(status=status)
 
     def tick(self, loading: bool) -> None:
-        """Call from the control loop: pets the watchdog when due, extends timeouts while loading."""
+        """Call from the control loop: pets the watchdog when due; while loads run, asks for
+        EXTEND_BY_S more of any pending timeout as a load starts and every EXTEND_EVERY_S."""
         now = time.monotonic()
         if self.watchdog_interval and now - self._last_watchdog >= self.watchdog_interval:
             self._last_watchdog = now
             self.send(watchdog=1)
-            if loading:
-                self.send(extend_timeout_usec=int(self.watchdog_interval * 4e6))
+        if loading and (not self._loading or now - self._last_extend >= EXTEND_EVERY_S):
+            self._last_extend = now
+            self.send(extend_timeout_usec=int(EXTEND_BY_S * 1e6))
+        self._loading = loading
 
     def stopping(self) -> None:
         self.send(stopping=1, status="stopping: unlinking segments")
