@@ -99,7 +99,7 @@ def cmd_start(args: argparse.Namespace) -> int:
                     continue
                 print(f"h5serve daemon started (pid {info['pid']}) on {location.endpoint}; log: {location.logfile}")
                 return EXIT_OK
-            if process.poll() is not None:
+            if process.poll() not in (None, 0):  # 0: another start won the race; wait for its daemon
                 break
             time.sleep(0.05)
         if process.poll() is None:

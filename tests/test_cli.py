@@ -177,3 +177,21 @@ def test_demo_refuses_bad_sizes() -> None:
     for args, match in ((["--nproc", "0"], "--nproc must be at least 1"), (["--rows", "1"], "--rows must be at least 2")):
         done = h5serve_cli("demo", *args)
         assert done.returncode == 1 and match in done.stderr
+
+
+def test_concurrent_starts_give_one_daemon_and_both_succeed() -> None:
+    d = Daemon()
+    try:
+        starts = [subprocess.Popen([sys.executable, "-m", "h5serve", "start"], env=d.env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        try:
+            results = [(p.wait(timeout=60), p.stderr.read()) for p in starts]
+        finally:
+            for p in starts:
+                if p.poll() is None:
+                    p.kill()
+        assert all(code == 0 for code, _ in results), results
+        d.pid = int((d.runtime_dir / "h5serve.pid").read_text())
+        assert d.status()["pid"] == d.pid
+    finally:
+        d.stop()
