@@ -53,6 +53,7 @@ def main() -> None:
     }
     with open(f"{args.report_dir}/rank{report['rank']}.json", "w") as f:
         json.dump(report, f)
+    dist.barrier()  # every rank is done with gloo before any tears it down
     dist.destroy_process_group()
 
 

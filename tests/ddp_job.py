@@ -49,6 +49,7 @@ def main() -> None:
         epochs.append(seen)
     with open(f"{args.out}/rank{dist.get_rank()}.json", "w") as f:
         json.dump({"rank": dist.get_rank(), "backend": ds.backend, "epochs": epochs}, f)
+    dist.barrier()  # every rank is done with gloo before any tears it down
     dist.destroy_process_group()
 
 
