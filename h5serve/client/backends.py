@@ -27,7 +27,6 @@ from .connection import DaemonClient
 __all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]
 
 log = logging.getLogger("h5serve.client")
-_PROGRESS_LOG_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ class ShmBackend(ArrayBackend):
                 emit = log.info if rank_for_logs == 0 else log.debug
                 stream = None if rank_for_logs == 0 else io.StringIO()
                 bar.append(Progress(f"rank {rank_for_logs}: loading {request.key} into shm", result.rows_total,
-                                    emit, stream, interval=_PROGRESS_LOG_INTERVAL_S))
+                                    emit, stream))
             bar[0].update(result.rows_done)
 
         try:
@@ -260,4 +259,3 @@ class LazyBackend:
 
 
 Backend = ArrayBackend | LazyBackend
-BackendFactory = Callable[[BackendSpec], Backend]

@@ -8,7 +8,6 @@ destroyed (``linger=0``) and rebuilt, so a late reply can never be taken for the
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any, Callable
@@ -31,7 +30,6 @@ from ..runtime import RuntimeLocation, daemon_lock_held, resolve_runtime
 
 __all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S"]
 
-log = logging.getLogger("h5serve.client")
 
 DEFAULT_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 0.05

@@ -6,7 +6,6 @@ run without a daemon is the same run, only slower.
 
 from __future__ import annotations
 
-import logging
 import operator
 import os
 import warnings
@@ -32,7 +31,6 @@ from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
 
 __all__ = ["SharedH5Dataset", "Batch", "collate"]
 
-log = logging.getLogger("h5serve.client")
 FALLBACKS = ("lazy", "error")
 # Errors after which training can go on from the file itself: anything else is the user's to fix.
 # AccessDenied is the daemon's policy (--allow-root), not the user's right to read the file;
@@ -56,10 +54,6 @@ def collate(batch: Any) -> Any:
     if isinstance(batch, Batch):
         return batch.x if batch.y is None else (batch.x, batch.y)
     return default_collate(batch)
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a)
 
 
 class SharedH5Dataset(Dataset):
@@ -171,15 +165,15 @@ class SharedH5Dataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         arrays = self._gather([operator.index(index)])
-        x = _tensor(arrays[0][0, ...])
-        y = _tensor(arrays[1][0, ...]) if len(arrays) > 1 else None
+        x = torch.from_numpy(arrays[0][0, ...])
+        y = torch.from_numpy(arrays[1][0, ...]) if len(arrays) > 1 else None
         return self._sample(x, y)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A whole batch with one vectorised gather per array (DataLoader calls this)."""
         arrays = self._gather(indices)
-        x = _tensor(arrays[0])
-        y = _tensor(arrays[1]) if len(arrays) > 1 else None
+        x = torch.from_numpy(arrays[0])
+        y = torch.from_numpy(arrays[1]) if len(arrays) > 1 else None
         if self.transform is None and self.target_transform is None:
             return Batch(x, y)
         if y is None:
