@@ -40,6 +40,16 @@ class Selection:
     def indices(self, total: int) -> np.ndarray:
         return shard_indices(total, self.world_size, self.rank, self.mode)
 
+    def first(self, total: int) -> int:
+        """Global row of local position 0 (local ``k`` is global ``first + k * step``)."""
+        if self.mode == "contiguous":
+            return balanced_contiguous_shard(total, self.world_size, self.rank)[0]
+        return self.rank
+
+    @property
+    def step(self) -> int:
+        return self.world_size if self.mode == "interleave" else 1
+
     def count(self, total: int) -> int:
         if self.mode == "contiguous":
             start, end = balanced_contiguous_shard(total, self.world_size, self.rank)

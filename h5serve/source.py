@@ -1,4 +1,4 @@
-"""Reading HDF5 sources with h5py: identity, validation, chunk-aligned block reads.
+"""HDF5 sources through h5py: identity, validation, dtypes (reading rows is in reads.py).
 
 Shared by the daemon's loader, the lazy client backend and the in-memory compat backend, so
 the three read the same rows the same way and cast with the same numpy rule (never HDF5's own
@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import h5py
 import numpy as np
 
-from .errors import ConfigError, DataError, KeyNotFound, LengthMismatch, SourceNotFound, UnsupportedDataset
-from .sharding import Selection
+from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceNotFound, UnsupportedDataset
 
 __all__ = [
     "FileIdentity",
@@ -28,11 +26,8 @@ __all__ = [
     "check_lengths",
     "resolve_dtype",
     "storage_dtype",
-    "read_shard_into",
-    "read_rows",
 ]
 
-BLOCK_BYTES = 32 * 1024 * 1024  # rows per read are chunk-aligned and about this large
 SERVABLE_KINDS = "biufc"
 MAX_LINKS = 40  # soft and external links followed for one key before it is called a cycle
 
@@ -352,91 +347,3 @@ def storage_dtype(source: np.dtype, requested: np.dtype | None) -> np.dtype:
     if requested is None or requested == source:
         return source
     return source if source.itemsize < requested.itemsize else requested
-
-
-def _blocks(start: int, end: int, info: DatasetInfo) -> Iterator[tuple[int, int]]:
-    row_bytes = max(int(np.prod(info.row_shape, dtype=np.int64)) * info.dtype.itemsize, 1)
-    step = max(BLOCK_BYTES // row_bytes // info.chunk_rows, 1) * info.chunk_rows
-    a = start
-    while a < end:
-        b = min((a // info.chunk_rows + 1) * info.chunk_rows + step - info.chunk_rows, end)
-        yield a, b
-        a = b
-
-
-def _read_error(exc: OSError, dset: h5py.Dataset, info: DatasetInfo, lo: int, hi: int) -> DataError:
-    """The error for rows ``lo..hi-1`` that HDF5 failed to read (``exc`` says why)."""
-    return DataError(
-        f"cannot read rows {lo}..{hi - 1} of dataset {info.key!r} in {dset.file.filename}: {exc}; the file "
-        "may be damaged or truncated (check it with `h5dump -H` / `h5ls -rv`, or rewrite it)"
-    )
-
-
-def read_shard_into(
-    dset: h5py.Dataset,
-    info: DatasetInfo,
-    selection: Selection,
-    out: np.ndarray,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Fill ``out`` with the shard's rows, cast to ``out.dtype``, in chunk-aligned blocks.
-
-    Contiguous shards with no cast are read straight into ``out`` (no intermediate copy);
-    interleaved shards read contiguous blocks and stride them in memory (h5py is slow at
-    ``d[r::W]``).
-
-    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
-    """
-    indices = selection.indices(info.rows)
-    if len(indices) == 0:
-        return
-    first, last = int(indices[0]), int(indices[-1]) + 1
-    W = selection.world_size if selection.mode == "interleave" else 1
-    done = 0
-    buffer: np.ndarray | None = None
-    for a, b in _blocks(first, last, info):
-        # rows of this shard in [a, b): global rows first + k*W
-        k0 = -(-(a - first) // W)
-        k1 = -(-(b - first) // W)
-        if k1 <= k0:
-            continue
-        try:
-            if W == 1 and out.dtype == info.dtype:
-                dset.read_direct(out, np.s_[a:b], np.s_[k0:k1])
-            else:
-                if buffer is None or buffer.shape[0] < b - a:
-                    buffer = np.empty((b - a, *info.row_shape), dtype=info.dtype)
-                block = buffer[: b - a]
-                dset.read_direct(block, np.s_[a:b], np.s_[0:b - a])
-                np.copyto(out[k0:k1], block[first + k0 * W - a :: W][: k1 - k0], casting="unsafe")
-        except OSError as exc:
-            raise _read_error(exc, dset, info, a, b) from exc
-        done = k1
-        if progress is not None:
-            progress(done)
-
-
-def read_rows(dset: h5py.Dataset, info: DatasetInfo, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Rows ``rows`` (any order, repeats allowed) as a fresh array of ``dtype``.
-
-    Reads each distinct row once, in increasing order (h5py needs sorted unique indices):
-    one slice when the rows are dense, else one point selection.
-
-    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
-    """
-    rows = np.asarray(rows, dtype=np.int64)
-    if rows.size == 0:
-        return np.empty((0, *info.row_shape), dtype=dtype)
-    unique, inverse = np.unique(rows, return_inverse=True)
-    lo, hi = int(unique[0]), int(unique[-1]) + 1
-    try:
-        if hi - lo <= 4 * len(unique):
-            block = np.empty((hi - lo, *info.row_shape), dtype=info.dtype)
-            dset.read_direct(block, np.s_[lo:hi], np.s_[0:hi - lo])
-            data = block[unique - lo]
-        else:
-            data = np.asarray(dset[unique.tolist()], dtype=info.dtype)
-    except OSError as exc:
-        raise _read_error(exc, dset, info, lo, hi) from exc
-    out = data[inverse.reshape(-1)]
-    return out if out.dtype == dtype else out.astype(dtype)

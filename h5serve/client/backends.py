@@ -21,7 +21,8 @@ from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
-from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5, read_rows, read_shard_into
+from ..reads import read_rows, read_shard_into
+from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5
 from .connection import DaemonClient
 
 __all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]

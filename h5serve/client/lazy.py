@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..source import check_lengths, inspect_dataset, open_h5, read_rows, resolve_dtype
+from ..reads import read_rows
+from ..source import check_lengths, inspect_dataset, open_h5, resolve_dtype
 from .backends import H5Handle
 
 __all__ = ["H5LazyDataset", "h5_worker_init_fn"]

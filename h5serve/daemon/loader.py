@@ -22,7 +22,8 @@ from typing import Callable
 from ..errors import SourceChanged, code_for
 from ..segments import SegmentMeta, create_segment
 from ..sharding import Selection
-from ..source import inspect_dataset, open_h5, read_shard_into, sources_unchanged
+from ..reads import read_shard_into
+from ..source import inspect_dataset, open_h5, sources_unchanged
 
 __all__ = ["LoadJob", "start_load", "loader_context"]
 
