@@ -54,6 +54,7 @@ class DatasetInfo:
     dtype: np.dtype  # native byte order
     chunk_rows: int  # rows per chunk along axis 0 (the whole dataset if not chunked)
     linked_file: str = ""  # realpath of the file holding the data when reached by an external link
+    chunked: bool = True  # False: contiguous or compact layout (any row range reads directly)
 
 # Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
 KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2",
@@ -165,6 +166,7 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         dtype=dtype.newbyteorder("="),
         chunk_rows=int(chunks[0]) if chunks else max(int(obj.shape[0]), 1),
         linked_file=linked,
+        chunked=bool(chunks),
     )
 
 

@@ -6,13 +6,20 @@ Light, fork- and spawn-safe; never imports ``h5serve.daemon``.
 from ..sharding import balanced_contiguous_shard, interleaved_indices, shard_indices
 from .compat import RankMemCachedH5Dataset
 from .connection import DaemonClient
-from .dataset import Batch, SharedH5Dataset, collate
+from .dataset import Batch, SampleList, SharedH5Dataset, collate
 from .lazy import H5LazyDataset, h5_worker_init_fn
-from .sampler import EpochShuffleSampler
+from .loader import make_loader, seed_worker
+from .sampler import EpochBatchSampler, EpochShuffleSampler
+from .stats import LoaderSnapshot, LoaderStats
 
 __all__ = [
     "SharedH5Dataset",
+    "make_loader",
     "EpochShuffleSampler",
+    "EpochBatchSampler",
+    "LoaderStats",
+    "LoaderSnapshot",
+    "seed_worker",
     "H5LazyDataset",
     "RankMemCachedH5Dataset",
     "h5_worker_init_fn",
@@ -20,6 +27,7 @@ __all__ = [
     "interleaved_indices",
     "shard_indices",
     "Batch",
+    "SampleList",
     "collate",
     "DaemonClient",
 ]

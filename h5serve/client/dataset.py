@@ -9,7 +9,8 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -28,8 +29,9 @@ from ..errors import (
 from ..sharding import Selection, resolve_rank_world
 from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
+from .gather import as_positions
 
-__all__ = ["SharedH5Dataset", "Batch", "collate"]
+__all__ = ["SharedH5Dataset", "Batch", "SampleList", "collate"]
 
 FALLBACKS = ("lazy", "error")
 # Errors after which training can go on from the file itself: anything else is the user's to fix.
@@ -38,22 +40,59 @@ FALLBACKS = ("lazy", "error")
 _FALLBACK_ERRORS = (DaemonUnavailable, CapacityError, SegmentError, AccessDenied, ProtocolError)
 
 
-class Batch(list):
-    """What ``__getitems__`` returns: a list of per-sample tuples (so ``default_collate``
-    works) that also carries the gathered batch tensors ``x`` and ``y``; ``collate``
-    returns those directly without stacking the samples again."""
+class Batch(Sequence):
+    """What ``__getitems__`` returns for (x, y) data: the gathered batch tensors ``x`` and ``y``.
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        super().__init__(x.unbind(0) if y is None else zip(x.unbind(0), y.unbind(0)))
+    ``collate`` returns them as they are (the fast path: no per-sample objects at all). To
+    ``default_collate`` it is a sequence of per-sample ``(x[i], y[i])`` pairs, made on demand
+    and stacked again: slower, but a DataLoader without ``collate_fn`` still works.
+    """
+
+    __slots__ = ("x", "y")
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x = x
         self.y = y
 
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.x[index], self.y[index]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return zip(self.x.unbind(0), self.y.unbind(0))
+
+
+class SampleList(list):
+    """What ``__getitems__`` returns for x-only data: the per-sample rows as a real list
+    (``default_collate`` stacks lists and tuples only), carrying the gathered tensor ``x``
+    that ``collate`` returns without stacking again."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__(x.unbind(0))
+        self.x = x
+        self.y = None
+
 
 def collate(batch: Any) -> Any:
-    """A ``collate_fn`` for DataLoader: the gathered tensors of a Batch, else default_collate."""
+    """The ``collate_fn`` that goes with SharedH5Dataset: the gathered tensors of a batch as
+    they are (``x`` or ``(x, y)``), anything else through ``default_collate``."""
     if isinstance(batch, Batch):
-        return batch.x if batch.y is None else (batch.x, batch.y)
+        return batch.x, batch.y
+    if isinstance(batch, SampleList):
+        return batch.x
     return default_collate(batch)
+
+
+def _check_cache_bytes(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"cache_bytes must be a number of bytes >= 0 (0: no cache) or None (auto), got {value!r}")
+    return int(value)
 
 
 class SharedH5Dataset(Dataset):
@@ -63,6 +102,12 @@ class SharedH5Dataset(Dataset):
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served
     by the daemon, ``"lazy"`` when read through h5py (``fallback="lazy"``, the default, when
     no daemon answers; ``fallback="error"`` raises DaemonUnavailable instead).
+
+    The fast path: ``make_loader(ds, batch_size)``, or a DataLoader with
+    ``collate_fn=h5serve.client.collate`` (one gather per batch, no per-sample tensors).
+    ``cache_bytes``: the lazy backend keeps the chunks it has read in this process, up to
+    the whole shard, when the shard fits in ``cache_bytes`` (default: half the memory
+    available; 0: never cache, read rows through HDF5 each time).
 
     Raised for bad arguments: ConfigError. Raised for a missing file or key, mismatched
     lengths or an unservable dtype: the DataError subclass that says which.
@@ -84,6 +129,7 @@ class SharedH5Dataset(Dataset):
         fallback: str = "lazy",
         runtime_dir: str | os.PathLike[str] | None = None,
         timeout: float | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -101,6 +147,7 @@ class SharedH5Dataset(Dataset):
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
             timeout=timeout,
             h5_options=self._h5_options(),
+            cache_bytes=_check_cache_bytes(cache_bytes),
         )
         self.mode = mode
         self.transform = transform
@@ -147,12 +194,8 @@ class SharedH5Dataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def _gather(self, local: Sequence[int] | np.ndarray) -> list[np.ndarray]:
-        positions = np.asarray(local, dtype=np.int64).reshape(-1)
-        n = len(self.indices)
-        if positions.size and (positions.min() < -n or positions.max() >= n):
-            raise IndexError(f"index out of range for a shard of {n} rows")
-        return self._backend.gather(np.where(positions < 0, positions + n, positions))
+    def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor) -> list[torch.Tensor]:
+        return self._backend.gather(as_positions(local, len(self.indices)))
 
     def _sample(self, x: torch.Tensor, y: torch.Tensor | None) -> Any:
         if self.transform is not None:
@@ -164,18 +207,16 @@ class SharedH5Dataset(Dataset):
         return x, y
 
     def __getitem__(self, index: int) -> Any:
-        arrays = self._gather([operator.index(index)])
-        x = torch.from_numpy(arrays[0][0, ...])
-        y = torch.from_numpy(arrays[1][0, ...]) if len(arrays) > 1 else None
-        return self._sample(x, y)
+        tensors = self._gather([operator.index(index)])
+        return self._sample(tensors[0][0], tensors[1][0] if len(tensors) > 1 else None)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A whole batch with one vectorised gather per array (DataLoader calls this)."""
-        arrays = self._gather(indices)
-        x = torch.from_numpy(arrays[0])
-        y = torch.from_numpy(arrays[1]) if len(arrays) > 1 else None
+    def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Sequence[Any]:
+        """A whole batch with one vectorised gather per array (DataLoader calls this): a Batch
+        (or SampleList) for ``collate``, or per-sample results when there are transforms."""
+        tensors = self._gather(indices)
+        x, y = tensors[0], (tensors[1] if len(tensors) > 1 else None)
         if self.transform is None and self.target_transform is None:
-            return Batch(x, y)
+            return SampleList(x) if y is None else Batch(x, y)
         if y is None:
             return [self._sample(xi, None) for xi in x.unbind(0)]
         return [self._sample(xi, yi) for xi, yi in zip(x.unbind(0), y.unbind(0))]

@@ -14,8 +14,11 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ..reads import read_rows
+from ..sharding import Selection
 from ..source import check_lengths, inspect_dataset, open_h5, resolve_dtype
 from .backends import H5Handle
+from .chunkcache import ChunkCache
+from .gather import as_positions
 
 __all__ = ["H5LazyDataset", "h5_worker_init_fn"]
 
@@ -33,6 +36,10 @@ class H5LazyDataset(Dataset):
 
     As in the predecessor, transforms receive NumPy arrays (cast to ``x_dtype``/``y_dtype``
     when given); results that are arrays come back as tensors.
+
+    ``rdcc_nbytes`` is the chunk cache budget: when the datasets fit in it, each process keeps
+    the chunks it has read (in h5serve's own cache, which gathers a batch without a call into
+    HDF5 per row); otherwise HDF5's chunk cache gets ``rdcc_*`` as given.
 
     Raised for a missing file or key, mismatched lengths or an unservable dtype: the
     DataError subclass that says which. Raised for a bad dtype argument: ConfigError.
@@ -60,21 +67,23 @@ class H5LazyDataset(Dataset):
         check_lengths(self._infos[0], self._infos[1] if len(self._infos) > 1 else None)
         requested = (resolve_dtype(x_dtype, "x_dtype"), resolve_dtype(y_dtype, "y_dtype"))
         self._dtypes = [r or info.dtype for info, r in zip(self._infos, requested)]
-        self._handle = H5Handle(
-            self.path, {"rdcc_nbytes": rdcc_nbytes, "rdcc_nslots": rdcc_nslots, "rdcc_w0": rdcc_w0, "swmr": swmr}
-        )
+        self._whole = Selection("contiguous", 1, 0)
+        self._cached = sum(ChunkCache.nbytes_for(info, self._whole) for info in self._infos) <= rdcc_nbytes
+        rdcc = {} if self._cached else {"rdcc_nbytes": rdcc_nbytes, "rdcc_nslots": rdcc_nslots, "rdcc_w0": rdcc_w0}
+        self._handle = H5Handle(self.path, {**rdcc, "swmr": swmr})
+        self._caches: list[ChunkCache] | None = None
 
     def __len__(self) -> int:
         return self._infos[0].rows
 
     def _read(self, rows: Sequence[int] | np.ndarray) -> list[np.ndarray]:
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if rows.size and (rows.min() < -n or rows.max() >= n):
-            raise IndexError(f"index out of range for a dataset of {n} rows")
-        rows = np.where(rows < 0, rows + n, rows)
-        f = self._handle.file()
-        return [read_rows(f[info.key], info, rows, dtype) for info, dtype in zip(self._infos, self._dtypes)]
+        positions = as_positions(rows, len(self))
+        if self._cached:
+            if self._caches is None:
+                self._caches = [ChunkCache(info, self._whole, d) for info, d in zip(self._infos, self._dtypes)]
+            return [cache.take(self._handle.dataset, positions).numpy() for cache in self._caches]
+        rows = positions.numpy()
+        return [read_rows(self._handle.dataset(info.key), info, rows, d) for info, d in zip(self._infos, self._dtypes)]
 
     def _sample(self, x: np.ndarray, y: np.ndarray | None) -> Any:
         x = _as_tensor(self.transform(x) if self.transform is not None else x)
@@ -93,8 +102,12 @@ class H5LazyDataset(Dataset):
         return [self._sample(x, y) for x, y in zip(arrays[0], ys)]
 
     def close(self) -> None:
-        """Close this process's h5py handle (reopened on next access)."""
+        """Close this process's h5py handle and drop its cache (both come back on next access)."""
         self._handle.close()
+        self._caches = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_caches": None}  # a spawned worker fills its own cache
 
     def _drop_inherited_handles(self) -> None:
         self._handle.drop_inherited()
