@@ -219,7 +219,7 @@ def test_lazy_cache_damaged_chunk_is_an_error_not_zeros(tmp_path: Path, no_daemo
         ds = SharedH5Dataset(path, "x", rank=0, world_size=1, timeout=0.2)
     assert torch.equal(collate(ds.__getitems__([1, 99])), torch.from_numpy(x[[1, 99]]))
     for _ in range(2):  # the chunk stays unread: asking again fails again, never serves garbage
-        with pytest.raises(DataError, match="rows 50..59"):
+        with pytest.raises(DataError, match=r"rows 5\d\.\.5\d"):
             ds.__getitems__([3, 55])
     assert torch.equal(collate(ds.__getitems__([62])), torch.from_numpy(x[[62]]))
 

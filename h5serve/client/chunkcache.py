@@ -21,7 +21,8 @@ import h5py
 import numpy as np
 import torch
 
-from ..reads import read_block_into, row_bytes
+from ..errors import DataError
+from ..reads import read_block_into, read_rows, row_bytes
 from ..sharding import Selection
 from ..source import DatasetInfo
 from .gather import RowSource
@@ -108,13 +109,22 @@ class ChunkCache:
             dset = dataset(self.info.key)
             rows = self.first + positions.numpy() * self.step
             blocks = np.unique(rows // self.block_rows) - self.block0
+            damaged = False
             for c in blocks[~self.loaded[blocks]].tolist():
                 a = (self.block0 + c) * self.block_rows
-                _, _, self._buffer = read_block_into(
-                    dset, self.info, self.selection, self.data, a, a + self.block_rows, self._buffer
-                )
+                try:
+                    _, _, self._buffer = read_block_into(
+                        dset, self.info, self.selection, self.data, a, a + self.block_rows, self._buffer
+                    )
+                except DataError:
+                    damaged = True  # the block stays unread; asked again, it fails again
+                    continue
                 self.loaded[c] = True
                 self.missing -= 1
+            if damaged:
+                # Serve this batch straight from HDF5, a chunk run at a time: rows of good chunks
+                # still read, and the error names the rows of the damaged chunk.
+                return torch.from_numpy(read_rows(dset, self.info, rows, self.rows.out_dtype))
             if not self.missing:
                 self._buffer = None
         return self.rows.take(positions)
