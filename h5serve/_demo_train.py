@@ -12,9 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
 
-from h5serve.client import EpochShuffleSampler, SharedH5Dataset, collate
+from h5serve.client import LoaderStats, SharedH5Dataset, make_loader
 
 
 def main() -> None:
@@ -30,16 +29,16 @@ def main() -> None:
     t0 = time.perf_counter()
     ds = SharedH5Dataset(args.path, x_key="images", y_key="labels", mode="contiguous", dtype_x=np.float32)
     ready_s = time.perf_counter() - t0
-    sampler = EpochShuffleSampler(len(ds), seed=42)
-    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
+    loader = make_loader(ds, args.batch_size, seed=42)
+    stats = LoaderStats(loader)
     features = int(np.prod(ds[0][0].shape))
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Flatten(), nn.Linear(features, 10)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     seen, loss = 0, torch.tensor(0.0)
     t1 = time.perf_counter()
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
+        loader.batch_sampler.set_epoch(epoch)
+        for x, y in stats:
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(x / 255.0), y)
             loss.backward()
@@ -49,7 +48,7 @@ def main() -> None:
     report = {
         "rank": dist.get_rank(), "backend": ds.backend, "rows": len(ds), "first_row": int(ds.indices[0]),
         "ready_ms": round(ready_s * 1000, 1), "samples": seen, "samples_per_s": round(seen / train_s),
-        "loss": round(float(loss), 4),
+        "loss": round(float(loss), 4), "waiting_for_data": round(stats.snapshot().wait_fraction, 3),
     }
     with open(f"{args.report_dir}/rank{report['rank']}.json", "w") as f:
         json.dump(report, f)

@@ -57,10 +57,10 @@ def _run_job(path: Path, runtime_dir: Path, nproc: int, epochs: int) -> list[dic
 
 
 def _table(title: str, reports: list[dict[str, Any]]) -> str:
-    lines = [title, f"  {'rank':>4} {'backend':>7} {'rows':>7} {'first row':>9} {'ready ms':>9} {'samples/s':>10} {'loss':>7}"]
+    lines = [title, f"  {'rank':>4} {'backend':>7} {'rows':>7} {'first row':>9} {'ready ms':>9} {'samples/s':>10} {'waiting':>8} {'loss':>7}"]
     for r in reports:
         lines.append(f"  {r['rank']:>4} {r['backend']:>7} {r['rows']:>7} {r['first_row']:>9} {r['ready_ms']:>9.1f} "
-                     f"{r['samples_per_s']:>10} {r['loss']:>7.3f}")
+                     f"{r['samples_per_s']:>10} {r['waiting_for_data']:>8.0%} {r['loss']:>7.3f}")
     return "\n".join(lines)
 
 
@@ -82,7 +82,7 @@ def run_demo(rows: int = 20_000, epochs: int = 2, nproc: int = 2) -> int:
         print(_table("job 2, same daemon (attaches to the segments job 1 loaded):", second))
         print(_h5serve("status", env=env).stdout.rstrip())
         lazy = _run_job(path, no_daemon_dir, nproc, epochs)
-        print(_table("job 3, no daemon (lazy h5py reads of the same rows, same order):", lazy))
+        print(_table("job 3, no daemon (lazy h5py reads of the same rows, same order, chunks cached per process):", lazy))
         shm_rate = sum(r["samples_per_s"] for r in second) / max(len(second), 1)
         lazy_rate = sum(r["samples_per_s"] for r in lazy) / max(len(lazy), 1)
         mean_ready = [sum(r["ready_ms"] for r in job) / len(job) for job in (first, second)]

@@ -1,0 +1,166 @@
+"""What every scenario shares: the data files, a real daemon, clocks and the result rows."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+
+CHUNK_ROWS = 256
+ROW_SHAPE = (3, 32, 32)
+
+
+@dataclass
+class Row:
+    """One line of the table. ``higher_is_better``: rates (samples/s, MB/s) vs times (ms)."""
+
+    scenario: str
+    unit: str
+    h5serve: float
+    baseline: float | None = None
+    limit: float | None = None
+    higher_is_better: bool = True
+    target: str = ""  # e.g. ">= 10x baseline"
+    target_ratio: float | None = None  # on ``ratio`` (speedup over the baseline)
+    target_vs_limit: float | None = None  # on ``vs_limit``
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.baseline or not self.h5serve:
+            return None
+        return self.h5serve / self.baseline if self.higher_is_better else self.baseline / self.h5serve
+
+    @property
+    def vs_limit(self) -> float | None:
+        if not self.limit or not self.h5serve:
+            return None
+        return self.h5serve / self.limit if self.higher_is_better else self.limit / self.h5serve
+
+    @property
+    def met(self) -> bool | None:
+        checks = []
+        if self.target_ratio is not None and self.ratio is not None:
+            checks.append(self.ratio >= self.target_ratio)
+        if self.target_vs_limit is not None and self.vs_limit is not None:
+            checks.append(self.vs_limit >= self.target_vs_limit)
+        return all(checks) if checks else None
+
+    def as_dict(self) -> dict:
+        return {"scenario": self.scenario, "unit": self.unit, "h5serve": self.h5serve, "baseline": self.baseline,
+                "limit": self.limit, "ratio": self.ratio, "vs_limit": self.vs_limit, "target": self.target,
+                "met": self.met, "note": self.note, **self.extra}
+
+
+def clock() -> float:
+    return time.perf_counter()
+
+
+def median_time(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = clock()
+        fn()
+        times.append(clock() - t)
+    return statistics.median(times)
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ----- data -------------------------------------------------------------------------------
+def _image_rows(start: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Image-like uint8 rows: smooth gradients plus a little noise (gzip gets ~2-3x on them)."""
+    yy, xx = np.mgrid[0:ROW_SHAPE[1], 0:ROW_SHAPE[2]]
+    base = (xx * 3 + yy * 5).astype(np.int64)
+    ids = np.arange(start, start + count, dtype=np.int64)[:, None, None, None]
+    channel = np.arange(ROW_SHAPE[0])[None, :, None, None] * 40
+    noise = rng.integers(0, 8, (count, *ROW_SHAPE))
+    return ((base[None, None] + ids * 7 + channel + noise) % 256).astype(np.uint8)
+
+
+def make_files(directory: Path, rows: int, float_rows: int) -> dict[str, Path]:
+    """plain (uint8, chunked 256 rows), gzip (the same with shuffle+gzip), float32 (fewer rows,
+    the same bytes), each with int64 labels. Kept between runs: made again when missing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {"plain": directory / f"plain-{rows}.h5", "gzip": directory / f"gzip-{rows}.h5",
+             "float32": directory / f"float32-{float_rows}.h5"}
+    specs = {"plain": (rows, "uint8", {}), "gzip": (rows, "uint8", {"compression": "gzip", "shuffle": True}),
+             "float32": (float_rows, "float32", {})}
+    for name, path in files.items():
+        if path.exists():
+            continue
+        n, dtype, options = specs[name]
+        log(f"writing {path} ({n} rows, {dtype}{', shuffle+gzip' if options else ''})")
+        rng = np.random.default_rng(0)
+        tmp = path.with_suffix(".tmp")
+        with h5py.File(tmp, "w") as f:
+            x = f.create_dataset("x", (n, *ROW_SHAPE), dtype=dtype, chunks=(CHUNK_ROWS, *ROW_SHAPE), **options)
+            f.create_dataset("y", data=rng.integers(0, 1000, n).astype(np.int64), chunks=(CHUNK_ROWS,), **options)
+            step = CHUNK_ROWS * 100
+            for a in range(0, n, step):
+                rows_ = _image_rows(a, min(step, n - a), rng)
+                x[a : a + len(rows_)] = rows_ if dtype == "uint8" else rows_.astype(np.float32) / 255
+        os.replace(tmp, path)
+    return files
+
+
+def nbytes_of(path: Path, key: str = "x", rows: slice | None = None) -> int:
+    with h5py.File(path, "r") as f:
+        d = f[key]
+        n = d.shape[0] if rows is None else len(range(*rows.indices(d.shape[0])))
+        return n * int(np.prod(d.shape[1:])) * d.dtype.itemsize
+
+
+def warm_page_cache(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+# ----- a real daemon ----------------------------------------------------------------------
+class BenchDaemon:
+    """``h5serve start`` on a private runtime dir; stopped (and killed if need be) on exit."""
+
+    def __init__(self, *flags: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="h5s-bench-", dir="/tmp"))
+        self.runtime_dir = self.dir / "rt"
+        self.env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(self.runtime_dir)}
+        self.flags = flags
+        self.pid = 0
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "h5serve", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def __enter__(self) -> "BenchDaemon":
+        done = self.cli("start", *self.flags)
+        if done.returncode != 0:
+            raise RuntimeError(f"h5serve start failed: {done.stderr}")
+        self.pid = int((self.runtime_dir / "h5serve.pid").read_text())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.cli("stop", timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            shutil.rmtree(self.dir, ignore_errors=True)

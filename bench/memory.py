@@ -1,0 +1,132 @@
+"""Node memory of 2 jobs x 2 ranks x 2 DataLoader workers on the same file and shard plan.
+
+Memory is PSS (each shared page divided among the processes that map it), summed over every
+rank, worker and the daemon; h5serve's segment files are counted once, whole, whether mapped
+or not. Interpreter, torch and library overhead is taken out by running the same topology on
+a tiny file of the same row shape (the control), so what is left is what the data costs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from h5serve.runtime import resolve_runtime
+from h5serve.segments import segment_prefix
+
+from .common import ROW_SHAPE, BenchDaemon, Row, log
+
+JOBS, RANKS = 2, 2
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        todo += _children(p)
+    return pids
+
+
+def _pss(pid: int, skip_prefix: str) -> int:
+    """PSS of ``pid`` in bytes, leaving out mappings of files under ``skip_prefix``."""
+    total, skipping = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if not line[0].isupper() or ":" not in line.split()[0]:  # a mapping header line
+                    parts = line.split()
+                    skipping = len(parts) >= 6 and parts[5].startswith(skip_prefix)
+                elif line.startswith("Pss:") and not skipping:
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
+
+
+def _segments_bytes(prefix: str) -> int:
+    total = 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefix):
+            total += os.stat(f"/dev/shm/{name}").st_blocks * 512
+    return total
+
+
+def measure(kind: str, path: Path) -> int:
+    """Total node memory (bytes) of the topology on ``path`` while every process is alive."""
+    with BenchDaemon() as daemon:
+        prefix = segment_prefix(resolve_runtime(daemon.runtime_dir).namespace)
+        procs = []
+        try:
+            for job in range(JOBS):
+                for rank in range(RANKS):
+                    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(RANKS)}
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "bench.jobs", kind, str(path), str(daemon.runtime_dir), "--hold"],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                        cwd=Path(__file__).resolve().parent.parent))
+            for p in procs:
+                line = p.stdout.readline()
+                if line.strip() != "ready":
+                    raise RuntimeError(f"a {kind} rank did not get ready (exit {p.poll()})")
+            time.sleep(0.5)
+            pids = [pid for p in procs for pid in _tree(p.pid)] + (_tree(daemon.pid) if kind == "h5serve" else [])
+            shm = f"/dev/shm/{prefix}"
+            return sum(_pss(pid, shm) for pid in pids) + _segments_bytes(prefix)
+        finally:
+            for p in procs:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+            for p in procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def tiny_copy(path: Path, rows: int = 1024) -> Path:
+    control = path.with_name(f"control-{rows}.h5")
+    if not control.exists():
+        with h5py.File(path, "r") as src, h5py.File(control, "w") as dst:
+            dst.create_dataset("x", data=src["x"][:rows], chunks=(256, *ROW_SHAPE))
+            dst.create_dataset("y", data=src["y"][:rows], chunks=(256,))
+    return control
+
+
+def memory(files: dict[str, Path]) -> list[Row]:
+    path = files["plain"]
+    control = tiny_copy(path)
+    with h5py.File(path, "r") as f:
+        native = f["x"].size * f["x"].dtype.itemsize + f["y"].size * f["y"].dtype.itemsize
+    results = {}
+    for kind in ("h5serve", "seed"):
+        log(f"memory: {kind} ({JOBS} jobs x {RANKS} ranks x 2 workers), data and control")
+        data, base = measure(kind, path), measure(kind, control)
+        results[kind] = (data - base, data, base)
+    h5, seed = results["h5serve"][0], results["seed"][0]
+    mib = 1024**2
+    return [Row("memory: 2 jobs x 2 ranks x 2 workers, float32 out (x of the data's native size)", "x native",
+                h5 / native, seed / native, 1.0, higher_is_better=False, target="<= 1.1x native", target_vs_limit=1 / 1.1,
+                note=(f"native {native / mib:,.0f} MiB; h5serve {h5 / mib:,.0f} MiB, seed {seed / mib:,.0f} MiB "
+                      f"(totals minus a tiny-file control: {results['h5serve'][2] / mib:,.0f} / "
+                      f"{results['seed'][2] / mib:,.0f} MiB)"))]

@@ -1,0 +1,199 @@
+"""``python -m bench``: every scenario in one run, printed as one table of ratios.
+
+    python -m bench                      # the full suite (~5 minutes on 2 cores)
+    python -m bench --write-docs         # ... and write docs/benchmarks.md + docs/benchmarks.png
+    python -m bench --only iterate,lazy  # some groups only
+
+Data files are made on first use under --data-dir and kept. Speed is measured here, never
+asserted in tests; rows with a target say whether this run met it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import BenchDaemon, Row, log, make_files
+
+GROUPS = ("iterate", "memory", "first-batch")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def first_batch(files: dict[str, Path], repeat: int) -> list[Row]:
+    """Report only: a fresh 2-rank torchrun job, from launch to rank 0's first batch."""
+    path = files["plain"]
+
+    def launch(kind: str, runtime_dir: str) -> float:
+        start = time.time()
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "-m", "bench.jobs", kind, str(path), runtime_dir, "--first-batch"],
+            capture_output=True, text=True, timeout=600, cwd=ROOT)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("first-batch ")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"torchrun {kind} job failed: {done.stderr[-2000:]}")
+        return float(lines[0].split()[1]) - start
+
+    with BenchDaemon() as daemon:
+        launch("h5serve", str(daemon.runtime_dir))  # the load: later jobs find the daemon warm
+        warm = [launch("h5serve", str(daemon.runtime_dir)) for _ in range(repeat)]
+    seed = [launch("seed", "/nonexistent") for _ in range(repeat)]
+    return [Row("first batch of a fresh 2-rank torchrun job (report only)", "s", float(np.median(warm)),
+                float(np.median(seed)), higher_is_better=False,
+                note="from launching torchrun; includes interpreter, torch and gloo start-up in both")]
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    import h5py
+    import torch
+    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Linux {platform.release()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, h5py {h5py.__version__} (HDF5 "
+            f"{h5py.version.hdf5_version}), numpy {np.__version__}")
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if unit in ("samples/s", "MB/s"):
+        return f"{value:,.0f}"
+    if unit == "x native":
+        return f"{value:.2f}x"
+    return f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| scenario | unit | h5serve | baseline | ratio | limit | vs limit | target | met |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        met = {True: "yes", False: "**no**", None: ""}[r.met]
+        lines.append(
+            f"| {r.scenario} | {r.unit} | {_fmt(r.h5serve, r.unit)} | {_fmt(r.baseline, r.unit)} | "
+            f"{'—' if r.ratio is None else f'{r.ratio:.2f}x'} | {_fmt(r.limit, r.unit)} | "
+            f"{'—' if r.vs_limit is None else f'{r.vs_limit:.2f}'} | {r.target} | {met} |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[Row], out: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[bench]'): no chart")
+        return False
+    shown = [r for r in rows if r.ratio is not None or r.vs_limit is not None]
+    labels = [r.scenario.split(" (")[0] for r in shown]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(shown) + 1.5), sharey=True)
+    y = np.arange(len(shown))
+    ax1.barh(y, [r.ratio or 0 for r in shown], color="#3b7dd8")
+    ax1.set_xscale("log")
+    ax1.axvline(1, color="grey", lw=0.8)
+    ax1.set_xlabel("h5serve vs seed-style baseline (x, log scale; > 1 is better)")
+    ax2.barh(y, [r.vs_limit or 0 for r in shown], color="#e3872d")
+    ax2.axvline(1, color="grey", lw=0.8)
+    ax2.set_xlabel("h5serve vs physical limit (1 = at the limit)")
+    ax1.set_yticks(y, labels, fontsize=8)
+    ax1.invert_yaxis()
+    fig.suptitle("h5serve benchmarks (python -m bench)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_docs(rows: list[Row], command: str, took: float, png: bool) -> None:
+    docs = ROOT / "docs"
+    text = f"""# Benchmarks
+
+Made by `{command}` in {took / 60:.1f} minutes on {machine()}.
+
+Every figure comes from the same run. *ratio* is h5serve against the seed-style baseline (the
+predecessor's classes as its documentation describes them, in `bench/baselines.py`), higher is
+better whatever the unit; *vs limit* is h5serve against the physical limit measured in the same
+run (1.00 = at the limit). Rows with a target say whether this run met it; speed is never
+asserted in tests.
+
+{table(rows)}
+
+{"![ratios](benchmarks.png)" if png else "(no chart: matplotlib was not installed)"}
+
+## What each row measures
+
+- **ready**: a `SharedH5Dataset` for rank 0 of 2 (x 307 MB uint8 + y, served as float32) when the
+  daemon already holds the shard, vs the seed's `RankMemCachedH5Dataset` preload (`f[key][a:b]`
+  then `astype(float32)`). Limit: one memcpy of the shard into already-touched memory.
+- **iterate shm**: one shuffled epoch of rank 0's shard (100,000 rows, batch 256), DataLoader
+  `num_workers=0`. Baseline: the seed's rank-cached dataset (per-item indexing plus
+  `default_collate`). Limit: a bare `torch.index_select` of x and y for the same batches (torch
+  uses both cores; h5serve gathers with `np.take` on one, see docs/performance.md).
+- **workers=2**: steady state, persistent workers already started, for both.
+- **lazy fallback**: no daemon; rows read through h5py. Baseline: the seed's `H5LazyDataset`
+  (dataset looked up and indexed per item, 256 MB HDF5 chunk cache) over the same rows in the
+  same order. The first epoch includes reading every chunk once.
+- **load into shm**: from a client's request to a ready dataset on a fresh daemon whose loader
+  processes are warm (rank 0 of 2, 307 MB of x). Limit: `read_direct` of the whole dataset into
+  touched memory, one process.
+- **shuffle+gzip load**: the same with `--load-processes 2` vs `--load-processes 1`.
+- **memory**: 2 jobs x 2 ranks x 2 DataLoader workers, float32 out, every process alive after a
+  full epoch: PSS of every rank, worker and the daemon, h5serve segments counted once, minus the
+  same topology on a 1,024-row file (interpreter and torch overhead), as a multiple of the data's
+  native size. Baseline: the seed's private float32 preload per rank.
+- **first batch**: a fresh `torchrun --nproc-per-node 2` job from launch to rank 0's first batch.
+
+Results as JSON: `bench/results.json` (written by every run).
+"""
+    (docs / "benchmarks.md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=200_000, help="rows of the uint8 datasets (default 200000)")
+    p.add_argument("--float-rows", type=int, default=50_000, help="rows of the float32 dataset (same bytes)")
+    p.add_argument("--data-dir", type=Path, default=Path("/tmp/h5serve-bench-data"))
+    p.add_argument("--repeat", type=int, default=3, help="repetitions of timed steps (median)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per iteration measurement (best)")
+    p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {GROUPS}")
+    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md and docs/benchmarks.png")
+    args = p.parse_args(argv)
+    groups = [g.strip() for g in args.only.split(",") if g.strip()]
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        p.error(f"unknown groups {sorted(unknown)}; choose from {GROUPS}")
+    os.chdir(ROOT)
+    started = time.time()
+    files = make_files(args.data_dir, args.rows, args.float_rows)
+    from .memory import memory, tiny_copy
+    from .scenarios import run_iteration_suite
+
+    rows: list[Row] = []
+    if "iterate" in groups:
+        rows += run_iteration_suite(files, tiny_copy(files["plain"]), args.repeat, args.epochs)
+    if "memory" in groups:
+        rows += memory(files)
+    if "first-batch" in groups:
+        log("first batch of a torchrun job")
+        rows += first_batch(files, args.repeat)
+    took = time.time() - started
+    print(table(rows))
+    (ROOT / "bench" / "results.json").write_text(json.dumps(
+        {"machine": machine(), "argv": sys.argv, "seconds": took, "rows": [r.as_dict() for r in rows]}, indent=1))
+    if args.write_docs:
+        command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_docs(rows, command.strip(), took, chart(rows, ROOT / "docs" / "benchmarks.png"))
+    return 0 if all(r.met is not False for r in rows) else 1

@@ -1,0 +1,262 @@
+"""The scenarios: each returns Rows (h5serve, the seed-style baseline, the physical limit)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from h5serve.client import EpochShuffleSampler, SharedH5Dataset, collate, make_loader
+
+from .baselines import SeedH5LazyDataset, SeedRankMemCachedDataset
+from .common import BenchDaemon, Row, clock, log, median_time, nbytes_of
+
+BATCH = 256
+MB = 1e6
+
+
+def _rate(loader, epochs: int = 1) -> float:
+    """Samples per second over ``epochs`` full passes (the best pass)."""
+    best = 0.0
+    for epoch in range(epochs):
+        sampler = getattr(loader, "batch_sampler", None)
+        for s in (sampler, getattr(loader, "sampler", None)):
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+        n, t = 0, clock()
+        for batch in loader:
+            n += len(batch[0])
+        best = max(best, n / (clock() - t))
+    return best
+
+
+def _shm_dataset(path: Path, daemon: BenchDaemon, **kwargs) -> SharedH5Dataset:
+    return SharedH5Dataset(path, "x", "y", rank=0, world_size=2, runtime_dir=daemon.runtime_dir,
+                           fallback="error", **kwargs)
+
+
+class _ShardOrder(Sampler[int]):
+    """Global row numbers of rank 0's shard in EpochShuffleSampler order (the seed's lazy
+    dataset is not sharded: this is how a DDP user would feed it one rank's rows)."""
+
+    def __init__(self, shard: np.ndarray, seed: int = 0) -> None:
+        self.shard, self.order = shard, EpochShuffleSampler(len(shard), seed=seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.shard[self.order.order().numpy()].tolist())
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+
+# ----- 1. time to a ready dataset ---------------------------------------------------------
+def ready(files: dict[str, Path], daemon: BenchDaemon, repeat: int) -> list[Row]:
+    path = files["plain"]
+    _shm_dataset(path, daemon, dtype_x=np.float32).close()  # the load: later jobs find it warm
+    h5 = median_time(lambda: _shm_dataset(path, daemon, dtype_x=np.float32).close(), repeat * 3)
+    seed = median_time(lambda: SeedRankMemCachedDataset(str(path), "x", "y", rank=0, world_size=2), repeat)
+    shard = np.empty((nbytes_of(path) // 2,), np.uint8)
+    shard[:] = 1
+    dst = np.empty_like(shard)
+    dst[:] = 0
+    memcpy = median_time(lambda: np.copyto(dst, shard), repeat)
+    return [Row("ready: warm daemon vs seed preload (300 MB shard, float32 out)", "ms", h5 * 1e3, seed * 1e3,
+                memcpy * 1e3, higher_is_better=False, target=">= 50x faster", target_ratio=50,
+                note="limit: memcpy of the shard (the least any private preload pays)")]
+
+
+# ----- 2./3. iteration from shm -----------------------------------------------------------
+def iteration(files: dict[str, Path], daemon: BenchDaemon, epochs: int) -> list[Row]:
+    path = files["plain"]
+    rows: list[Row] = []
+    ds = _shm_dataset(path, daemon)
+    seed_ds = SeedRankMemCachedDataset(str(path), "x", "y", rank=0, world_size=2, dtype_x=None)
+
+    def seed_loader(workers: int = 0) -> DataLoader:
+        extra = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
+        return DataLoader(seed_ds, batch_size=BATCH, sampler=EpochShuffleSampler(len(seed_ds)),
+                          num_workers=workers, **extra)
+
+    fast = _rate(make_loader(ds, BATCH), epochs)
+    plain_collate = _rate(DataLoader(ds, batch_size=BATCH, sampler=EpochShuffleSampler(len(ds)), collate_fn=collate),
+                          epochs)
+    plain_default = _rate(DataLoader(ds, batch_size=BATCH, sampler=EpochShuffleSampler(len(ds))), 1)
+    seed = _rate(seed_loader(), 1)
+    # the limit: a bare gather of the same batches, x and y, from tensors in memory
+    batches = list(EpochShuffleSampler(len(ds)).batches(BATCH))
+    x, y = seed_ds.x, seed_ds.y
+    t = clock()
+    for b in batches:
+        torch.index_select(x, 0, b), torch.index_select(y, 0, b)
+    limit = len(ds) / (clock() - t)
+    t = clock()
+    for b in batches:
+        i = b.numpy()
+        np.take(x.numpy(), i, axis=0), np.take(y.numpy(), i, axis=0)
+    np_limit = len(ds) / (clock() - t)
+    target = ">= 10x seed, >= 0.5x limit"
+    rows.append(Row("iterate shm, workers=0: make_loader", "samples/s", fast, seed, limit, target=target,
+                    target_ratio=10, target_vs_limit=0.5,
+                    note=f"limit: torch.index_select of x and y (2 threads); np.take: {np_limit:,.0f}/s"))
+    rows.append(Row("iterate shm, workers=0: DataLoader(collate_fn=collate)", "samples/s", plain_collate, seed, limit,
+                    note="per-index sampler, documented collate"))
+    rows.append(Row("iterate shm, workers=0: DataLoader, default collate", "samples/s", plain_default, seed, limit,
+                    note="compat path: per-sample pairs stacked again"))
+
+    ds32 = _shm_dataset(path, daemon, dtype_x=np.float32)
+    seed32 = SeedRankMemCachedDataset(str(path), "x", "y", rank=0, world_size=2)
+    fast32 = _rate(make_loader(ds32, BATCH), epochs)
+    seed32_rate = _rate(DataLoader(seed32, batch_size=BATCH, sampler=EpochShuffleSampler(len(seed32))), 1)
+    t = clock()
+    for b in batches:
+        torch.index_select(seed32.x, 0, b), torch.index_select(seed32.y, 0, b)
+    limit32 = len(ds) / (clock() - t)
+    rows.append(Row("iterate shm, workers=0, float32 out (uint8 segment, cast per batch)", "samples/s", fast32,
+                    seed32_rate, limit32, note="seed keeps a float32 copy; limit: index_select from float32"))
+    del seed32, ds32
+
+    log("iteration with 2 workers")
+    fast_w = make_loader(ds, BATCH, num_workers=2)
+    seed_w = seed_loader(2)
+    _rate(fast_w), _rate(seed_w)  # start the persistent workers
+    rows.append(Row("iterate shm, workers=2: make_loader vs seed with 2 workers", "samples/s", _rate(fast_w, epochs),
+                    _rate(seed_w, epochs), target=">= 1x seed", target_ratio=1.0,
+                    note="steady state (persistent workers already started)"))
+    del fast_w, seed_w
+    ds.close()
+    return rows
+
+
+# ----- 4. the lazy fallback -----------------------------------------------------------------
+def lazy(files: dict[str, Path]) -> list[Row]:
+    path = files["plain"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ds = SharedH5Dataset(path, "x", "y", rank=0, world_size=2, runtime_dir="/nonexistent-h5serve-bench",
+                             timeout=0.5)
+    assert ds.backend == "lazy"
+    cold = _rate(make_loader(ds, BATCH), 1)  # the first epoch reads every chunk once
+    warm = _rate(make_loader(ds, BATCH), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        nocache = SharedH5Dataset(path, "x", "y", rank=0, world_size=2, runtime_dir="/nonexistent-h5serve-bench",
+                                  timeout=0.5, cache_bytes=0)
+    nocache_loader = make_loader(nocache, BATCH)
+    n, t = 0, clock()
+    for i, (x, _) in enumerate(nocache_loader):
+        n += len(x)
+        if i == 40:
+            break
+    nocache_rate = n / (clock() - t)
+    shard = ds.indices
+    ds.close()  # HDF5 will not open one file twice in a process with different SWMR flags
+    nocache.close()
+    seed_ds = SeedH5LazyDataset(str(path), "x", "y")
+    seed = _rate(DataLoader(seed_ds, batch_size=BATCH, sampler=_ShardOrder(shard)), 1)
+    rows = [
+        Row("lazy fallback, workers=0, first epoch (cold chunk cache)", "samples/s", cold, seed,
+            target=">= 30x seed", target_ratio=30, note="seed: per-item f[key][i], 256 MB HDF5 chunk cache"),
+        Row("lazy fallback, workers=0, later epochs (warm chunk cache)", "samples/s", warm, seed),
+        Row("lazy fallback, cache_bytes=0 (uncached rows)", "samples/s", nocache_rate, seed,
+            note="41 batches; per-chunk-run reads"),
+    ]
+    seed_ds.close()
+    return rows
+
+
+# ----- 5./6. loading into shm ---------------------------------------------------------------
+def _read_direct_rate(path: Path) -> float:
+    with h5py.File(path, "r") as f:
+        d = f["x"]
+        out = np.empty(d.shape, d.dtype)
+        out.reshape(-1)[:: 4096] = 0
+        t = clock()
+        d.read_direct(out)
+        return out.nbytes / (clock() - t) / MB
+
+
+def _load_time(path: Path, flags: tuple[str, ...], mode: str = "contiguous", warm_file: Path | None = None,
+               repeat: int = 1) -> float:
+    """Seconds from asking a fresh daemon for rank 0's x shard (of 2) to a ready dataset,
+    with the daemon's loader processes already warm (a tiny load first)."""
+    times = []
+    for _ in range(repeat):
+        with BenchDaemon(*flags) as daemon:
+            if warm_file is not None:
+                SharedH5Dataset(warm_file, "x", rank=0, world_size=1, runtime_dir=daemon.runtime_dir,
+                                fallback="error").close()
+            t = clock()
+            ds = SharedH5Dataset(path, "x", rank=0, world_size=2, mode=mode, runtime_dir=daemon.runtime_dir,
+                                 fallback="error", timeout=600)
+            times.append(clock() - t)
+            ds.close()
+    return statistics.median(times)
+
+
+def loading(files: dict[str, Path], tiny: Path, repeat: int) -> list[Row]:
+    rows = []
+    plain, gz = files["plain"], files["gzip"]
+    shard_mb = nbytes_of(plain) / 2 / MB
+    limit = max(_read_direct_rate(plain) for _ in range(repeat))
+    seed_t = median_time(lambda: SeedRankMemCachedDataset(str(plain), "x", rank=0, world_size=2, dtype_x=None),
+                         repeat)
+    for procs in ("1", "2"):
+        t = _load_time(plain, ("--load-processes", procs), warm_file=tiny, repeat=repeat)
+        rows.append(Row(f"load into shm, uncompressed, {procs} loader process(es)", "MB/s", shard_mb / t,
+                        shard_mb / seed_t, limit, target=">= 0.9x read_direct" if procs == "1" else "",
+                        target_vs_limit=0.9 if procs == "1" else None,
+                        note="end to end (request to ready); limit: whole-dataset read_direct; "
+                             "baseline: seed f[key][a:b]"))
+    t = _load_time(plain, ("--load-processes", "1"), mode="interleave", warm_file=tiny, repeat=repeat)
+    rows.append(Row("load into shm, interleave mode, 1 loader process", "MB/s", shard_mb / t, None, limit,
+                    note="contiguous blocks strided in memory"))
+    gz_limit = max(_read_direct_rate(gz) for _ in range(repeat))
+    t1 = _load_time(gz, ("--load-processes", "1"), warm_file=tiny, repeat=repeat)
+    t2 = _load_time(gz, ("--load-processes", "2"), warm_file=tiny, repeat=repeat)
+    rows.append(Row("load into shm, shuffle+gzip: 2 loader processes vs 1", "MB/s", shard_mb / t2, shard_mb / t1,
+                    gz_limit, target=">= 1.7x one process", target_ratio=1.7,
+                    note="baseline: the same daemon with --load-processes 1; limit: one-process read_direct"))
+    return rows
+
+
+def float_data(files: dict[str, Path], daemon: BenchDaemon, epochs: int) -> list[Row]:
+    path = files["float32"]
+    ds = _shm_dataset(path, daemon)
+    seed_ds = SeedRankMemCachedDataset(str(path), "x", "y", rank=0, world_size=2, dtype_x=None)
+    fast = _rate(make_loader(ds, BATCH), epochs)
+    seed = _rate(DataLoader(seed_ds, batch_size=BATCH, sampler=EpochShuffleSampler(len(seed_ds))), 1)
+    batches = list(EpochShuffleSampler(len(ds)).batches(BATCH))
+    t = clock()
+    for b in batches:
+        torch.index_select(seed_ds.x, 0, b), torch.index_select(seed_ds.y, 0, b)
+    limit = len(ds) / (clock() - t)
+    ds.close()
+    return [Row("iterate shm, workers=0, float32 data (12 KiB rows)", "samples/s", fast, seed, limit,
+                target=">= 10x seed, >= 0.5x limit", target_ratio=10, target_vs_limit=0.5,
+                note="limit: torch.index_select of x and y (2 threads)")]
+
+
+def run_iteration_suite(files: dict[str, Path], tiny: Path, repeat: int, epochs: int) -> list[Row]:
+    rows: list[Row] = []
+    with BenchDaemon() as daemon:
+        log("time to a ready dataset")
+        rows += ready(files, daemon, repeat)
+        log("iteration from shm")
+        rows += iteration(files, daemon, epochs)
+        log("iteration, float32 data")
+        rows += float_data(files, daemon, epochs)
+    log("lazy fallback")
+    rows += lazy(files)
+    time.sleep(0.5)
+    log("loading")
+    rows += loading(files, tiny, repeat)
+    return rows
