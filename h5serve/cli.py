@@ -43,6 +43,17 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
     return sorted(ranks)
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1 (anything else is bad usage: exit 2, argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = None) -> Any:
     from .client.connection import DaemonClient  # zmq only for the commands that talk
 
@@ -77,8 +88,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             print(f"h5serve daemon already running (pid {info['pid']}) on {location.directory}")
             return EXIT_OK
         cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
-        for flag in ("shm_dir", "max_memory", "loaders", "log_level", "group", "user", "metrics_port",
-                     "metrics_addr", "metrics_textfile"):
+        for flag in ("shm_dir", "max_memory", "loaders", "load_processes", "log_level", "group", "user",
+                     "metrics_port", "metrics_addr", "metrics_textfile"):
             value = getattr(args, flag)
             if value is not None:
                 cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -141,6 +152,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         shm_dir=resolve_shm_dir(args.shm_dir),
         max_memory=parse_size(args.max_memory) if args.max_memory is not None else None,
         loaders=args.loaders or 0,
+        load_processes=args.load_processes or 0,
         group=lookup_group(args.group) if args.group is not None else None,
         allow_roots=tuple(Path(os.path.abspath(r)) for r in args.allow_root or ()),
         metrics_port=args.metrics_port,
@@ -293,7 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--foreground", action="store_true", help="stay attached and log to stderr (systemd, srun)")
     p.add_argument("--shm-dir", help="where segments live (default: $H5SERVE_SHM_DIR, else /dev/shm)")
     p.add_argument("--max-memory", help="memory budget for segments, e.g. 64G (default: 80%% of free shm space)")
-    p.add_argument("--loaders", type=int, help="concurrent loader processes (default: cores, at most 4)")
+    p.add_argument("--loaders", type=int, metavar="N",
+                   help="how many loads (one rank's shard of one dataset each) run at once "
+                   "(default: cores, at most 4)")
+    p.add_argument("--load-processes", type=_at_least_one, metavar="N",
+                   help="how many processes one load is split across, for compressed data (h5py decompresses in "
+                   "one thread per process); shards under 64 MiB stay in one process; up to --loaders x N "
+                   "processes run at once (default: cores, at most 8)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     p.add_argument("--group", help="let this group's members connect and map segments (default: owner only)")
     p.add_argument("--allow-root", action="append", metavar="PATH",

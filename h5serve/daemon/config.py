@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..runtime import RuntimeLocation
 
-__all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "default_loaders"]
+__all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "default_loaders", "default_load_processes"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 POLL_INTERVAL_S = 0.05
@@ -22,6 +22,19 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 def default_loaders() -> int:
     """Concurrent loader processes: one per core, at most 4 (h5py serialises within a process)."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+def default_load_processes() -> int:
+    """Processes one load is split across: the cores this process may run on, at most 8.
+
+    Within one load, each part is a process of its own (h5py's global lock rules out threads);
+    beyond 8, decompression rarely scales on one file and the page cache or disk is the limit.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))  # a cpuset (SLURM, containers) may allow fewer than cpu_count
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 def parse_size(text: str) -> int:
@@ -41,9 +54,15 @@ class DaemonConfig:
     location: RuntimeLocation
     shm_dir: Path
     max_memory: int | None = None  # None: DEFAULT_MEMORY_FRACTION of free shm space at start
-    loaders: int = 0  # 0: default_loaders()
+    loaders: int = 0  # 0: default_loaders(); loads that run at once
+    load_processes: int = 0  # 0: default_load_processes(); processes one load is split across
     group: int | None = None  # gid that may connect and map segments (modes 0750/0660/0640)
     allow_roots: tuple[Path, ...] = ()  # when set, only files under these (after symlinks) are served
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP (0: any free port)
     metrics_addr: str = "127.0.0.1"
     metrics_textfile: Path | None = None  # write h5serve.prom there for node_exporter
+
+    def __post_init__(self) -> None:
+        for name in ("loaders", "load_processes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be at least 1 (or 0 for the default), got {getattr(self, name)}")

@@ -5,29 +5,54 @@ so loads run in separate processes (forkserver: a clean parent with numpy and h5
 imported, no ZeroMQ threads). A loader writes into a temporary segment, reports progress in
 its header, and renames it into place only when every row is there. The daemon reaps the
 result over a pipe.
+
+One load can itself be split across several processes (``--load-processes``): the loader
+cuts the shard's rows at chunk boundaries into parts (``reads.split_span``), forks one child
+per part but the first while no HDF5 file is open (h5py handles must never cross a fork, and
+HDF5 would hand a child the parent's open file again: each process opens the file itself
+after the forks), reads the first part itself, and waits for the children. A forked child inherits the segment's ``MAP_SHARED`` mapping, so its rows land in
+the same segment; it reports rows done in a shared anonymous mapping of counters and an
+error as a pickled ``(code, message)`` over its own pipe, and leaves with ``os._exit``
+(never running Python cleanup of what it inherited: the writer, the reply pipe). The loader
+alone holds the temporary's ``flock`` (the children's inherited fds share its open file
+description, so a child exiting releases nothing), aborts the temporary if any part fails
+and publishes only when every part succeeded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import multiprocessing
 import os
+import pickle
 import select
 import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
-from ..errors import SourceChanged, code_for
-from ..segments import SegmentMeta, create_segment
-from ..sharding import Selection
-from ..reads import read_shard_into
-from ..source import inspect_dataset, open_h5, sources_unchanged
+import numpy as np
 
-__all__ = ["LoadJob", "start_load", "loader_context"]
+from ..errors import SegmentError, SourceChanged, code_for
+from ..reads import read_shard_into, row_bytes, shard_span, split_span
+from ..segments import SegmentMeta, SegmentWriter, create_segment
+from ..sharding import Selection
+from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
+
+__all__ = ["LoadJob", "start_load", "loader_context", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
 _PR_SET_PDEATHSIG = 1
+# A part is worth its own process only above this many bytes of source rows (forking, opening
+# the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
+MIN_PART_BYTES = 32 * 1024 * 1024
+# Testing knob: a smaller threshold, so tests can split small datasets into several parts.
+MIN_PART_ENV = "H5SERVE_MIN_PART_BYTES"
+_WAIT_S = 0.05  # how often the loader checks its children and the daemon while it waits
+_REAP_S = 5.0  # how long killed children get to be reaped before the loader stops waiting
+_EXIT_DAEMON_GONE = 3  # a child's exit status when it stopped because the daemon is gone
 
 
 @dataclass(frozen=True)
@@ -38,16 +63,33 @@ class LoadJob:
     meta: SegmentMeta
     group: int | None = None
     daemon_pid: int = 0
+    load_processes: int = 1  # processes one load may be split across (the loader and its children)
 
 
 class DaemonGone(Exception):
     """Raised inside a loader when the daemon that asked for the load has exited."""
 
 
+class PartFailed(Exception):
+    """Raised in the loader when a child reading one part reported an error (or died)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 def loader_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments"])
     return ctx
+
+
+def _set_pdeathsig() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
@@ -67,10 +109,7 @@ def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
             os.close(alive_fd)
         except OSError:
             pass
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    _set_pdeathsig()
     try:
         pidfd = os.pidfd_open(daemon_pid) if daemon_pid else -1
     except (OSError, AttributeError):  # no pidfd (old kernel): PDEATHSIG still applies
@@ -80,45 +119,265 @@ def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
     return lambda: bool(select.select([pidfd], [], [], 0)[0])
 
 
+def min_part_bytes() -> int:
+    """MIN_PART_BYTES, or $H5SERVE_MIN_PART_BYTES when set to a positive integer (tests)."""
+    try:
+        value = int(os.environ.get(MIN_PART_ENV, ""))
+    except ValueError:
+        return MIN_PART_BYTES
+    return value if value > 0 else MIN_PART_BYTES
+
+
+def plan_parts(info: DatasetInfo, selection: Selection, processes: int, min_part: int | None = None) -> list[tuple[int, int]]:
+    """The global row ranges one load is split into: at most ``processes``, each at least about
+    ``min_part`` bytes of source rows, cut at chunk boundaries. One part: no split."""
+    first, last = shard_span(info, selection)
+    work = (last - first) * row_bytes(info)
+    wanted = min(max(processes, 1), max(1, work // (min_part or min_part_bytes())))
+    return split_span(first, last, info, wanted) if wanted > 1 else [(first, last)]
+
+
+def _error_of(exc: BaseException) -> tuple[str, str]:
+    """(code, message) as the daemon reports it for ``exc``."""
+    if isinstance(exc, PartFailed):
+        return exc.code, exc.message
+    code = code_for(exc)
+    return code, (f"{exc}" if code != "remote" else f"{type(exc).__name__}: {exc}")
+
+
+class _Parts:
+    """The children reading parts 1..N-1 of one load, as the loader sees them.
+
+    ``counters[i]`` is the rows part ``i`` has written (part 0: the loader's own) and
+    ``finished[i]`` when it was done (``time.monotonic_ns``), in a shared anonymous mapping
+    created before the forks.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._shared = mmap.mmap(-1, 16 * count)
+        self.counters = np.frombuffer(self._shared, dtype=np.int64, count=count)
+        self.finished = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=8 * count)
+        self.children: dict[int, tuple[int, int, tuple[int, int]]] = {}  # pid -> (part, read fd, span)
+        self._payload: dict[int, bytearray] = {}
+
+    def rows_done(self) -> int:
+        return int(self.counters.sum())
+
+    def fork(self, index: int, span: tuple[int, int], work: Callable[[Callable[[int], None]], None],
+             daemon_gone: Callable[[], bool], close_in_child: tuple[int, ...]) -> None:
+        """Start the child for part ``index``: it runs ``work(progress)`` and exits."""
+        r, w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns, never runs Python cleanup of inherited objects
+            status = 1
+            try:
+                _set_pdeathsig()
+                if os.getppid() != parent:  # the loader died before PDEATHSIG was armed
+                    raise DaemonGone()
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                for fd in (r, *close_in_child, *(fd for _, fd, _ in self.children.values())):
+                    os.close(fd)
+                counters, finished = self.counters, self.finished
+
+                def progress(rows_done: int) -> None:
+                    counters[index] = rows_done
+                    if daemon_gone():
+                        raise DaemonGone()
+
+                work(progress)
+                finished[index] = time.monotonic_ns()
+                status = 0
+            except DaemonGone:
+                status = _EXIT_DAEMON_GONE
+            except BaseException as exc:  # noqa: BLE001 - reported to the loader, whatever it is
+                try:
+                    blob = memoryview(pickle.dumps(_error_of(exc)))
+                    while blob:
+                        blob = blob[os.write(w, blob):]
+                except BaseException:  # noqa: BLE001, S110 - the exit status still says it failed
+                    pass
+            finally:
+                os._exit(status)
+        os.close(w)
+        os.set_blocking(r, False)
+        self.children[pid] = (index, r, span)
+        self._payload[pid] = bytearray()
+
+    def _drain(self, pid: int) -> None:
+        fd = self.children[pid][1]
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            self._payload[pid] += data
+
+    def check(self, timeout: float = 0.0) -> None:
+        """Reap the children that finished, waiting up to ``timeout`` for one to.
+
+        Raised when a part failed: PartFailed with its error (the first one seen); when a
+        child stopped because the daemon is gone: DaemonGone.
+        """
+        if not self.children:
+            return
+        if timeout > 0:
+            by_fd = {fd: pid for pid, (_, fd, _) in self.children.items()}
+            try:  # a child's pipe turns readable when it reports an error or exits
+                ready = select.select(list(by_fd), [], [], timeout)[0]
+            except InterruptedError:
+                ready = []
+            for fd in ready:
+                self._drain(by_fd[fd])
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 1 << 8
+            if done == 0:
+                continue
+            self._drain(pid)  # it has exited: whatever it wrote is in the pipe
+            index, fd, (a, b) = self.children.pop(pid)
+            os.close(fd)
+            payload = bytes(self._payload.pop(pid))
+            if payload:
+                try:
+                    code, message = pickle.loads(payload)
+                except Exception:  # noqa: BLE001 - a truncated report is still a failure
+                    code, message = SegmentError.code, f"the loader process for rows {a}..{b - 1} failed"
+                raise PartFailed(code, message)
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                continue
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _EXIT_DAEMON_GONE:
+                raise DaemonGone()
+            how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                   else f"exit code {os.WEXITSTATUS(status)}")
+            raise PartFailed(SegmentError.code, f"the loader process for rows {a}..{b - 1} of part {index} died "
+                             f"({how}); see the daemon log")
+
+    def kill_all(self) -> None:
+        """SIGKILL and reap every child still running (reaping bounded by _REAP_S)."""
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _REAP_S
+        while self.children:
+            for pid in list(self.children):
+                try:
+                    done = os.waitpid(pid, os.WNOHANG)[0]
+                except ChildProcessError:
+                    done = pid
+                if done:
+                    os.close(self.children.pop(pid)[1])
+                    self._payload.pop(pid, None)
+            if not self.children or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        for _, fd, _ in self.children.values():  # not reaped in time: init reaps them after us
+            os.close(fd)
+        self.children.clear()
+
+
+def _read_part(meta: SegmentMeta, selection: Selection, out: np.ndarray, span: tuple[int, int] | None,
+               progress: Callable[[int], None]) -> None:
+    """Read the shard's rows in global rows ``span`` (None: all of them) into ``out``, with this
+    process's own h5py handle."""
+    with open_h5(meta.source_path) as f:
+        info = inspect_dataset(f, meta.key)
+        read_shard_into(f[meta.key], info, selection, out, progress, span=span)
+
+
+def _spans(meta: SegmentMeta, selection: Selection, processes: int) -> list[tuple[int, int] | None]:
+    """Parts for one load: ``[None]`` (one process reads the whole shard) unless it is worth
+    splitting. Opens the file only when it may be (and closes it before anything forks)."""
+    if processes <= 1 or meta.rows == 0:
+        return [None]
+    span_rows = (meta.rows - 1) * selection.step + 1
+    row = int(np.prod(meta.row_shape, dtype=np.int64)) * np.dtype(meta.source_dtype).itemsize
+    if span_rows * row < 2 * min_part_bytes():
+        return [None]
+    with open_h5(meta.source_path) as f:
+        info = inspect_dataset(f, meta.key)
+    spans = plan_parts(info, selection, processes)
+    return [None] if len(spans) <= 1 else list(spans)
+
+
 def _run(job: LoadJob, reply: Connection) -> None:
     daemon_gone = _die_with_daemon(job.daemon_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
-    writer = None
+    writer: SegmentWriter | None = None
+    parts: _Parts | None = None
     try:
         meta = job.meta
+        t0 = time.monotonic_ns()
         writer = create_segment(job.shm_dir, job.tmp_name, meta, job.group)
+        started = time.monotonic_ns()
+        selection = Selection(meta.mode, meta.world_size, meta.rank)
+        spans = _spans(meta, selection, job.load_processes)
+        data = writer.data
+        if len(spans) > 1:  # fork before this process opens the file for reading
+            parts = _Parts(len(spans))
+            for index, span in enumerate(spans[1:], 1):
+                parts.fork(index, span, lambda progress, span=span: _read_part(meta, selection, data, span, progress),
+                           daemon_gone, (reply.fileno(),))
+        shown = 0
 
         def progress(rows_done: int) -> None:
+            nonlocal shown
             if daemon_gone():
                 raise DaemonGone()
-            writer.set_progress(rows_done)
+            total = rows_done
+            if parts is not None:
+                parts.counters[0] = rows_done
+                parts.check()
+                total = parts.rows_done()
+            if total > shown:  # monotonic, whatever order the parts report in
+                writer.set_progress(total)
+                shown = total
 
-        with open_h5(meta.source_path) as f:
-            info = inspect_dataset(f, meta.key)
-            selection = Selection(meta.mode, meta.world_size, meta.rank)
-            read_shard_into(f[meta.key], info, selection, writer.data, progress)
+        _read_part(meta, selection, data, spans[0], progress)
+        finished = [time.monotonic_ns()]
+        while parts is not None and parts.children:
+            if daemon_gone():
+                raise DaemonGone()
+            parts.check(_WAIT_S)
+            progress(int(parts.counters[0]))
+        if parts is not None:
+            finished += parts.finished[1:].tolist()
+        stats = {"parts": len(spans), "create_s": (started - t0) / 1e9,
+                 "read_s": (time.monotonic_ns() - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished]}
         if not sources_unchanged(meta.source, meta.linked):
             raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
         if daemon_gone():
             raise DaemonGone()
         writer.publish(job.final_name)
         writer = None
-        reply.send(("ok", "", ""))
+        reply.send(("ok", "", "", stats))
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
+        if parts is not None:
+            parts.kill_all()  # before the temporary goes: nothing writes into it any more
         if writer is not None:
             writer.abort()
         if not isinstance(exc, DaemonGone):
-            message = f"{exc}" if code_for(exc) != "remote" else f"{type(exc).__name__}: {exc}"
+            code, message = _error_of(exc)
             try:
-                reply.send(("error", code_for(exc), message))
+                reply.send(("error", code, message))
             except OSError:
                 pass
     finally:
+        if parts is not None:
+            parts.kill_all()
         reply.close()
 
 
 def start_load(ctx: multiprocessing.context.BaseContext, job: LoadJob) -> tuple[multiprocessing.Process, Connection]:
-    """Start a loader process for ``job``; the returned pipe end receives (status, code, message)."""
+    """Start a loader process for ``job``; the returned pipe end receives (status, code, message[, stats])."""
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}", daemon=True)
     process.start()

@@ -41,6 +41,7 @@ from .config import (
     DEFAULT_MEMORY_FRACTION,
     POLL_INTERVAL_S,
     DaemonConfig,
+    default_load_processes,
     default_loaders,
 )
 from .metrics import Metrics
@@ -92,6 +93,7 @@ class Server:
         self.store = SegmentStore(
             config.location, config.shm_dir, budget, config.loaders or default_loaders(),
             group=config.group, allow_roots=config.allow_roots, budget_rule=rule,
+            load_processes=config.load_processes or default_load_processes(),
         )
         self._stopping = False
         self.started = time.time()
@@ -162,9 +164,9 @@ class Server:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             log.info(
-                "h5serve %s serving %s (pid %d, shm %s, budget %s, %d loader processes)",
+                "h5serve %s serving %s (pid %d, shm %s, budget %s, %d loads at once, up to %d processes per load)",
                 __version__, location.endpoint, os.getpid(), self.config.shm_dir,
-                format_bytes(self.store.max_memory), self.store.max_loaders,
+                format_bytes(self.store.max_memory), self.store.max_loaders, self.store.load_processes,
             )
             self.notifier.ready(self._status_line())
             self._loop(sock)

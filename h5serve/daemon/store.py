@@ -75,12 +75,14 @@ class Entry:
     reply: Connection | None = None
     load_started: float = 0.0
     load_seconds: float = 0.0
+    load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
 
 
 class SegmentStore:
     def __init__(
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
+        load_processes: int = 1,
     ) -> None:
         self.budget_rule = budget_rule
         self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
@@ -89,7 +91,8 @@ class SegmentStore:
         self.group = group
         self.allow_roots = tuple(os.path.realpath(r) for r in allow_roots)
         self.max_memory = max_memory
-        self.max_loaders = loaders
+        self.max_loaders = loaders  # loads that run at once
+        self.load_processes = max(1, load_processes)  # processes one load may be split across
         self.namespace = location.namespace
         self.entries: dict[str, Entry] = {}
         self.failures: dict[str, tuple[float, str, str]] = {}
@@ -205,7 +208,8 @@ class SegmentStore:
             if running >= self.max_loaders:
                 return
             if entry.state == "loading" and entry.process is None:
-                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid())
+                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
+                              self.load_processes)
                 entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = time.monotonic()
                 running += 1
@@ -275,8 +279,17 @@ class SegmentStore:
             if result is not None and result[0] == "ok":
                 entry.state = "ready"
                 entry.load_seconds = time.monotonic() - entry.load_started
+                stats = result[3] if len(result) > 3 and isinstance(result[3], dict) else {}
+                entry.load_parts = int(stats.get("parts", 1))
                 self.counters["loads"] += 1
                 log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
+                read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
+                log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
+                          "(parts done after %s s): %.0f rows/s, %.1f MB/s",
+                          entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
+                          float(stats.get("create_s", 0.0)), read_s,
+                          "/".join(f"{t:.2f}" for t in stats.get("part_s", ())) or "?",
+                          entry.meta.rows / read_s, entry.meta.nbytes / read_s / 1e6)
                 if self.on_loaded is not None:
                     self.on_loaded(entry.load_seconds)
             else:
@@ -306,6 +319,7 @@ class SegmentStore:
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
+                "load_parts": entry.load_parts,
             })
         st = os.statvfs(self.shm_dir)
         return {
