@@ -185,16 +185,18 @@ class Server:
             log.info("stopped")
 
     def _loop(self, sock: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         while not self._stopping:
+            poller = zmq.Poller()  # the socket, and the pipes of running loaders (a load is done: wake now)
+            poller.register(sock, zmq.POLLIN)
+            for fd in self.store.load_fds():
+                poller.register(fd, zmq.POLLIN)
             try:
-                ready = poller.poll(int(POLL_INTERVAL_S * 1000))
+                ready = dict(poller.poll(int(POLL_INTERVAL_S * 1000)))
             except zmq.ZMQError as exc:
                 if exc.errno == errno.EINTR:
                     continue
                 raise
-            for _ in range(_MAX_MESSAGES_PER_TICK if ready else 0):
+            for _ in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
                 try:
                     identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

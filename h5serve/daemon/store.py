@@ -259,6 +259,11 @@ class SegmentStore:
                 self.counters["stale_evictions"] += 1
                 log.info("evicted %s: %s changed on disk", entry.name, entry.meta.source_path)
 
+    def load_fds(self) -> list[int]:
+        """The pipes of running loaders: readable once a loader reports or dies, so the
+        daemon's loop can wake for it instead of noticing on its next tick."""
+        return [e.reply.fileno() for e in self.entries.values() if e.reply is not None and not e.reply.closed]
+
     def poll_loads(self) -> None:
         """Reap finished loaders: publish successes, remember failures for pollers."""
         for entry in list(self.entries.values()):
