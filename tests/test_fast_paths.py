@@ -347,3 +347,39 @@ for rt, cache in (({str(shared_daemon.runtime_dir)!r}, None), ("/nonexistent-h5s
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["shm", "lazy"]
+
+
+class _MmapProbe(torch.utils.data.Dataset):
+    """Reports whether a freshly allocated 2 MiB block is mmapped (glibc mallinfo2.hblkhd)
+    after an earlier one was freed: the sign that freed batches go back to the system."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitems__(self, indices):
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in
+                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                         "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = MallInfo2
+        first = np.ones(2 << 20, np.uint8)
+        del first  # glibc would now raise its mmap threshold past 2 MiB
+        before = libc.mallinfo2().hblkhd
+        second = np.ones(2 << 20, np.uint8)
+        mapped = libc.mallinfo2().hblkhd - before >= second.nbytes
+        return [mapped for _ in indices]
+
+
+def test_make_loader_workers_return_batch_memory() -> None:
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+    plain = DataLoader(_MmapProbe(), batch_size=2, num_workers=1, timeout=60)
+    assert list(plain)[0].tolist() == [False, False]  # glibc's default: the heap keeps freed batches
+    fast = make_loader(_MmapProbe(), 2, num_workers=1, timeout=60)
+    assert list(fast)[0].tolist() == [True, True]
