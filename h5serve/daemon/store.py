@@ -76,6 +76,7 @@ class Entry:
     load_started: float = 0.0
     load_seconds: float = 0.0
     load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
+    load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
 
 
 class SegmentStore:
@@ -289,6 +290,7 @@ class SegmentStore:
                 self.counters["loads"] += 1
                 log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
                 read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
+                entry.load_read_seconds = read_s
                 log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
                           "(parts done after %s s): %.0f rows/s, %.1f MB/s",
                           entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
@@ -324,6 +326,7 @@ class SegmentStore:
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
+                "load_read_s": round(entry.load_read_seconds, 4),
                 "load_parts": entry.load_parts,
             })
         st = os.statvfs(self.shm_dir)
