@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=3, help="epochs per iteration measurement (best)")
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {GROUPS}")
     p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md and docs/benchmarks.png")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results.json", help="where to write the JSON")
     args = p.parse_args(argv)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
     unknown = set(groups) - set(GROUPS)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += first_batch(files, args.repeat)
     took = time.time() - started
     print(table(rows))
-    (ROOT / "bench" / "results.json").write_text(json.dumps(
+    args.results.write_text(json.dumps(
         {"machine": machine(), "argv": sys.argv, "seconds": took, "rows": [r.as_dict() for r in rows]}, indent=1))
     if args.write_docs:
         command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
