@@ -106,8 +106,9 @@ def chart(rows: list[Row], out: Path) -> bool:
     ax1.axvline(1, color="grey", lw=0.8)
     ax1.set_xlabel("h5serve vs seed-style baseline (x, log scale; > 1 is better)")
     ax2.barh(y, [r.vs_limit or 0 for r in shown], color="#e3872d")
+    ax2.set_xscale("log")
     ax2.axvline(1, color="grey", lw=0.8)
-    ax2.set_xlabel("h5serve vs physical limit (1 = at the limit)")
+    ax2.set_xlabel("h5serve vs physical limit (x, log scale; 1 = at the limit)")
     ax1.set_yticks(y, labels, fontsize=8)
     ax1.invert_yaxis()
     fig.suptitle("h5serve benchmarks (python -m bench)")
@@ -155,6 +156,16 @@ asserted in tests.
   same topology on a 1,024-row file (interpreter and torch overhead), as a multiple of the data's
   native size. Baseline: the seed's private float32 preload per rank.
 - **first batch**: a fresh `torchrun --nproc-per-node 2` job from launch to rank 0's first batch.
+
+## Reading the load rows
+
+A load into shared memory writes to tmpfs pages: with 4 KiB pages (the default `/dev/shm`
+mount on this machine), faulting those pages in costs more than reading the rows, so no
+loader reaches a `read_direct` into ordinary process memory (which gets transparent huge
+pages). The *reading rows* rows compare the loader's read phase with a `read_direct` into a
+fresh `/dev/shm` mapping instead: that is the limit for a load, and the loader is at it (one
+process) or past it (two processes). Mounting `/dev/shm` with `huge=within_size` roughly
+shortens loads by a third or more; see [performance.md](performance.md#loading).
 
 Results as JSON: `bench/results.json` (written by every run).
 """
