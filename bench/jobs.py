@@ -23,7 +23,7 @@ from .baselines import SeedRankMemCachedDataset
 
 
 def build(kind: str, path: str, runtime_dir: str, workers: int):
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if kind == "h5serve":
         ds = SharedH5Dataset(path, "x", "y", rank=rank, world_size=world, dtype_x=np.float32,
                              runtime_dir=runtime_dir, fallback="error", timeout=600)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import h5py
-import numpy as np
 
 from h5serve.runtime import resolve_runtime
 from h5serve.segments import segment_prefix
