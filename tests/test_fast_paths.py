@@ -349,37 +349,65 @@ for rt, cache in (({str(shared_daemon.runtime_dir)!r}, None), ("/nonexistent-h5s
     assert done.stdout.split() == ["shm", "lazy"]
 
 
-class _MmapProbe(torch.utils.data.Dataset):
-    """Reports whether a freshly allocated 2 MiB block is mmapped (glibc mallinfo2.hblkhd)
-    after an earlier one was freed: the sign that freed batches go back to the system."""
+_MMAP_PROBE = """
+import ctypes, sys
+import numpy as np, torch
+from torch.utils.data import DataLoader
+from h5serve.client import make_loader
 
-    def __len__(self) -> int:
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+class Probe(torch.utils.data.Dataset):
+    # is a fresh 2 MiB block mmapped (mallinfo2.hblkhd grows) after an earlier one was freed?
+    def __len__(self):
         return 2
 
     def __getitems__(self, indices):
-        import ctypes
-
-        class MallInfo2(ctypes.Structure):
-            _fields_ = [(name, ctypes.c_size_t) for name in
-                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                         "fordblks", "keepcost")]
-
         libc = ctypes.CDLL(None)
         libc.mallinfo2.restype = MallInfo2
         first = np.ones(2 << 20, np.uint8)
-        del first  # glibc would now raise its mmap threshold past 2 MiB
+        del first  # glibc's default now raises its mmap threshold past 2 MiB
         before = libc.mallinfo2().hblkhd
         second = np.ones(2 << 20, np.uint8)
-        mapped = libc.mallinfo2().hblkhd - before >= second.nbytes
-        return [mapped for _ in indices]
+        return [libc.mallinfo2().hblkhd - before >= second.nbytes for _ in indices]
+
+plain = DataLoader(Probe(), batch_size=2, num_workers=1, timeout=60)
+fast = make_loader(Probe(), 2, num_workers=1, timeout=60)
+print(list(plain)[0].tolist(), list(fast)[0].tolist())
+"""
 
 
 def test_make_loader_workers_return_batch_memory() -> None:
+    """In a fresh interpreter (a long-lived one has free heap that hides the difference), a
+    plain DataLoader worker puts a batch-sized block on the heap after freeing one, where
+    make_loader's workers keep batch-sized blocks on mmap, returned to the system when freed."""
     import ctypes
+    import subprocess
+    import sys
 
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
         pytest.skip("not glibc >= 2.33")
-    plain = DataLoader(_MmapProbe(), batch_size=2, num_workers=1, timeout=60)
-    assert list(plain)[0].tolist() == [False, False]  # glibc's default: the heap keeps freed batches
-    fast = make_loader(_MmapProbe(), 2, num_workers=1, timeout=60)
-    assert list(fast)[0].tolist() == [True, True]
+    done = subprocess.run([sys.executable, "-c", _MMAP_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[False, False] [True, True]", done.stdout
+
+
+def test_make_loader_pins_only_where_cuda_is(images: Path, no_daemon_env: Path) -> None:
+    ds = H5LazyDataset(str(images), "x", "y")
+    loader = make_loader(ds, 16)
+    assert loader.pin_memory is torch.cuda.is_available()
+    assert make_loader(ds, 16, pin_memory=False).pin_memory is False
+    x, y = next(iter(loader))
+    assert len(x) == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_make_loader_batches_are_pinned_on_cuda(images: Path, shared_daemon: Daemon) -> None:
+    ds = open_dataset("shm", images, shared_daemon, x_key="x", y_key="y", rank=0, world_size=1)
+    for workers in (0, 2):
+        x, y = next(iter(make_loader(ds, 64, num_workers=workers, timeout=60)))
+        assert x.is_pinned() and y.is_pinned()
+        assert torch.equal(x.cuda(non_blocking=True).cpu(), x)
+    ds.close()
