@@ -28,9 +28,10 @@ def test_metrics_endpoint_and_textfile(h5file: Path) -> None:
         ds = SharedH5Dataset(h5file, "x", "y", rank=0, world_size=2, runtime_dir=d.runtime_dir, fallback="error")
         SharedH5Dataset(h5file, "x", "y", rank=0, world_size=2, runtime_dir=d.runtime_dir)
 
-        def loaded() -> bool:
+        def loaded() -> bool:  # the snapshot is refreshed at most every SNAPSHOT_INTERVAL_S: wait for it
             text = scrape(port)
-            return "h5serve_loads_total 2.0" in text and "h5serve_hits_total" in text
+            hits = re.search(r"^h5serve_hits_total (\S+)$", text, re.M)
+            return "h5serve_loads_total 2.0" in text and hits is not None and float(hits.group(1)) >= 2
 
         assert wait_for(loaded, 10, 0.2)
         text = scrape(port)
