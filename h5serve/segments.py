@@ -307,8 +307,8 @@ def read_progress(path: Path) -> tuple[int, int]:
 class AttachedSegment:
     """A published segment mapped read-only, with a shared lease held on its fd.
 
-    ``data`` is a read-only ndarray over the mapping: copy rows out of it (a gather does),
-    never hand it to torch directly.
+    ``data`` is a read-only ndarray over the mapping: copy rows out of it (the client's gather
+    does, through a tensor view it never hands out); never give users a view of it.
     """
 
     def __init__(self, name: str, path: Path, fd: int, meta: SegmentMeta, buffer: mmap.mmap, owner: int) -> None:
