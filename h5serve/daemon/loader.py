@@ -81,7 +81,8 @@ class PartFailed(Exception):
 
 def loader_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments"])
+    # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
+    ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments", "h5serve.reads", "h5serve.daemon.loader"])
     return ctx
 
 
