@@ -69,8 +69,6 @@ def cmd_start(args: argparse.Namespace) -> int:
         lookup_group(args.group)
     if args.max_memory is not None:
         parse_size(args.max_memory)  # a bad size is the caller's error, not a failed start
-    if args.loaders is not None and args.loaders < 1:
-        raise ConfigError(f"--loaders must be at least 1, got {args.loaders}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be in 0..65535 (0: any free port), got {args.metrics_port}")
     if account is not None and os.geteuid() != 0 and os.getuid() != account.uid:
@@ -305,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--foreground", action="store_true", help="stay attached and log to stderr (systemd, srun)")
     p.add_argument("--shm-dir", help="where segments live (default: $H5SERVE_SHM_DIR, else /dev/shm)")
     p.add_argument("--max-memory", help="memory budget for segments, e.g. 64G (default: 80%% of free shm space)")
-    p.add_argument("--loaders", type=int, metavar="N",
+    p.add_argument("--loaders", type=_at_least_one, metavar="N",
                    help="how many loads (one rank's shard of one dataset each) run at once "
                    "(default: cores, at most 4)")
     p.add_argument("--load-processes", type=_at_least_one, metavar="N",

@@ -104,16 +104,18 @@ def test_bad_max_memory_is_refused_before_starting(tmp_path: Path) -> None:
         d.stop()
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--loaders", "0"], "--loaders must be at least 1"),
-    (["--metrics-port", "70000"], "--metrics-port must be in"),
-    (["--max-memory", "12 parsecs"], "not a size"),
+@pytest.mark.parametrize("args,match,code", [
+    (["--loaders", "0"], "argument --loaders: must be at least 1", 2),
+    (["--loaders", "two"], "argument --loaders: takes a whole number", 2),
+    (["--metrics-port", "70000"], "--metrics-port must be in", 1),
+    (["--max-memory", "12 parsecs"], "not a size", 1),
 ])
-def test_bad_start_options_are_refused_before_starting(args: list[str], match: str) -> None:
+def test_bad_start_options_are_refused_before_starting(args: list[str], match: str, code: int) -> None:
+    """Exit 2: argparse refused the value (bad usage); 1: h5serve did (the message says what to do)."""
     d = Daemon()
     try:
         done = h5serve_cli("start", *args, env=d.env)
-        assert done.returncode == 1 and match in done.stderr
+        assert done.returncode == code and match in done.stderr
         assert not (d.runtime_dir / "h5serve.sock").exists()
     finally:
         d.stop()
