@@ -79,10 +79,10 @@ class H5Handle:
         return self._file
 
     def dataset(self, key: str) -> h5py.Dataset:
-        if self._pid == os.getpid() and key in self._datasets:
-            return self._datasets[key]
-        dset = self._datasets[key] = self.file()[key]
-        return dset
+        f = self.file()  # after a fork: reopened, and the parent's dataset objects forgotten
+        if key not in self._datasets:
+            self._datasets[key] = f[key]
+        return self._datasets[key]
 
     def drop_inherited(self) -> None:
         if self._pid != os.getpid():

@@ -13,7 +13,6 @@ their own (forked workers share what the parent had already filled, copy-on-writ
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 
@@ -28,8 +27,6 @@ from ..source import DatasetInfo
 from .gather import RowSource
 
 __all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options"]
-
-log = logging.getLogger("h5serve.client")
 
 AUTO_CACHE_FRACTION = 0.5  # of MemAvailable: the most one lazy dataset caches by default
 MIN_READ_BYTES = 1 << 20  # small chunks are read a run at a time: each h5py call costs ~30 us

@@ -67,8 +67,10 @@ class RowSource:
         self.out_dtype = np.dtype(out_dtype)
         torch_in, torch_out = _TORCH_DTYPES.get(array.dtype), _TORCH_DTYPES.get(self.out_dtype)
         self._tensor = _readonly_tensor(array) if torch_in is not None and array.flags.c_contiguous else None
-        exact = array.dtype == self.out_dtype or np.can_cast(array.dtype, self.out_dtype, "safe")
-        self._torch_cast = torch_out if exact and torch_out is not None and array.dtype != self.out_dtype else None
+        same = array.dtype == self.out_dtype
+        exact = np.can_cast(array.dtype, self.out_dtype, "safe")
+        self._torch_cast = torch_out if not same and exact and torch_out is not None else None
+        self._numpy_cast = not same and self._torch_cast is None
 
     def take(self, positions: torch.Tensor) -> torch.Tensor:
         """Rows at ``positions`` (an int64 tensor of valid, non-negative positions)."""
@@ -79,7 +81,7 @@ class RowSource:
         gathered = torch.index_select(self._tensor, 0, positions)
         if self._torch_cast is not None:
             return gathered.to(self._torch_cast)
-        if gathered.dtype != _TORCH_DTYPES.get(self.out_dtype):
+        if self._numpy_cast:
             return torch.from_numpy(gathered.numpy().astype(self.out_dtype))
         return gathered
 
@@ -106,7 +108,7 @@ def as_positions(indices: object, length: int) -> torch.Tensor:
     if positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < -length or hi >= length:
-            raise IndexError(f"index out of range for a shard of {length} rows")
+            raise IndexError(f"index out of range for {length} rows")
         if lo < 0:
             positions = torch.where(positions < 0, positions + length, positions)
     return positions

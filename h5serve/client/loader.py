@@ -89,7 +89,7 @@ def make_loader(
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-    for name in ("batch_sampler", "sampler_kwargs", "collate_fn", "batch_size", "shuffle"):
+    for name in ("batch_sampler", "collate_fn", "batch_size", "shuffle"):
         if name in dataloader_kwargs:
             raise ConfigError(f"make_loader sets {name} itself; build a DataLoader directly to choose your own")
     if sampler is None:

@@ -15,6 +15,11 @@ __all__ = ["EpochShuffleSampler", "EpochBatchSampler"]
 _STATE_KEYS = ("data_len", "seed", "shuffle", "epoch", "consumed")
 
 
+def _check_batch_size(batch_size: object) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
 class EpochShuffleSampler(Sampler[int]):
     """Local indices ``0..data_len-1``, reshuffled each epoch from ``seed + epoch``.
 
@@ -52,10 +57,14 @@ class EpochShuffleSampler(Sampler[int]):
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.data_len, generator=generator)
 
-    def __iter__(self) -> Iterator[int]:
+    def _remaining(self) -> torch.Tensor:
+        """This epoch's order from where iteration starts (a pending resume is used up)."""
         start, self._start = self._start, 0
         self._yielded = start
-        for index in self.order()[start:].tolist():
+        return self.order()[start:]
+
+    def __iter__(self) -> Iterator[int]:
+        for index in self._remaining().tolist():
             self._yielded += 1
             yield index
 
@@ -65,11 +74,8 @@ class EpochShuffleSampler(Sampler[int]):
     def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[torch.Tensor]:
         """The same order as iterating, cut into int64 tensors of ``batch_size`` indices: no
         Python int per index (what EpochBatchSampler and make_loader use)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        start, self._start = self._start, 0
-        self._yielded = start
-        order = self.order()[start:]
+        _check_batch_size(batch_size)
+        order = self._remaining()
         end = len(order) - len(order) % batch_size if drop_last else len(order)
         for i in range(0, end, batch_size):
             # A copy, not a view: torch ops on a view of the whole order cost time in proportion
@@ -116,8 +122,7 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
     def __init__(self, sampler: EpochShuffleSampler, batch_size: int, drop_last: bool = False) -> None:
         if not isinstance(sampler, EpochShuffleSampler):
             raise ConfigError(f"EpochBatchSampler wraps an EpochShuffleSampler, got {type(sampler).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+        _check_batch_size(batch_size)
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
