@@ -5,8 +5,10 @@ gloo, data from SharedH5Dataset. Each rank writes its report to ``<report-dir>/r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,15 +18,7 @@ from torch import nn
 from h5serve.client import LoaderStats, SharedH5Dataset, make_loader
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("path")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--report-dir", required=True)
-    args = parser.parse_args()
-
-    dist.init_process_group("gloo")
+def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     ds = SharedH5Dataset(args.path, x_key="images", y_key="labels", mode="contiguous", dtype_x=np.float32)
@@ -48,11 +42,29 @@ def main() -> None:
     report = {
         "rank": dist.get_rank(), "backend": ds.backend, "rows": len(ds), "first_row": int(ds.indices[0]),
         "ready_ms": round(ready_s * 1000, 1), "samples": seen, "samples_per_s": round(seen / train_s),
-        "loss": round(float(loss), 4), "waiting_for_data": round(stats.snapshot().wait_fraction, 3),
+        "loss": round(float(loss.detach()), 4), "waiting_for_data": round(stats.snapshot().wait_fraction, 3),
     }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--report-dir", required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    report = train(args)
     with open(f"{args.report_dir}/rank{report['rank']}.json", "w") as f:
         json.dump(report, f)
-    dist.barrier()  # every rank is done with gloo before any tears it down
+    # The DDP model holds the process group; if it is still alive when the interpreter exits,
+    # gloo's threads are torn down during finalization and abort the rank now and then
+    # ("terminate called without an active exception"). So: model gone, then a barrier (every
+    # rank is done with gloo), then destroy, all before exit.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ the order this rank saw them.
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -16,18 +17,7 @@ from torch.utils.data import DataLoader
 from h5serve.client import EpochShuffleSampler, SharedH5Dataset
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("path")
-    parser.add_argument("out")
-    parser.add_argument("--mode", default="contiguous")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--node-runtime-dirs", help="A,B,...: simulated nodes; rank r uses dir r // ranks-per-node")
-    parser.add_argument("--ranks-per-node", type=int, default=2)
-    args = parser.parse_args()
-
-    dist.init_process_group("gloo")
+def train(args: argparse.Namespace) -> dict:
     if args.node_runtime_dirs:  # what a real multi-node job gets from its node's task prolog
         dirs = args.node_runtime_dirs.split(",")
         os.environ["H5SERVE_RUNTIME_DIR"] = dirs[dist.get_rank() // args.ranks_per_node]
@@ -47,8 +37,25 @@ def main() -> None:
             optimizer.step()
             seen.extend(y.tolist())
         epochs.append(seen)
+    return {"rank": dist.get_rank(), "backend": ds.backend, "epochs": epochs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path")
+    parser.add_argument("out")
+    parser.add_argument("--mode", default="contiguous")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--node-runtime-dirs", help="A,B,...: simulated nodes; rank r uses dir r // ranks-per-node")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    report = train(args)
     with open(f"{args.out}/rank{dist.get_rank()}.json", "w") as f:
-        json.dump({"rank": dist.get_rank(), "backend": ds.backend, "epochs": epochs}, f)
+        json.dump(report, f)
+    gc.collect()  # the DDP model (which holds the process group) is gone before teardown
     dist.barrier()  # every rank is done with gloo before any tears it down
     dist.destroy_process_group()
 
