@@ -18,12 +18,16 @@ import h5py
 import numpy as np
 
 from .errors import DataError
+from .rawcopy import COPY_BUFFER_BYTES, copy_rows, stored_rows, write_all
 from .sharding import Selection
 from .source import DatasetInfo
 
 __all__ = ["BLOCK_BYTES", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into", "read_rows"]
 
 BLOCK_BYTES = 32 * 1024 * 1024  # rows per read are chunk-aligned and about this large
+# ... or this large when rows are pwritten through a staging buffer: small enough to stay in the
+# CPU's cache (measured on the bench: 1.2x the load speed of 32 MiB blocks, as good as 1 MiB)
+STAGED_BLOCK_BYTES = 4 * 1024 * 1024
 
 
 def row_bytes(info: DatasetInfo, dtype: np.dtype | None = None) -> int:
@@ -38,22 +42,29 @@ def shard_span(info: DatasetInfo, selection: Selection) -> tuple[int, int]:
     return (first, first + (count - 1) * selection.step + 1) if count else (0, 0)
 
 
+def _aligned_rows(info: DatasetInfo) -> int:
+    """Reads start at multiples of this many rows: whole chunks, or any row when not chunked."""
+    return info.chunk_rows if info.chunked else 1
+
+
 def split_span(first: int, last: int, info: DatasetInfo, parts: int) -> list[tuple[int, int]]:
     """``[first, last)`` cut at chunk boundaries into at most ``parts`` ranges of about equal
     size, so each range can be read by its own process without two decompressing one chunk."""
     if last <= first:
         return []
-    c0, c1 = first // info.chunk_rows, -(-last // info.chunk_rows)
-    cuts = np.linspace(c0, c1, min(max(parts, 1), c1 - c0) + 1).round().astype(np.int64) * info.chunk_rows
+    unit = _aligned_rows(info)
+    c0, c1 = first // unit, -(-last // unit)
+    cuts = np.linspace(c0, c1, min(max(parts, 1), c1 - c0) + 1).round().astype(np.int64) * unit
     edges = [first, *(int(c) for c in cuts[1:-1]), last]
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-def _blocks(start: int, end: int, info: DatasetInfo) -> Iterator[tuple[int, int]]:
-    step = max(BLOCK_BYTES // max(row_bytes(info), 1) // info.chunk_rows, 1) * info.chunk_rows
+def _blocks(start: int, end: int, info: DatasetInfo, block_bytes: int) -> Iterator[tuple[int, int]]:
+    unit = _aligned_rows(info)
+    step = max(block_bytes // max(row_bytes(info), 1) // unit, 1) * unit
     a = start
     while a < end:
-        b = min((a // info.chunk_rows + 1) * info.chunk_rows + step - info.chunk_rows, end)
+        b = min((a // unit + 1) * unit + step - unit, end)
         yield a, b
         a = b
 
@@ -73,6 +84,29 @@ def _local_range(a: int, b: int, first: int, step: int, count: int) -> tuple[int
     return k0, max(k1, k0)
 
 
+def _read_positions(dset: h5py.Dataset, info: DatasetInfo, first: int, step: int, k0: int, k1: int,
+                    target: np.ndarray, buffer: np.ndarray | None) -> np.ndarray | None:
+    """Read the shard rows at local positions ``[k0, k1)`` (global rows ``first + k*step``) into
+    ``target`` (``k1 - k0`` rows, C-contiguous). Returns the scratch buffer for next time.
+
+    Rows go straight into ``target`` when they are consecutive and no cast is needed; otherwise
+    the block is read once into ``buffer`` and strided or cast from there.
+    """
+    lo, hi = first + k0 * step, first + (k1 - 1) * step + 1  # the rows actually needed
+    try:
+        if step == 1 and target.dtype == info.dtype:
+            dset.read_direct(target, np.s_[lo:hi])
+        else:
+            if buffer is None or buffer.shape[0] < hi - lo:
+                buffer = np.empty((hi - lo, *info.row_shape), dtype=info.dtype)
+            block = buffer[: hi - lo]
+            dset.read_direct(block, np.s_[lo:hi])
+            np.copyto(target, block[::step], casting="unsafe")
+    except OSError as exc:
+        raise read_error(exc, dset, info, lo, hi) from exc
+    return buffer
+
+
 def read_block_into(
     dset: h5py.Dataset,
     info: DatasetInfo,
@@ -86,30 +120,12 @@ def read_block_into(
     (the whole shard, in ``out.dtype``). Returns ``(k0, k1, buffer)``: the local positions
     written, and a scratch buffer to pass back in next time.
 
-    Rows go straight into ``out`` when the shard is contiguous and no cast is needed; otherwise
-    the block is read once into ``buffer`` and strided or cast from there.
-
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
     """
-    count = len(out)
-    if count == 0:
-        return 0, 0, buffer
     first, step = selection.first(info.rows), selection.step
-    k0, k1 = _local_range(a, b, first, step, count)
-    if k1 <= k0:
-        return k0, k0, buffer
-    lo, hi = first + k0 * step, first + (k1 - 1) * step + 1  # the rows actually needed
-    try:
-        if step == 1 and out.dtype == info.dtype:
-            dset.read_direct(out, np.s_[lo:hi], np.s_[k0:k1])
-        else:
-            if buffer is None or buffer.shape[0] < hi - lo:
-                buffer = np.empty((hi - lo, *info.row_shape), dtype=info.dtype)
-            block = buffer[: hi - lo]
-            dset.read_direct(block, np.s_[lo:hi], np.s_[0 : hi - lo])
-            np.copyto(out[k0:k1], block[::step], casting="unsafe")
-    except OSError as exc:
-        raise read_error(exc, dset, info, lo, hi) from exc
+    k0, k1 = _local_range(a, b, first, step, len(out))
+    if k1 > k0:
+        buffer = _read_positions(dset, info, first, step, k0, k1, out[k0:k1], buffer)
     return k0, k1, buffer
 
 
@@ -120,21 +136,65 @@ def read_shard_into(
     out: np.ndarray,
     progress: Callable[[int], None] | None = None,
     span: tuple[int, int] | None = None,
-) -> None:
+    dest: tuple[int, int] | None = None,
+) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
     chunk-aligned blocks of about BLOCK_BYTES. ``span``: only the global rows ``[a, b)`` (one
     part of a parallel load, from split_span); ``progress(n)``: ``n`` rows of this call done.
 
-    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
+    ``dest``: ``(fd, offset)``, a file that ``out`` maps and the byte offset of ``out[0]`` in
+    it. Then nothing is written through ``out``: rows the file stores exactly as ``out`` holds
+    them are copied file to file (rawcopy), and the others are read into a reused staging
+    buffer and ``pwrite``n, because filling a fresh tmpfs mapping page fault by page fault is
+    slower than either. Returns the bytes copied file to file.
+
+    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
+    ends early: DataError.
     """
     first, last = span if span is not None else shard_span(info, selection)
-    done = 0
+    start, step = selection.first(info.rows), selection.step
+    done = copied = 0
+    out_row = int(np.prod(out.shape[1:], dtype=np.int64)) * out.dtype.itemsize
     buffer: np.ndarray | None = None
-    for a, b in _blocks(first, last, info):
-        k0, k1, buffer = read_block_into(dset, info, selection, out, a, b, buffer)
+    stage: np.ndarray | None = None
+    copy = _row_copier(dset, info, selection, out, dest) if dest is not None else None
+    for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
+        k0, k1 = _local_range(a, b, start, step, len(out))
+        if k1 <= k0:
+            continue
+        if copy is not None and copy(k0, k1):
+            copied += (k1 - k0) * out_row
+        elif dest is not None:
+            if stage is None or len(stage) < k1 - k0:
+                stage = np.empty((k1 - k0, *out.shape[1:]), dtype=out.dtype)
+            buffer = _read_positions(dset, info, start, step, k0, k1, stage[: k1 - k0], buffer)
+            write_all(dest[0], memoryview(stage[: k1 - k0].reshape(-1).view(np.uint8)), dest[1] + k0 * out_row)
+        else:
+            buffer = _read_positions(dset, info, start, step, k0, k1, out[k0:k1], buffer)
         done += k1 - k0
-        if progress is not None and k1 > k0:
+        if progress is not None:
             progress(done)
+    return copied
+
+
+def _row_copier(dset: h5py.Dataset, info: DatasetInfo, selection: Selection, out: np.ndarray,
+                dest: tuple[int, int]) -> Callable[[int, int], bool] | None:
+    """``copy(k0, k1)``: copy the shard's rows at local positions ``[k0, k1)`` file to file into
+    ``dest``, False when they must go through h5py; None when no row can be copied."""
+    stored = stored_rows(dset, info, out.dtype) if selection.step == 1 else None
+    if stored is None:
+        return None
+    buffer = memoryview(bytearray(COPY_BUFFER_BYTES))
+    first = selection.first(info.rows)
+    fd, offset = dest
+
+    def copy(k0: int, k1: int) -> bool:
+        try:
+            return copy_rows(stored, first + k0, first + k1, fd, offset + k0 * stored.row_bytes, buffer)
+        except OSError as exc:
+            raise read_error(exc, dset, info, first + k0, first + k1) from exc
+
+    return copy
 
 
 def read_rows(dset: h5py.Dataset, info: DatasetInfo, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -192,6 +192,11 @@ class SegmentWriter:
         self._map = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.data = _data_view(self._map, meta)
 
+    def data_target(self) -> tuple[int, int]:
+        """``(fd, offset)``: the segment file's descriptor and the byte offset of ``data[0]`` in
+        it, for writing rows with ``pwrite`` instead of through the mapping."""
+        return self._fd, HEADER_SIZE
+
     def set_progress(self, rows_done: int) -> None:
         self._map[_PROGRESS_OFFSET:_PROGRESS_OFFSET + _PROGRESS.size] = _PROGRESS.pack(rows_done, self.meta.rows)
 

@@ -149,24 +149,26 @@ def _error_of(exc: BaseException) -> tuple[str, str]:
 class _Parts:
     """The children reading parts 1..N-1 of one load, as the loader sees them.
 
-    ``counters[i]`` is the rows part ``i`` has written (part 0: the loader's own) and
-    ``finished[i]`` when it was done (``time.monotonic_ns``), in a shared anonymous mapping
-    created before the forks.
+    ``counters[i]`` is the rows part ``i`` has written (part 0: the loader's own),
+    ``finished[i]`` when it was done (``time.monotonic_ns``) and ``copied[i]`` the bytes it
+    copied file to file, in a shared anonymous mapping created before the forks.
     """
 
     def __init__(self, count: int) -> None:
-        self._shared = mmap.mmap(-1, 16 * count)
+        self._shared = mmap.mmap(-1, 24 * count)
         self.counters = np.frombuffer(self._shared, dtype=np.int64, count=count)
         self.finished = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=8 * count)
+        self.copied = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=16 * count)
         self.children: dict[int, tuple[int, int, tuple[int, int]]] = {}  # pid -> (part, read fd, span)
         self._payload: dict[int, bytearray] = {}
 
     def rows_done(self) -> int:
         return int(self.counters.sum())
 
-    def fork(self, index: int, span: tuple[int, int], work: Callable[[Callable[[int], None]], None],
+    def fork(self, index: int, span: tuple[int, int], work: Callable[[Callable[[int], None]], int],
              daemon_gone: Callable[[], bool], close_in_child: tuple[int, ...]) -> None:
-        """Start the child for part ``index``: it runs ``work(progress)`` and exits."""
+        """Start the child for part ``index``: it runs ``work(progress)`` (which returns the
+        bytes it copied file to file) and exits."""
         r, w = os.pipe()
         parent = os.getpid()
         pid = os.fork()
@@ -179,14 +181,14 @@ class _Parts:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 for fd in (r, *close_in_child, *(fd for _, fd, _ in self.children.values())):
                     os.close(fd)
-                counters, finished = self.counters, self.finished
+                counters, finished, copied = self.counters, self.finished, self.copied
 
                 def progress(rows_done: int) -> None:
                     counters[index] = rows_done
                     if daemon_gone():
                         raise DaemonGone()
 
-                work(progress)
+                copied[index] = work(progress)
                 finished[index] = time.monotonic_ns()
                 status = 0
             except DaemonGone:
@@ -285,13 +287,15 @@ class _Parts:
         self.children.clear()
 
 
-def _read_part(meta: SegmentMeta, selection: Selection, out: np.ndarray, span: tuple[int, int] | None,
-               progress: Callable[[int], None]) -> None:
-    """Read the shard's rows in global rows ``span`` (None: all of them) into ``out``, with this
-    process's own h5py handle."""
+def _read_part(meta: SegmentMeta, selection: Selection, writer: SegmentWriter, span: tuple[int, int] | None,
+               progress: Callable[[int], None]) -> int:
+    """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
+    this process's own h5py handle. Returns the bytes copied file to file (``pwrite`` takes
+    explicit offsets, so every part can write through the one inherited descriptor)."""
     with open_h5(meta.source_path) as f:
         info = inspect_dataset(f, meta.key)
-        read_shard_into(f[meta.key], info, selection, out, progress, span=span)
+        return read_shard_into(f[meta.key], info, selection, writer.data, progress, span=span,
+                               dest=writer.data_target())
 
 
 def _spans(meta: SegmentMeta, selection: Selection, processes: int) -> list[tuple[int, int] | None]:
@@ -321,11 +325,11 @@ def _run(job: LoadJob, reply: Connection) -> None:
         started = time.monotonic_ns()
         selection = Selection(meta.mode, meta.world_size, meta.rank)
         spans = _spans(meta, selection, job.load_processes)
-        data = writer.data
+        target = writer
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
-                parts.fork(index, span, lambda progress, span=span: _read_part(meta, selection, data, span, progress),
+                parts.fork(index, span, lambda progress, span=span: _read_part(meta, selection, target, span, progress),
                            daemon_gone, (reply.fileno(),))
         shown = 0
 
@@ -342,7 +346,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 writer.set_progress(total)
                 shown = total
 
-        _read_part(meta, selection, data, spans[0], progress)
+        copied = _read_part(meta, selection, writer, spans[0], progress)
         finished = [time.monotonic_ns()]
         while parts is not None and parts.children:
             if daemon_gone():
@@ -351,7 +355,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
             progress(int(parts.counters[0]))
         if parts is not None:
             finished += parts.finished[1:].tolist()
-        stats = {"parts": len(spans), "create_s": (started - t0) / 1e9,
+            copied += int(parts.copied[1:].sum())
+        stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
                  "read_s": (time.monotonic_ns() - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished]}
         if not sources_unchanged(meta.source, meta.linked):
             raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")

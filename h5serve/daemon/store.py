@@ -77,6 +77,7 @@ class Entry:
     load_seconds: float = 0.0
     load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
     load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
+    load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
 
 
 class SegmentStore:
@@ -287,6 +288,7 @@ class SegmentStore:
                 entry.load_seconds = time.monotonic() - entry.load_started
                 stats = result[3] if len(result) > 3 and isinstance(result[3], dict) else {}
                 entry.load_parts = int(stats.get("parts", 1))
+                entry.load_copied_bytes = int(stats.get("copied_bytes", 0))
                 self.counters["loads"] += 1
                 log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
                 read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
@@ -328,6 +330,7 @@ class SegmentStore:
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
                 "load_read_s": round(entry.load_read_seconds, 4),
                 "load_parts": entry.load_parts,
+                "load_copied_bytes": entry.load_copied_bytes,
             })
         st = os.statvfs(self.shm_dir)
         return {
