@@ -142,14 +142,15 @@ asserted in tests.
 - **iterate shm**: one shuffled epoch of rank 0's shard (100,000 rows, batch 256), DataLoader
   `num_workers=0`. Baseline: the seed's rank-cached dataset (per-item indexing plus
   `default_collate`). Limit: a bare `torch.index_select` of x and y for the same batches (torch
-  uses both cores; h5serve gathers with `np.take` on one, see docs/performance.md).
+  uses both cores, as does h5serve's own `index_select`; see docs/performance.md).
 - **workers=2**: steady state, persistent workers already started, for both.
 - **lazy fallback**: no daemon; rows read through h5py. Baseline: the seed's `H5LazyDataset`
   (dataset looked up and indexed per item, 256 MB HDF5 chunk cache) over the same rows in the
   same order. The first epoch includes reading every chunk once.
 - **load into shm**: from a client's request to a ready dataset on a fresh daemon whose loader
   processes are warm (rank 0 of 2, 307 MB of x). Limit: `read_direct` of the whole dataset into
-  touched memory, one process.
+  fresh process memory (`np.empty`), one process. *Reading rows*: the loader's read phase alone;
+  limit: `pread`/`pwrite` of the same bytes into a fresh fallocated `/dev/shm` file.
 - **shuffle+gzip load**: the same with `--load-processes 2` vs `--load-processes 1`.
 - **memory**: 2 jobs x 2 ranks x 2 DataLoader workers, float32 out, every process alive after a
   full epoch: PSS of every rank, worker and the daemon, h5serve segments counted once, minus the
@@ -159,13 +160,16 @@ asserted in tests.
 
 ## Reading the load rows
 
-A load into shared memory writes to tmpfs pages: with 4 KiB pages (the default `/dev/shm`
-mount on this machine), faulting those pages in costs more than reading the rows, so no
-loader reaches a `read_direct` into ordinary process memory (which gets transparent huge
-pages). The *reading rows* rows compare the loader's read phase with a `read_direct` into a
-fresh `/dev/shm` mapping instead: that is the limit for a load, and the loader is at it (one
-process) or past it (two processes). Mounting `/dev/shm` with `huge=within_size` roughly
-shortens loads by a third or more; see [performance.md](performance.md#loading).
+A load writes to tmpfs pages. A loader never faults them in one by one through its mapping
+(with 4 KiB pages that alone is slower than reading the rows): rows stored as numpy holds them
+are copied from the file with `pread`/`pwrite`, other rows are read through h5py into a small
+staging buffer and `pwrite`n. So the *reading rows* rows compare the read phase with a bare
+`pread`/`pwrite` of the same bytes into a fresh `/dev/shm` file. Request to ready also pays
+`posix_fallocate` of the segment (reserving every page up front, so a full `/dev/shm` is a
+clear error before any reading) and loader start-up, which is why it stays under the
+`read_direct` into ordinary process memory (which gets transparent huge pages and no
+fallocate). Mounting `/dev/shm` with `huge=within_size` closes much of that gap; see
+[performance.md](performance.md#loading).
 
 Results as JSON: `bench/results.json` (written by every run).
 """

@@ -10,10 +10,12 @@ One load can itself be split across several processes (``--load-processes``): th
 cuts the shard's rows at chunk boundaries into parts (``reads.split_span``), forks one child
 per part but the first while no HDF5 file is open (h5py handles must never cross a fork, and
 HDF5 would hand a child the parent's open file again: each process opens the file itself
-after the forks), reads the first part itself, and waits for the children. A forked child inherits the segment's ``MAP_SHARED`` mapping, so its rows land in
-the same segment; it reports rows done in a shared anonymous mapping of counters and an
-error as a pickled ``(code, message)`` over its own pipe, and leaves with ``os._exit``
-(never running Python cleanup of what it inherited: the writer, the reply pipe). The loader
+after the forks), reads the first part itself, and waits for the children. A forked child
+inherits the segment's descriptor and ``pwrite``s its rows through it (explicit offsets: the
+shared file position does not matter), so they land in the same segment; it reports rows
+done in a shared anonymous mapping of counters and an error as a pickled ``(code, message)``
+over its own pipe, and leaves with ``os._exit`` (never running Python cleanup of what it
+inherited: the writer, the reply pipe). The loader
 alone holds the temporary's ``flock`` (the children's inherited fds share its open file
 description, so a child exiting releases nothing), aborts the temporary if any part fails
 and publishes only when every part succeeded.
