@@ -20,7 +20,7 @@ import numpy as np
 
 from .source import DatasetInfo
 
-__all__ = ["COPY_BUFFER_BYTES", "StoredRows", "copy_rows", "stored_rows", "write_all"]
+__all__ = ["COPY_BUFFER_BYTES", "StoredRows", "copy_rows", "read_stored_rows", "stored_rows", "write_all"]
 
 COPY_BUFFER_BYTES = 4 * 1024 * 1024  # big enough for few syscalls, small enough to stay in cache
 
@@ -64,8 +64,8 @@ def stored_rows(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype) -> Store
         offsets = np.array([offset], dtype=np.int64)
         chunk_rows = info.rows
     elif layout == h5py.h5d.CHUNKED:
-        if tuple(dset.chunks[1:]) != info.row_shape:  # a chunk holds parts of rows
-            return None
+        if tuple(dset.chunks[1:]) != info.row_shape or not hasattr(dset.id, "chunk_iter"):
+            return None  # a chunk holds parts of rows, or HDF5 < 1.14 cannot list chunks cheaply
         chunk_rows = int(dset.chunks[0])
         offsets = np.full(-(-info.rows // chunk_rows), -1, dtype=np.int64)
         chunk_bytes = chunk_rows * row_bytes
@@ -129,6 +129,32 @@ def copy_rows(stored: StoredRows, lo: int, hi: int, dest_fd: int, dest_offset: i
                 raise OSError(f"the file ends at byte {start + done}, inside the rows' data (truncated?)")
             write_all(dest_fd, buffer[:n], dest_offset)
             dest_offset += n
+            done += n
+    return True
+
+
+def read_stored_rows(stored: StoredRows, rows: np.ndarray, out: np.ndarray) -> bool:
+    """Read the sorted, distinct global ``rows`` into ``out`` (one row each, C-contiguous, the
+    source dtype) with one ``preadv`` per run of rows that follow each other in the file: a
+    couple of microseconds a row, where an h5py read call costs tens. Returns False, having
+    read nothing, when some of the rows are in unallocated chunks.
+
+    Raised when the file cannot be read or ends early (a truncated file): OSError.
+    """
+    chunks = rows // stored.chunk_rows
+    starts = stored.chunk_offsets[chunks]
+    if (starts < 0).any():
+        return False
+    at = starts + (rows - chunks * stored.chunk_rows) * stored.row_bytes
+    edges = [0, *(np.flatnonzero(np.diff(at) != stored.row_bytes) + 1).tolist(), len(rows)]
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    size = stored.row_bytes
+    for s, e in zip(edges, edges[1:]):
+        done, want, start = s * size, e * size, int(at[s])
+        while done < want:
+            n = os.preadv(stored.fd, [flat[done:want]], start + done - s * size)
+            if n <= 0:
+                raise OSError(f"the file ends at byte {start + done - s * size}, inside the rows' data (truncated?)")
             done += n
     return True
 

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from .errors import DataError
-from .rawcopy import COPY_BUFFER_BYTES, copy_rows, stored_rows, write_all
+from .rawcopy import COPY_BUFFER_BYTES, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
 from .sharding import Selection
 from .source import DatasetInfo
 
@@ -197,20 +197,36 @@ def _row_copier(dset: h5py.Dataset, info: DatasetInfo, selection: Selection, out
     return copy
 
 
-def read_rows(dset: h5py.Dataset, info: DatasetInfo, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def read_rows(dset: h5py.Dataset, info: DatasetInfo, rows: np.ndarray, dtype: np.dtype,
+              stored: StoredRows | None = None) -> np.ndarray:
     """Rows ``rows`` (any order, repeats allowed) as a fresh array of ``dtype``, uncached.
 
-    Each distinct row is read once, in increasing order: one read per run of rows in the same
-    chunk when they are dense, else one read per row (h5py's scattered-row selections are far
-    slower than either).
+    Each distinct row is read once, in increasing order. With ``stored`` (rawcopy.stored_rows
+    of ``dset`` in its source dtype) rows are read from the file directly, one ``preadv`` per
+    run; otherwise (or for rows in unallocated chunks) through h5py: one read per run of rows
+    in the same chunk when they are dense, else one read per row (h5py's scattered-row
+    selections are far slower than either).
 
-    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
+    Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
+    ends early: DataError.
     """
     rows = np.asarray(rows, dtype=np.int64)
     if rows.size == 0:
         return np.empty((0, *info.row_shape), dtype=dtype)
     unique, inverse = np.unique(rows, return_inverse=True)
     data = np.empty((len(unique), *info.row_shape), dtype=info.dtype)
+    try:
+        direct = stored is not None and read_stored_rows(stored, unique, data)
+    except OSError as exc:
+        raise read_error(exc, dset, info, int(unique[0]), int(unique[-1]) + 1) from exc
+    if not direct:
+        _read_sorted_rows(dset, info, unique, data)
+    out = data[inverse.reshape(-1)]
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def _read_sorted_rows(dset: h5py.Dataset, info: DatasetInfo, unique: np.ndarray, data: np.ndarray) -> None:
+    """Sorted distinct rows ``unique`` into ``data`` through h5py, a chunk's run at a time."""
     chunk_of = unique // info.chunk_rows
     edges = [0, *(np.flatnonzero(np.diff(chunk_of)) + 1).tolist(), len(unique)]
     for s, e in zip(edges, edges[1:]):
@@ -228,5 +244,3 @@ def read_rows(dset: h5py.Dataset, info: DatasetInfo, rows: np.ndarray, dtype: np
                     dset.read_direct(data, np.s_[r : r + 1], np.s_[i : i + 1])
         except OSError as exc:
             raise read_error(exc, dset, info, lo, hi) from exc
-    out = data[inverse.reshape(-1)]
-    return out if out.dtype == dtype else out.astype(dtype)

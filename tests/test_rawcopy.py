@@ -20,7 +20,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset
 from h5serve.errors import DataError
-from h5serve.rawcopy import copy_rows, stored_rows
+from h5serve.rawcopy import copy_rows, read_stored_rows, stored_rows
 from h5serve.reads import read_shard_into
 from h5serve.sharding import Selection
 from h5serve.source import inspect_dataset
@@ -219,3 +219,63 @@ def test_daemon_loads_are_byte_identical(split_daemon: Daemon, workdir: Path, ki
     for s in segments:
         assert s["load_copied_bytes"] == (s["rows"] * data[0].nbytes if copies else 0), s
         assert s["load_parts"] > 1  # several processes wrote through the one descriptor
+
+
+# ----- lazy reads of uncached rows, straight from the file --------------------------------
+def test_read_stored_rows_equal_h5py(workdir: Path) -> None:
+    path = workdir / "reversed.h5"
+    data = _data()
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=data.shape, dtype="uint8", chunks=(64, *SHAPE))
+        for c in reversed(range(0, ROWS, 64)):  # chunks in the file in reverse order
+            d[c:c + 64] = data[c:c + 64]
+        f.create_dataset("sparse", shape=data.shape, dtype="uint8", chunks=(64, *SHAPE))[:64] = data[:64]
+    rng = np.random.default_rng(3)
+    with h5py.File(path, "r") as f:
+        info = inspect_dataset(f, "x")
+        stored = stored_rows(f["x"], info, info.dtype)
+        assert stored is not None
+        for rows in (np.arange(ROWS), np.array([0]), np.array([63, 64]), np.array([999]),
+                     np.unique(rng.integers(0, ROWS, 300)), np.arange(100, 300, 7)):
+            out = np.empty((len(rows), *SHAPE), np.uint8)
+            assert read_stored_rows(stored, rows, out)
+            assert np.array_equal(out, data[rows]), rows
+        sparse = stored_rows(f["sparse"], inspect_dataset(f, "sparse"), np.dtype("uint8"))
+        assert sparse is not None
+        assert read_stored_rows(sparse, np.array([3, 60]), np.empty((2, *SHAPE), np.uint8))
+        assert not read_stored_rows(sparse, np.array([3, 70]), np.empty((2, *SHAPE), np.uint8))
+
+
+def _lazy(path: Path, key: str, **kwargs) -> SharedH5Dataset:
+    with pytest.warns(RuntimeWarning, match="lazily"):
+        return SharedH5Dataset(path, key, runtime_dir=str(path) + "-no-daemon", timeout=0.2, cache_bytes=0, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "chunked", "chunked-float64", "gzip", "big-endian", "partial-row-chunks"])
+def test_lazy_uncached_rows(workdir: Path, kind: str) -> None:
+    """Uncached lazy reads (a shard over the cache budget) read stored rows from the file
+    directly and everything else through h5py: the same rows either way, in any order."""
+    path = workdir / f"lazy-{kind}.h5"
+    data = _write(path, kind)
+    ds = _lazy(path, "x", rank=1, world_size=3, dtype_x="float32")
+    try:
+        backend = ds._backend
+        assert (backend.handle.stored(backend.infos[0]) is not None) == KINDS[kind][1]
+        positions = np.random.default_rng(0).integers(0, len(ds), 500)  # shuffled, with repeats
+        got = ds.__getitems__(positions.tolist()).x.numpy()
+        assert got.dtype == np.float32 and np.array_equal(got, data[ds.indices[positions]].astype(np.float32))
+    finally:
+        ds.close()
+
+
+def test_lazy_uncached_file_cut_short_names_the_rows(workdir: Path) -> None:
+    path = workdir / "lazy-cut.h5"
+    _write(path, "contiguous")
+    ds = _lazy(path, "x")
+    try:
+        assert ds[5].shape == SHAPE  # the file is open and its rows located
+        os.truncate(path, os.path.getsize(path) - 100 * 192)
+        with pytest.raises(DataError, match=r"cannot read rows 950\.\.950 .*truncated"):
+            ds.__getitems__([950])
+    finally:
+        ds.close()

@@ -23,6 +23,7 @@ from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
+from ..rawcopy import StoredRows, stored_rows
 from ..reads import read_rows, read_shard_into
 from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
@@ -60,7 +61,8 @@ class BackendSpec:
 
 class H5Handle:
     """An h5py file opened once per process (keyed on pid), never pickled; its dataset
-    objects are kept too (looking one up costs ~40 us, more than gathering a batch)."""
+    objects are kept too (looking one up costs ~40 us, more than gathering a batch), and
+    where their rows sit in the file (rawcopy: read without HDF5 when stored as numpy holds them)."""
 
     def __init__(self, path: str, options: dict[str, Any]) -> None:
         self.path = path
@@ -68,11 +70,12 @@ class H5Handle:
         self._pid = -1
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
+        self._stored: dict[str, StoredRows | None] = {}
 
     def file(self) -> h5py.File:
         if self._pid != os.getpid():
             self._file = None  # inherited across fork: never use or close the parent's handle
-            self._datasets = {}
+            self._datasets, self._stored = {}, {}
         if self._file is None:
             self._file = open_h5(self.path, **self.options)
             self._pid = os.getpid()
@@ -84,19 +87,26 @@ class H5Handle:
             self._datasets[key] = f[key]
         return self._datasets[key]
 
+    def stored(self, info: DatasetInfo) -> StoredRows | None:
+        """Where ``info``'s rows are in this process's open file (None: read them through h5py)."""
+        dset = self.dataset(info.key)
+        if info.key not in self._stored:
+            self._stored[info.key] = stored_rows(dset, info, info.dtype)
+        return self._stored[info.key]
+
     def drop_inherited(self) -> None:
         if self._pid != os.getpid():
             self._file = None
-            self._datasets = {}
+            self._datasets, self._stored = {}, {}
 
     def close(self) -> None:
-        self._datasets = {}
+        self._datasets, self._stored = {}, {}
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
         self._file = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None, "_datasets": {}}
+        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None, "_datasets": {}, "_stored": {}}
 
 
 class ArrayBackend:
@@ -290,7 +300,7 @@ class LazyBackend:
         if self.cached:
             return [cache.take(self.handle.dataset, positions) for cache in self._chunk_caches()]
         rows = self.indices[positions.numpy()]
-        return [torch.from_numpy(read_rows(self.handle.dataset(info.key), info, rows, d))
+        return [torch.from_numpy(read_rows(self.handle.dataset(info.key), info, rows, d, self.handle.stored(info)))
                 for info, d in zip(self.infos, self.out_dtypes)]
 
     def close(self) -> None:

@@ -83,7 +83,8 @@ class H5LazyDataset(Dataset):
                 self._caches = [ChunkCache(info, self._whole, d) for info, d in zip(self._infos, self._dtypes)]
             return [cache.take(self._handle.dataset, positions).numpy() for cache in self._caches]
         rows = positions.numpy()
-        return [read_rows(self._handle.dataset(info.key), info, rows, d) for info, d in zip(self._infos, self._dtypes)]
+        return [read_rows(self._handle.dataset(info.key), info, rows, d, self._handle.stored(info))
+                for info, d in zip(self._infos, self._dtypes)]
 
     def _sample(self, x: np.ndarray, y: np.ndarray | None) -> Any:
         x = _as_tensor(self.transform(x) if self.transform is not None else x)
