@@ -291,6 +291,24 @@ def test_batch_sampler_resume_and_drop_last() -> None:
         assert b.storage_offset() == 0 and b.untyped_storage().nbytes() == b.nbytes
 
 
+def test_batch_sampler_arrays_for_workers(images: Path, shared_daemon: Daemon) -> None:
+    """With workers, make_loader's batch sampler yields small int64 arrays (no shared-memory
+    file per batch on the way to a worker): the same batches, the same samples."""
+    tensors = list(EpochBatchSampler(EpochShuffleSampler(103, seed=9), 10))
+    arrays = list(EpochBatchSampler(EpochShuffleSampler(103, seed=9), 10, arrays=True))
+    assert all(isinstance(a, np.ndarray) and a.dtype == np.int64 for a in arrays)
+    assert [a.tolist() for a in arrays] == [t.tolist() for t in tensors]
+    ds = open_dataset("shm", images, shared_daemon, x_key="x", y_key="y")
+    try:
+        in_process, workers = make_loader(ds, 64, seed=3), make_loader(ds, 64, seed=3, num_workers=2)
+        assert not in_process.batch_sampler.arrays and workers.batch_sampler.arrays
+        for (x0, y0), (x1, y1) in zip(in_process, workers, strict=True):
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+        del workers
+    finally:
+        ds.close()
+
+
 def test_make_loader_refuses_bad_arguments(images: Path, no_daemon_env: Path) -> None:
     ds = H5LazyDataset(str(images), "x", "y")
     for kwargs, match in (

@@ -72,7 +72,7 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader over ``dataset`` (a rank's shard) in EpochShuffleSampler order.
 
-    - batches come as index tensors from an EpochBatchSampler over ``sampler`` (default: a new
+    - batches come as index tensors (arrays, with workers) from an EpochBatchSampler over ``sampler`` (default: a new
       ``EpochShuffleSampler(len(dataset), seed, shuffle)``); call
       ``loader.batch_sampler.set_epoch(epoch)`` each epoch, and checkpoint with
       ``loader.batch_sampler.state_dict(consumed=...)``;
@@ -97,7 +97,8 @@ def make_loader(
     elif sampler.data_len != len(dataset):  # type: ignore[arg-type]
         raise ConfigError(f"sampler covers {sampler.data_len} samples but the dataset has {len(dataset)}")  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {
-        "batch_sampler": EpochBatchSampler(sampler, batch_size, drop_last),
+        # to workers, indices travel as arrays: a tensor would cost a shared-memory file per batch
+        "batch_sampler": EpochBatchSampler(sampler, batch_size, drop_last, arrays=num_workers > 0),
         "collate_fn": collate,
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,

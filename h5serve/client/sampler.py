@@ -117,18 +117,26 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
     ``batch_sampler=``): the same samples in the same order as
     ``DataLoader(sampler=sampler, batch_size=...)``, without a Python int per index.
     ``set_epoch``, ``state_dict`` and ``load_state_dict`` act on the wrapped sampler.
+
+    ``arrays=True``: int64 numpy arrays instead, for DataLoader workers. DataLoader sends each
+    batch of indices to a worker through a queue, and a tensor travels as a new shared-memory
+    file plus a file descriptor per batch, an array as a few bytes of pickle (on the bench:
+    ~1.3x the samples/s with 2 workers).
     """
 
-    def __init__(self, sampler: EpochShuffleSampler, batch_size: int, drop_last: bool = False) -> None:
+    def __init__(self, sampler: EpochShuffleSampler, batch_size: int, drop_last: bool = False,
+                 arrays: bool = False) -> None:
         if not isinstance(sampler, EpochShuffleSampler):
             raise ConfigError(f"EpochBatchSampler wraps an EpochShuffleSampler, got {type(sampler).__name__}")
         _check_batch_size(batch_size)
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
+        self.arrays = bool(arrays)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return self.sampler.batches(self.batch_size, self.drop_last)
+        batches = self.sampler.batches(self.batch_size, self.drop_last)
+        return (batch.numpy() for batch in batches) if self.arrays else batches
 
     def __len__(self) -> int:
         n = len(self.sampler)
