@@ -24,6 +24,7 @@ from h5serve.rawcopy import copy_rows, read_stored_rows, stored_rows
 from h5serve.reads import read_shard_into
 from h5serve.sharding import Selection
 from h5serve.source import inspect_dataset
+
 from .helpers import Daemon, short_tmpdir
 from .test_parallel_load import kill_tree, start_daemon
 
@@ -83,6 +84,17 @@ def test_which_datasets_are_copied(workdir: Path, kind: str) -> None:
         assert (stored is not None) == KINDS[kind][1]
         if data.dtype.kind in "iuf":  # asking for another dtype (a cast) never copies
             assert stored_rows(f["x"], info, np.dtype("float32" if data.dtype != np.float32 else "float64")) is None
+
+
+def test_too_many_chunks_go_through_h5py(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = workdir / "many-chunks.h5"
+    _write(path, "chunked")  # 16 chunks of 64 rows
+    with h5py.File(path, "r") as f:
+        info = inspect_dataset(f, "x")
+        monkeypatch.setattr("h5serve.rawcopy.MAX_MAPPED_CHUNKS", 16)
+        assert stored_rows(f["x"], info, info.dtype) is not None
+        monkeypatch.setattr("h5serve.rawcopy.MAX_MAPPED_CHUNKS", 15)
+        assert stored_rows(f["x"], info, info.dtype) is None
 
 
 def test_unwritten_and_compact_datasets_are_not_copied(workdir: Path) -> None:
