@@ -113,7 +113,7 @@ def iteration(files: dict[str, Path], daemon: BenchDaemon, epochs: int) -> list[
     rows.append(Row("iterate shm, workers=0: DataLoader(collate_fn=collate)", "samples/s", plain_collate, seed, limit,
                     note="per-index sampler, documented collate"))
     rows.append(Row("iterate shm, workers=0: DataLoader, default collate", "samples/s", plain_default, seed, limit,
-                    note="compat path: per-sample pairs stacked again"))
+                    note="default_collate recognises h5serve's batch and passes it through"))
 
     ds32 = _shm_dataset(path, daemon, dtype_x=np.float32)
     seed32 = SeedRankMemCachedDataset(str(path), "x", "y", rank=0, world_size=2)

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from h5serve.client import (
     Batch,
@@ -289,6 +289,32 @@ def test_batch_sampler_resume_and_drop_last() -> None:
     assert len(rest[-1]) == 3
     for b in got:  # batches do not view the whole order (index_select and pickling would pay for it)
         assert b.storage_offset() == 0 and b.untyped_storage().nbytes() == b.nbytes
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_collate_takes_the_whole_batch(images: Path, shared_daemon: Daemon, workers: int) -> None:
+    """A plain DataLoader (no collate_fn) gets the gathered tensors themselves, as the list
+    ``[x, y]`` default_collate makes of tuple samples, with and without workers; rows
+    collated one by one still give the same values."""
+    ds = open_dataset("shm", images, shared_daemon, x_key="x", y_key="y")
+    try:
+        batch = ds.__getitems__([5, 1, 7])
+        whole = default_collate(batch)
+        assert isinstance(whole, list) and whole[0] is batch.x and whole[1] is batch.y
+        assert isinstance(batch[0], tuple) and len(batch[0]) == 2  # a plain pair to everyone else
+        by_row = default_collate([batch[i] for i in range(3)])
+        assert torch.equal(by_row[0], batch.x) and torch.equal(by_row[1], batch.y)
+
+        def loader(collate_fn: object) -> DataLoader:
+            return DataLoader(ds, batch_size=64, sampler=EpochShuffleSampler(len(ds), seed=1), collate_fn=collate_fn,
+                              num_workers=workers, timeout=60 if workers else 0)
+
+        pairs = list(zip(loader(None), loader(collate), strict=True))
+        assert len(pairs) == -(-len(ds) // 64)
+        for (x0, y0), (x1, y1) in pairs:
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    finally:
+        ds.close()
 
 
 def test_batch_sampler_arrays_for_workers(images: Path, shared_daemon: Daemon) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..errors import (
     AccessDenied,
@@ -40,12 +40,20 @@ FALLBACKS = ("lazy", "error")
 _FALLBACK_ERRORS = (DaemonUnavailable, CapacityError, SegmentError, AccessDenied, ProtocolError)
 
 
+class BatchRow(tuple):
+    """One ``(x[i], y[i])`` pair of a Batch: a plain tuple to everyone, and the type by which
+    ``default_collate`` recognises a whole Batch (see ``_collate_rows``)."""
+
+    __slots__ = ()
+
+
 class Batch(Sequence):
     """What ``__getitems__`` returns for (x, y) data: the gathered batch tensors ``x`` and ``y``.
 
-    ``collate`` returns them as they are (the fast path: no per-sample objects at all). To
-    ``default_collate`` it is a sequence of per-sample ``(x[i], y[i])`` pairs, made on demand
-    and stacked again: slower, but a DataLoader without ``collate_fn`` still works.
+    ``collate`` returns them as they are (the fast path: no per-sample objects at all), and so
+    does ``default_collate`` (as the list ``[x, y]``, its usual result for tuple samples): a
+    plain DataLoader without ``collate_fn`` is as fast. Indexed, it is a sequence of
+    per-sample ``(x[i], y[i])`` pairs, made on demand.
     """
 
     __slots__ = ("x", "y")
@@ -60,10 +68,23 @@ class Batch(Sequence):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        return self.x[index], self.y[index]
+        return BatchRow((self.x[index], self.y[index]))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return zip(self.x.unbind(0), self.y.unbind(0))
+        return map(BatchRow, zip(self.x.unbind(0), self.y.unbind(0)))
+
+
+def _collate_rows(batch: Sequence[BatchRow], *, collate_fn_map: dict | None = None) -> list[Any]:
+    """``default_collate`` of BatchRow samples: a whole Batch is ``[x, y]`` at once; rows
+    gathered some other way are transposed and collated as tuples always are."""
+    if isinstance(batch, Batch):
+        return [batch.x, batch.y]
+    return [default_collate(list(samples)) for samples in zip(*batch)]
+
+
+# torch's documented way to extend default_collate (the docstring of torch.utils.data's
+# ``collate``): keyed on our own type only, so nothing else collates differently.
+default_collate_fn_map[BatchRow] = _collate_rows
 
 
 class SampleList(list):
