@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.errors import DataError
+from h5serve.errors import DataError, SourceChanged
 from h5serve.rawcopy import copy_rows, read_stored_rows, stored_rows
 from h5serve.reads import read_shard_into
 from h5serve.sharding import Selection
@@ -280,14 +280,35 @@ def test_lazy_uncached_rows(workdir: Path, kind: str) -> None:
         ds.close()
 
 
-def test_lazy_uncached_file_cut_short_names_the_rows(workdir: Path) -> None:
-    path = workdir / "lazy-cut.h5"
-    _write(path, "contiguous")
+@pytest.mark.parametrize("kind", ["contiguous", "gzip", "big-endian"])  # read directly, decompressed, converted
+def test_lazy_reads_of_a_file_cut_short_fail_loudly(workdir: Path, kind: str) -> None:
+    """A file truncated while a job reads it lazily: the next read that touches the file is
+    SourceChanged, whether the rows are read directly or through h5py (HDF5 alone returns
+    zeros past the new end of an uncompressed dataset, as the big-endian case would)."""
+    path = workdir / f"lazy-cut-{kind}.h5"
+    _write(path, kind)
     ds = _lazy(path, "x")
     try:
-        assert ds[5].shape == SHAPE  # the file is open and its rows located
-        os.truncate(path, os.path.getsize(path) - 100 * 192)
-        with pytest.raises(DataError, match=r"cannot read rows 950\.\.950 .*truncated"):
+        assert ds[5].shape == SHAPE  # the file is open
+        os.truncate(path, os.path.getsize(path) * 9 // 10)  # the last rows' data is gone
+        with pytest.raises(SourceChanged, match=r"changed while this process was reading it .*restart the job"):
             ds.__getitems__([950])
+    finally:
+        ds.close()
+
+
+def test_lazy_reads_go_on_from_a_file_replaced_by_rename(workdir: Path) -> None:
+    """Writing a new file and renaming it over the old one is the safe way to replace data:
+    a running job keeps reading the file it opened, unchanged."""
+    path = workdir / "lazy-replaced.h5"
+    data = _write(path, "chunked")
+    ds = _lazy(path, "x")
+    try:
+        assert np.array_equal(ds[5].numpy(), data[5])
+        new = workdir / "lazy-replaced.h5.new"
+        with h5py.File(new, "w") as f:
+            f.create_dataset("x", data=np.zeros_like(data), chunks=(64, *SHAPE))
+        os.rename(new, path)
+        assert np.array_equal(ds.__getitems__([900, 3]).x.numpy(), data[[900, 3]])
     finally:
         ds.close()

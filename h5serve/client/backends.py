@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 
-from ..errors import LengthMismatch, SegmentError
+from ..errors import LengthMismatch, SegmentError, SourceChanged
 from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment
@@ -71,20 +71,39 @@ class H5Handle:
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
         self._stored: dict[str, StoredRows | None] = {}
+        self._identity: dict[str, tuple[int, int, int]] = {}  # key -> (fd, size, mtime) of the file holding it
 
     def file(self) -> h5py.File:
         if self._pid != os.getpid():
             self._file = None  # inherited across fork: never use or close the parent's handle
-            self._datasets, self._stored = {}, {}
+            self._datasets, self._stored, self._identity = {}, {}, {}
         if self._file is None:
             self._file = open_h5(self.path, **self.options)
             self._pid = os.getpid()
         return self._file
 
     def dataset(self, key: str) -> h5py.Dataset:
+        """``key`` in this process's open file, ready to read.
+
+        Raised when the file holding it was truncated or rewritten in place since this
+        process opened it (HDF5 would read zeros past a new end of file): SourceChanged.
+        """
         f = self.file()  # after a fork: reopened, and the parent's dataset objects forgotten
         if key not in self._datasets:
-            self._datasets[key] = f[key]
+            dset = self._datasets[key] = f[key]
+            if dset.file.driver == "sec2":
+                fd = dset.file.id.get_vfd_handle()
+                st = os.fstat(fd)
+                self._identity[key] = (fd, st.st_size, st.st_mtime_ns)
+        elif key in self._identity:
+            fd, size, mtime = self._identity[key]
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                raise SourceChanged(
+                    f"{self._datasets[key].file.filename} changed while this process was reading it (size "
+                    f"{size} -> {st.st_size} bytes): it was truncated or rewritten in place; restart the job to "
+                    "read the new file, and replace files by writing a new one and renaming it over the old"
+                )
         return self._datasets[key]
 
     def stored(self, info: DatasetInfo) -> StoredRows | None:
@@ -97,16 +116,17 @@ class H5Handle:
     def drop_inherited(self) -> None:
         if self._pid != os.getpid():
             self._file = None
-            self._datasets, self._stored = {}, {}
+            self._datasets, self._stored, self._identity = {}, {}, {}
 
     def close(self) -> None:
-        self._datasets, self._stored = {}, {}
+        self._datasets, self._stored, self._identity = {}, {}, {}
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
         self._file = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None, "_datasets": {}, "_stored": {}}
+        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None, "_datasets": {}, "_stored": {},
+                "_identity": {}}
 
 
 class ArrayBackend:
