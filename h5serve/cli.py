@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many processes one load is split across, for compressed data (h5py decompresses in "
                    "one thread per process); shards under 64 MiB stay in one process; up to --loaders x N "
                    "processes run at once (default: cores, at most 8)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="default INFO (any case)")
     p.add_argument("--group", help="let this group's members connect and map segments (default: owner only)")
     p.add_argument("--allow-root", action="append", metavar="PATH",
                    help="serve only files under PATH (after resolving symlinks); repeatable")

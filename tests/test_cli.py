@@ -109,6 +109,7 @@ def test_bad_max_memory_is_refused_before_starting(tmp_path: Path) -> None:
     (["--loaders", "two"], "argument --loaders: takes a whole number", 2),
     (["--metrics-port", "70000"], "--metrics-port must be in", 1),
     (["--max-memory", "12 parsecs"], "not a size", 1),
+    (["--log-level", "chatty"], "argument --log-level: invalid choice: 'CHATTY'", 2),
 ])
 def test_bad_start_options_are_refused_before_starting(args: list[str], match: str, code: int) -> None:
     """Exit 2: argparse refused the value (bad usage); 1: h5serve did (the message says what to do)."""
@@ -117,6 +118,16 @@ def test_bad_start_options_are_refused_before_starting(args: list[str], match: s
         done = h5serve_cli("start", *args, env=d.env)
         assert done.returncode == code and match in done.stderr
         assert not (d.runtime_dir / "h5serve.sock").exists()
+    finally:
+        d.stop()
+
+
+def test_log_level_in_any_case(h5file: Path) -> None:
+    d = Daemon("--log-level", "debug")
+    try:
+        d.start()
+        SharedH5Dataset(h5file, "x", rank=0, world_size=1, runtime_dir=d.runtime_dir, fallback="error").close()
+        assert " DEBUG load of " in (d.runtime_dir / "h5serve.log").read_text()
     finally:
         d.stop()
 
