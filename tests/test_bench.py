@@ -50,3 +50,13 @@ def test_bench_iterate_group_runs_end_to_end(tmp_path: Path) -> None:
     for row in report["rows"]:
         assert row["h5serve"] > 0 and (row["baseline"] is None or row["baseline"] > 0), row
     assert "| scenario |" in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_bench_runs_as_a_script_from_anywhere(tmp_path: Path) -> None:
+    """`python bench/run.py` works as well as `python -m bench`, from any directory."""
+    for cmd in ([sys.executable, str(ROOT / "bench" / "run.py"), "--only", "nothing"],
+                [sys.executable, "-m", "bench", "--only", "nothing"]):
+        done = subprocess.run(cmd, cwd=tmp_path if "run.py" in cmd[1] else ROOT, capture_output=True, text=True,
+                              timeout=50)
+        assert done.returncode == 2 and "unknown groups ['nothing']" in done.stderr, (cmd, done.stderr[-2000:])
