@@ -127,14 +127,11 @@ def copy_rows(stored: StoredRows, lo: int, hi: int, dest_fd: int, dest_offset: i
         else:
             extents.append((start, size))
     for start, size in extents:
-        done = 0
-        while done < size:
-            n = os.preadv(stored.fd, [buffer[: min(len(buffer), size - done)]], start + done)
-            if n <= 0:
-                raise OSError(f"the file ends at byte {start + done}, inside the rows' data (truncated?)")
-            write_all(dest_fd, buffer[:n], dest_offset)
-            dest_offset += n
-            done += n
+        for done in range(0, size, len(buffer)):
+            piece = buffer[: min(len(buffer), size - done)]
+            _read_exactly(stored.fd, piece, start + done)
+            write_all(dest_fd, piece, dest_offset + done)
+        dest_offset += size
     return True
 
 
@@ -155,13 +152,21 @@ def read_stored_rows(stored: StoredRows, rows: np.ndarray, out: np.ndarray) -> b
     flat = memoryview(out.reshape(-1).view(np.uint8))
     size = stored.row_bytes
     for s, e in zip(edges, edges[1:]):
-        done, want, start = s * size, e * size, int(at[s])
-        while done < want:
-            n = os.preadv(stored.fd, [flat[done:want]], start + done - s * size)
-            if n <= 0:
-                raise OSError(f"the file ends at byte {start + done - s * size}, inside the rows' data (truncated?)")
-            done += n
+        _read_exactly(stored.fd, flat[s * size : e * size], int(at[s]))
     return True
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``fd`` at ``offset`` (a read may be short).
+
+    Raised when the file ends first (truncated while it is read): OSError.
+    """
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"the file ends at byte {offset + done}, inside the rows' data (truncated?)")
+        done += n
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:

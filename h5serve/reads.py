@@ -139,7 +139,7 @@ def read_shard_into(
     dest: tuple[int, int] | None = None,
 ) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
-    chunk-aligned blocks of about BLOCK_BYTES. ``span``: only the global rows ``[a, b)`` (one
+    chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global rows ``[a, b)`` (one
     part of a parallel load, from split_span); ``progress(n)``: ``n`` rows of this call done.
 
     ``dest``: ``(fd, offset)``, a file that ``out`` maps and the byte offset of ``out[0]`` in
@@ -154,7 +154,7 @@ def read_shard_into(
     first, last = span if span is not None else shard_span(info, selection)
     start, step = selection.first(info.rows), selection.step
     done = copied = 0
-    out_row = int(np.prod(out.shape[1:], dtype=np.int64)) * out.dtype.itemsize
+    out_row = row_bytes(info, out.dtype)
     buffer: np.ndarray | None = None
     stage: np.ndarray | None = None
     copy = _row_copier(dset, info, selection, out, dest) if dest is not None else None

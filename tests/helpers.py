@@ -3,6 +3,7 @@ always kill what they started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -30,6 +32,16 @@ def h5serve_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 
 def short_tmpdir(prefix: str) -> Path:
     # ipc socket paths are limited to 107 characters: pytest's tmp_path can be longer
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+@contextlib.contextmanager
+def short_workdir(prefix: str) -> Iterator[Path]:
+    """A short_tmpdir, removed with everything in it on exit."""
+    where = short_tmpdir(prefix)
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 class Daemon:

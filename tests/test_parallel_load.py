@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import zlib
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from h5serve.client.connection import DaemonClient
 from h5serve.errors import DataError
 from h5serve.protocol import Acquire
 
-from .helpers import Daemon, h5serve_cli, short_tmpdir, wait_for
+from .helpers import Daemon, h5serve_cli, short_workdir, wait_for
 
 ROWS, ROW_SHAPE, CHUNK_ROWS = 3000, (3, 8, 8), 50
 PARTS = 3
@@ -122,11 +121,8 @@ def start_daemon(*args: str, min_part_bytes: int | None = None) -> Daemon:
 # ----- data -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    where = short_tmpdir("h5s-pl-")
-    try:
+    with short_workdir("h5s-pl-") as where:
         yield where
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

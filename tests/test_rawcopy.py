@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from h5serve.reads import read_shard_into
 from h5serve.sharding import Selection
 from h5serve.source import inspect_dataset
 
-from .helpers import Daemon, short_tmpdir
+from .helpers import Daemon, short_workdir
 from .test_parallel_load import kill_tree, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,11 +65,8 @@ def _write(path: Path, kind: str, userblock: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    where = short_tmpdir("h5s-rc-")
-    try:
+    with short_workdir("h5s-rc-") as where:
         yield where
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 # ----- which datasets are copied ----------------------------------------------------------
@@ -272,7 +268,7 @@ def test_lazy_uncached_rows(workdir: Path, kind: str) -> None:
     ds = _lazy(path, "x", rank=1, world_size=3, dtype_x="float32")
     try:
         backend = ds._backend
-        assert (backend.handle.stored(backend.infos[0]) is not None) == KINDS[kind][1]
+        assert (backend.handle.located(backend.infos[0])[1] is not None) == KINDS[kind][1]
         positions = np.random.default_rng(0).integers(0, len(ds), 500)  # shuffled, with repeats
         got = ds.__getitems__(positions.tolist()).x.numpy()
         assert got.dtype == np.float32 and np.array_equal(got, data[ds.indices[positions]].astype(np.float32))

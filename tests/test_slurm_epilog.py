@@ -21,7 +21,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset
 
-from .helpers import h5serve_cli, make_h5, short_tmpdir, wait_for
+from .helpers import h5serve_cli, make_h5, short_workdir, wait_for
 
 EPILOG = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "epilog.sh"
 RUN_ROOT = Path("/run/h5serve")
@@ -77,11 +77,8 @@ class Job:
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:
-    where = short_tmpdir("h5s-epi-")
-    try:
+    with short_workdir("h5s-epi-") as where:
         yield where
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture

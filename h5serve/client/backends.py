@@ -21,10 +21,10 @@ import torch
 from ..errors import LengthMismatch, SegmentError, SourceChanged
 from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
-from ..segments import AttachedSegment, attach_segment
-from ..sharding import Selection
 from ..rawcopy import StoredRows, stored_rows
 from ..reads import read_rows, read_shard_into
+from ..segments import AttachedSegment, attach_segment
+from ..sharding import Selection
 from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from .connection import DaemonClient
@@ -106,12 +106,16 @@ class H5Handle:
                 )
         return self._datasets[key]
 
-    def stored(self, info: DatasetInfo) -> StoredRows | None:
-        """Where ``info``'s rows are in this process's open file (None: read them through h5py)."""
+    def located(self, info: DatasetInfo) -> tuple[h5py.Dataset, StoredRows | None]:
+        """``dataset(info.key)`` and where its rows are in this process's open file (None: read
+        them through h5py).
+
+        Raised as ``dataset`` is: SourceChanged.
+        """
         dset = self.dataset(info.key)
         if info.key not in self._stored:
             self._stored[info.key] = stored_rows(dset, info, info.dtype)
-        return self._stored[info.key]
+        return dset, self._stored[info.key]
 
     def drop_inherited(self) -> None:
         if self._pid != os.getpid():
@@ -320,8 +324,11 @@ class LazyBackend:
         if self.cached:
             return [cache.take(self.handle.dataset, positions) for cache in self._chunk_caches()]
         rows = self.indices[positions.numpy()]
-        return [torch.from_numpy(read_rows(self.handle.dataset(info.key), info, rows, d, self.handle.stored(info)))
-                for info, d in zip(self.infos, self.out_dtypes)]
+        out = []
+        for info, d in zip(self.infos, self.out_dtypes):
+            dset, stored = self.handle.located(info)
+            out.append(torch.from_numpy(read_rows(dset, info, rows, d, stored)))
+        return out
 
     def close(self) -> None:
         self.handle.close()

@@ -83,8 +83,11 @@ class H5LazyDataset(Dataset):
                 self._caches = [ChunkCache(info, self._whole, d) for info, d in zip(self._infos, self._dtypes)]
             return [cache.take(self._handle.dataset, positions).numpy() for cache in self._caches]
         rows = positions.numpy()
-        return [read_rows(self._handle.dataset(info.key), info, rows, d, self._handle.stored(info))
-                for info, d in zip(self._infos, self._dtypes)]
+        out = []
+        for info, d in zip(self._infos, self._dtypes):
+            dset, stored = self._handle.located(info)
+            out.append(read_rows(dset, info, rows, d, stored))
+        return out
 
     def _sample(self, x: np.ndarray, y: np.ndarray | None) -> Any:
         x = _as_tensor(self.transform(x) if self.transform is not None else x)

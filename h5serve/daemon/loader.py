@@ -327,12 +327,14 @@ def _run(job: LoadJob, reply: Connection) -> None:
         started = time.monotonic_ns()
         selection = Selection(meta.mode, meta.world_size, meta.rank)
         spans = _spans(meta, selection, job.load_processes)
-        target = writer
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
-                parts.fork(index, span, lambda progress, span=span: _read_part(meta, selection, target, span, progress),
-                           daemon_gone, (reply.fileno(),))
+                def work(progress: Callable[[int], None], span: tuple[int, int] = span,
+                         writer: SegmentWriter = writer) -> int:
+                    return _read_part(meta, selection, writer, span, progress)
+
+                parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
 
         def progress(rows_done: int) -> None:
