@@ -1,0 +1,200 @@
+"""Real other users for security tests: throwaway accounts and groups, acting as them, and a
+Python they can run.
+
+The suite runs as root on the project's machines. Each helper here creates what it needs
+(``useradd``/``groupadd`` with random names) and removes it in ``finally``; tests that need
+them are marked ``root_only`` and skip with the reason elsewhere.
+
+The interpreter running the suite may live where other users cannot read it (here: under
+``/root``, mode 0700). ``portable_python`` copies the packages the daemon and the CLI import
+(not torch) next to a copy of h5serve in a world-readable directory and runs them with the
+system's ``/usr/bin/python3`` of the same minor version, so a throwaway user can run
+``h5serve`` and its daemon for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import select
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creating users and switching uids needs root")
+
+REPO = Path(__file__).resolve().parent.parent
+# What `python -m h5serve` (CLI, daemon, loaders) imports; torch is client-only.
+_PORTABLE_PACKAGES = ("h5py", "h5py.libs", "numpy", "numpy.libs", "zmq", "pyzmq.libs", "msgpack", "tqdm",
+                      "hdf5plugin")
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int  # primary group (a group of its own)
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    gid: int
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+
+
+@contextlib.contextmanager
+def throwaway_group() -> Iterator[Group]:
+    name = f"h5sg{secrets.token_hex(3)}"
+    _run("groupadd", name)
+    try:
+        import grp
+
+        yield Group(name, grp.getgrnam(name).gr_gid)
+    finally:
+        subprocess.run(["groupdel", name], capture_output=True, timeout=60)
+
+
+@contextlib.contextmanager
+def throwaway_user(groups: tuple[Group, ...] = ()) -> Iterator[User]:
+    """A new user with a group of its own, no home, no login shell; in ``groups`` too."""
+    name = f"h5su{secrets.token_hex(3)}"
+    argv = ["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", "--home-dir", "/nonexistent"]
+    if groups:
+        argv += ["--groups", ",".join(g.name for g in groups)]
+    _run(*argv, name)
+    try:
+        import pwd
+
+        pw = pwd.getpwnam(name)
+        yield User(name, pw.pw_uid, pw.pw_gid)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True, timeout=60)
+        subprocess.run(["userdel", "--force", name], capture_output=True, timeout=60)
+        subprocess.run(["groupdel", name], capture_output=True, timeout=60)
+
+
+@contextlib.contextmanager
+def throwaway_users(count: int, groups: tuple[Group, ...] = ()) -> Iterator[list[User]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(throwaway_user(groups)) for _ in range(count)]
+
+
+def supplementary_gids(user: User) -> list[int]:
+    return os.getgrouplist(user.name, user.gid)
+
+
+def as_user(user: User, fn: Callable[[], object], timeout: float = 60) -> tuple[str, object]:
+    """Run ``fn`` in a forked child that dropped to ``user`` for good (groups, gid, uid).
+    Returns ``("ok", result)`` or ``("error", "ExcType: message")``. Everything ``fn`` needs
+    must already be imported: the parent interpreter's files may not be readable as ``user``.
+    The child is killed when the deadline passes."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(read)
+            os.setgroups(supplementary_gids(user))
+            os.setresgid(user.gid, user.gid, user.gid)
+            os.setresuid(user.uid, user.uid, user.uid)
+            try:
+                result: object = ("ok", fn())
+            except BaseException as exc:  # noqa: BLE001 - reported, the parent asserts
+                result = ("error", f"{type(exc).__name__}: {exc}")
+            os.write(write, pickle.dumps(result))
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        chunks = []
+        while select.select([read], [], [], timeout)[0]:
+            chunk = os.read(read, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        if not chunks:
+            return ("error", f"TimeoutError: the child acting as {user.name} reported nothing within {timeout}s")
+        return pickle.loads(b"".join(chunks))
+    finally:
+        os.close(read)
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+
+
+def setpriv(user: User) -> list[str]:
+    """The argv prefix that runs a command as ``user`` (real and effective ids, its groups)."""
+    return ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--"]
+
+
+def run_as(user: User, argv: list[str], env: dict[str, str] | None = None,
+           timeout: float = 60, cwd: str | None = "/") -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as ``user`` (via setpriv) with a deadline; kills it when the deadline passes."""
+    return subprocess.run(setpriv(user) + argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+@dataclass(frozen=True)
+class PortablePython:
+    """An interpreter and h5serve any user can run: ``argv("status")`` is ``h5serve status``."""
+
+    root: Path
+    python: str
+    env: dict[str, str]
+    h5serve_bin: Path  # a shell wrapper, for scripts that take a command (H5SERVE_BIN)
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.python, "-m", "h5serve", *args]
+
+
+def _same_minor(python: str) -> bool:
+    want = f"{sys.version_info.major}.{sys.version_info.minor}"
+    done = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          capture_output=True, text=True, timeout=30)
+    return done.returncode == 0 and done.stdout.strip() == want
+
+
+@contextlib.contextmanager
+def portable_python() -> Iterator[PortablePython]:
+    """Copies of the daemon's packages and of h5serve, world-readable, run by /usr/bin/python3.
+
+    Skips when there is no system Python of this minor version (compiled packages would not load).
+    """
+    python = "/usr/bin/python3"
+    if not os.path.exists(python) or not _same_minor(python):
+        pytest.skip(f"no {python} of Python {sys.version_info.major}.{sys.version_info.minor} to run as other users")
+    root = Path(tempfile.mkdtemp(prefix="h5s-py-", dir="/tmp"))
+    try:
+        site = root / "site"
+        site.mkdir()
+        purelib = Path(sysconfig.get_paths()["purelib"])
+        for name in _PORTABLE_PACKAGES:
+            if (purelib / name).is_dir():
+                shutil.copytree(purelib / name, site / name, symlinks=False)
+        shutil.copytree(REPO / "h5serve", site / "h5serve", ignore=shutil.ignore_patterns("__pycache__"))
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": str(site),
+               "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
+        wrapper = root / "h5serve"
+        wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={site} PYTHONDONTWRITEBYTECODE=1 exec {python} -m h5serve "$@"\n')
+        for path in [root, *root.rglob("*")]:
+            if not path.is_symlink():
+                path.chmod(0o755 if path.is_dir() or path == wrapper else 0o644)
+        for so in root.rglob("*.so*"):
+            so.chmod(0o755)
+        yield PortablePython(root, python, env, wrapper)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
