@@ -25,13 +25,16 @@ __all__ = [
     "resolve_shm_dir",
     "ensure_runtime_dir",
     "daemon_lock_held",
+    "trusted_daemon_uids",
     "MAX_IPC_PATH",
+    "DAEMON_USER_ENV",
 ]
 
 MAX_IPC_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 SOCKET_NAME = "h5serve.sock"
 PIDFILE_NAME = "h5serve.pid"
 LOGFILE_NAME = "h5serve.log"
+DAEMON_USER_ENV = "H5SERVE_DAEMON_USER"
 
 
 @dataclass(frozen=True)
@@ -142,3 +145,27 @@ def daemon_lock_held(location: RuntimeLocation) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def trusted_daemon_uids(daemon_user: str | int | None = None) -> frozenset[int]:
+    """The uids whose daemon a client trusts: its runtime dir, socket, pidfile and segments
+    must belong to one of them. Ours, root's (root can read and write everything anyway), and
+    the one explicitly configured for shared daemons (``--group`` or root-prolog setups):
+    ``daemon_user`` > ``$H5SERVE_DAEMON_USER``, a user name or uid. Never what a daemon says
+    about itself.
+
+    Raised when the configured user does not exist: ConfigError.
+    """
+    uids = {os.getuid(), 0}
+    configured = daemon_user if daemon_user is not None else os.environ.get(DAEMON_USER_ENV) or None
+    if configured is not None:
+        import pwd
+
+        text = str(configured)
+        try:
+            uids.add(int(text) if text.isdigit() else pwd.getpwnam(text).pw_uid)
+        except KeyError:
+            raise ConfigError(
+                f"daemon user {text!r} ({DAEMON_USER_ENV} or daemon_user=) is not a user on this machine"
+            ) from None
+    return frozenset(uids)
