@@ -62,7 +62,7 @@ def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = 
 
 def cmd_start(args: argparse.Namespace) -> int:
     from .daemon.config import parse_size
-    from .daemon.privileges import lookup_group, lookup_user
+    from .daemon.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
 
     account = lookup_user(args.user) if args.user else None
     if args.group is not None:
@@ -74,58 +74,89 @@ def cmd_start(args: argparse.Namespace) -> int:
     if account is not None and os.geteuid() != 0 and os.getuid() != account.uid:
         raise ConfigError(f"--user {account.name} needs `h5serve start` to run as root")
     location = resolve_runtime(args.runtime_dir, uid=account.uid if account else None)
+    if account is not None and os.geteuid() != account.uid:
+        # Root does one thing for the user (the dir, by descriptor) and then is the user for
+        # good: the log, pidfile and socket are opened as the user, in the user's dir.
+        prepare_runtime_dir(location, account)
+        drop_privileges(account)
+        _check_interpreter(account.name)
     if args.foreground:
         return _run_foreground(args, location)
-    if account is not None and os.getuid() != account.uid:
-        _prepare_for(location, account.uid, account.gid)
-    else:
-        ensure_runtime_dir(location)
-    with _client(location.directory, timeout=2.0) as client:
-        if client.available():
-            info = client.ping()
-            print(f"h5serve daemon already running (pid {info['pid']}) on {location.directory}")
-            return EXIT_OK
-        cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
-        for flag in ("shm_dir", "max_memory", "loaders", "load_processes", "log_level", "group", "user",
-                     "metrics_port", "metrics_addr", "metrics_textfile"):
-            value = getattr(args, flag)
-            if value is not None:
-                cmd += [f"--{flag.replace('_', '-')}", str(value)]
-        for root in args.allow_root or ():
-            cmd += ["--allow-root", root]
-        with open(os.open(location.logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
-            if account is not None:
-                os.fchown(log.fileno(), account.uid, account.gid)
-            process = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+    dir_fd = ensure_runtime_dir(location)
+    try:
+        with _client(location.directory, timeout=2.0) as client:
             if client.available():
-                try:
-                    info = client.request(Ping(), timeout=1.0)
-                except DaemonUnavailable:
-                    continue
-                print(f"h5serve daemon started (pid {info['pid']}) on {location.endpoint}; log: {location.logfile}")
+                info = client.ping()
+                print(f"h5serve daemon already running (pid {info['pid']}) on {location.directory}")
                 return EXIT_OK
-            if process.poll() not in (None, 0):  # 0: another start won the race; wait for its daemon
-                break
-            time.sleep(0.05)
-        if process.poll() is None:
-            process.kill()
-        tail = location.logfile.read_text(errors="replace").strip().splitlines()[-5:]
-        raise H5ServeError(
-            f"the daemon did not start on {location.directory}; last log lines:\n  " + "\n  ".join(tail)
+            process = _spawn_daemon(args, location, dir_fd)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if client.available():
+                    try:
+                        info = client.request(Ping(), timeout=1.0)
+                    except DaemonUnavailable:
+                        continue
+                    print(f"h5serve daemon started (pid {info['pid']}) on {location.endpoint}; log: {location.logfile}")
+                    return EXIT_OK
+                if process.poll() not in (None, 0):  # 0: another start won the race; wait for its daemon
+                    break
+                time.sleep(0.05)
+            if process.poll() is None:
+                process.kill()
+            raise H5ServeError(
+                f"the daemon did not start on {location.directory}; last log lines:\n  " + "\n  ".join(_log_tail(dir_fd))
+            )
+    finally:
+        os.close(dir_fd)
+
+
+def _check_interpreter(user: str) -> None:
+    """Raised when the user we now are cannot run this interpreter (loaders start it): ConfigError."""
+    if not os.access(sys.executable, os.X_OK):
+        raise ConfigError(
+            f"user {user!r} cannot run the Python interpreter {sys.executable}; install h5serve "
+            "where that user can run it (e.g. a venv outside /root)"
         )
 
 
-def _prepare_for(location: Any, uid: int, gid: int) -> None:
-    """Root starting a daemon for another user: the runtime dir must be that user's."""
-    location.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = location.directory.stat()
-    if st.st_uid not in (uid, 0):
-        raise ConfigError(f"runtime dir {location.directory} belongs to uid {st.st_uid}; choose another --runtime-dir")
-    os.chown(location.directory, uid, gid)
+def _open_log(dir_fd: int, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
+    """The daemon's log in the (checked) runtime dir: never through a symlink, never a FIFO,
+    only a file of ours."""
+    from .runtime import LOGFILE_NAME
+    from .safeio import open_regular
+
+    return open_regular(LOGFILE_NAME, ConfigError, owners={os.geteuid()}, flags=flags, dir_fd=dir_fd,
+                        hint="remove it from the runtime dir")[0]
+
+
+def _log_tail(dir_fd: int, lines: int = 5) -> list[str]:
+    try:
+        fd = _open_log(dir_fd, os.O_RDONLY)
+    except ConfigError as exc:
+        return [str(exc)]
+    with open(fd, "rb") as f:
+        return f.read()[-16384:].decode(errors="replace").strip().splitlines()[-lines:]
+
+
+def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
+    for flag in ("shm_dir", "max_memory", "loaders", "load_processes", "log_level", "group", "user",
+                 "metrics_port", "metrics_addr", "metrics_textfile"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    for root in args.allow_root or ():
+        cmd += ["--allow-root", root]
+    log = _open_log(dir_fd)
+    try:
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+        )
+    except OSError as exc:
+        raise H5ServeError(f"cannot run {sys.executable} to start the daemon: {exc.strerror}") from exc
+    finally:
+        os.close(log)
 
 
 def _run_foreground(args: argparse.Namespace, location: Any) -> int:
@@ -139,12 +170,8 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         stream=sys.stderr,
     )
     if args.user:
-        drop_privileges(lookup_user(args.user))  # before the runtime dir, socket or any segment
-        if not os.access(sys.executable, os.X_OK):  # loader processes start this interpreter
-            raise ConfigError(
-                f"user {args.user!r} cannot run the Python interpreter {sys.executable}; install h5serve "
-                "where that user can run it (e.g. a venv outside /root)"
-            )
+        drop_privileges(lookup_user(args.user))  # a no-op when cmd_start already did
+        _check_interpreter(args.user)
     config = DaemonConfig(
         location=location,
         shm_dir=resolve_shm_dir(args.shm_dir),
@@ -165,16 +192,20 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from .runtime import read_pid, signal_daemon
+
     with _client(args.runtime_dir) as client:
         if not client.available():
             print(f"no h5serve daemon running on {client.location.directory}")
             return EXIT_OK
-        pid = int(client.location.pidfile.read_text().strip() or 0)
+        owner = client.daemon_uid if client.daemon_uid is not None else os.geteuid()
+        pid = read_pid(client.location, owner)
         try:
-            client.shutdown()
+            pid = client.shutdown().get("pid", pid)
         except DaemonUnavailable:
-            if pid:
-                os.kill(pid, signal.SIGTERM)
+            # Not answering: signal it, but only the process proven to be this dir's daemon
+            # (owner's, holding the pidfile lock), never whatever pid the file names.
+            pid = signal_daemon(client.location, owner, signal.SIGTERM) or pid
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while client.available() and time.monotonic() < deadline:
             time.sleep(0.05)

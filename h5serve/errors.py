@@ -14,9 +14,17 @@
     │   └── BudgetExceeded          the daemon's --max-memory cannot fit the shard
     ├── SegmentError                a shared-memory segment is missing, foreign or invalid
     ├── DaemonUnavailable           no daemon answered on the runtime dir in time
+    │   └── UntrustedDaemon         the runtime dir, socket or pidfile belongs to someone untrusted
     ├── DaemonAlreadyRunning        ``start --foreground`` found a live daemon on the runtime dir
     ├── ProtocolError               a message that does not follow the wire protocol
     └── RemoteError                 the daemon failed in a way that has no more specific class
+
+Which errors a client meets reading with ``fallback="lazy"`` turn into lazy h5py reads is
+decided here, once, by each class's ``falls_back``: everything the daemon or shared memory can
+fail with falls back; a bad argument (ConfigError) or data no reader can serve (KeyNotFound,
+UnsupportedDataset, LengthMismatch) does not, because lazy reads would fail the same way.
+``SourceNotFound`` falls back: the daemon may not see a file the job sees (another mount
+namespace, other permissions); if the job cannot read it either, the lazy reader says so.
 
 Errors from ZeroMQ, the OS and h5py are translated into these classes where they happen
 (``raise ... from exc``), so callers never need to catch third-party exceptions.
@@ -42,12 +50,14 @@ __all__ = [
     "BudgetExceeded",
     "SegmentError",
     "DaemonUnavailable",
+    "UntrustedDaemon",
     "DaemonAlreadyRunning",
     "ProtocolError",
     "RemoteError",
     "ERROR_CODES",
     "code_for",
     "error_from_code",
+    "falls_back",
 ]
 
 
@@ -55,24 +65,28 @@ class H5ServeError(Exception):
     """Base class of every error h5serve raises on purpose."""
 
     code = "error"
+    falls_back = True  # a failure of the daemon or of shared memory: lazy reads can serve the rows
 
 
 class ConfigError(H5ServeError, ValueError):
     """Raised when an argument or setting is invalid (bad mode, rank out of range, ...)."""
 
     code = "config"
+    falls_back = False
 
 
 class DataError(H5ServeError):
     """Raised when the HDF5 source cannot be served as requested."""
 
     code = "data"
+    falls_back = False
 
 
 class SourceNotFound(DataError, FileNotFoundError):
     """Raised when the HDF5 file does not exist or is not a readable HDF5 file."""
 
     code = "source_not_found"
+    falls_back = True
 
 
 class KeyNotFound(DataError, KeyError):
@@ -100,12 +114,15 @@ class SourceChanged(DataError):
     """Raised when the HDF5 file was modified while a shard of it was being loaded."""
 
     code = "source_changed"
+    falls_back = True
 
 
 class AccessDenied(DataError, PermissionError):
-    """Raised when the file lies outside every --allow-root of the daemon."""
+    """Raised when the daemon may not serve the file: outside every --allow-root, or not
+    readable by the user who asked for it."""
 
     code = "access_denied"
+    falls_back = True
 
 
 class CapacityError(H5ServeError):
@@ -136,6 +153,14 @@ class DaemonUnavailable(H5ServeError):
     """Raised when no daemon answers on the runtime dir within the timeout."""
 
     code = "daemon_unavailable"
+
+
+class UntrustedDaemon(DaemonUnavailable):
+    """Raised when the runtime dir, its socket or pidfile, or a segment belongs to a user the
+    client does not trust (not itself, not root, not ``H5SERVE_DAEMON_USER``), or can be
+    written by others."""
+
+    code = "untrusted_daemon"
 
 
 class DaemonAlreadyRunning(H5ServeError):
@@ -175,6 +200,7 @@ ERROR_CODES: dict[str, type[H5ServeError]] = {
         BudgetExceeded,
         SegmentError,
         DaemonUnavailable,
+        UntrustedDaemon,
         DaemonAlreadyRunning,
         ProtocolError,
         RemoteError,
@@ -190,3 +216,8 @@ def code_for(exc: BaseException) -> str:
 def error_from_code(code: str, message: str) -> H5ServeError:
     """The exception the client raises for an error reply from the daemon."""
     return ERROR_CODES.get(code, RemoteError)(message)
+
+
+def falls_back(exc: BaseException) -> bool:
+    """True when a client with ``fallback="lazy"`` reads lazily after ``exc`` instead of raising it."""
+    return isinstance(exc, H5ServeError) and type(exc).falls_back

@@ -13,11 +13,13 @@ import errno
 import fcntl
 import hashlib
 import os
+import signal
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, DaemonUnavailable, UntrustedDaemon
+from .safeio import check_dir_stat, describe_owner, open_regular, read_small
 
 __all__ = [
     "RuntimeLocation",
@@ -25,9 +27,16 @@ __all__ = [
     "resolve_shm_dir",
     "ensure_runtime_dir",
     "daemon_lock_held",
+    "trusted_owner",
+    "open_pidfile",
+    "read_pid",
+    "signal_daemon",
     "trusted_daemon_uids",
     "MAX_IPC_PATH",
     "DAEMON_USER_ENV",
+    "SOCKET_NAME",
+    "PIDFILE_NAME",
+    "LOGFILE_NAME",
 ]
 
 MAX_IPC_PATH = 107  # sun_path is 108 bytes including the terminating NUL
@@ -105,38 +114,122 @@ def resolve_shm_dir(shm_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.path.abspath(os.environ.get("H5SERVE_SHM_DIR") or "/dev/shm"))
 
 
-def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> None:
-    """Create the runtime dir 0700 (parents too); tighten an existing one of ours to 0700.
-    With ``group`` (a gid), the dir is 0750 and belongs to that group, so its members can
-    reach the socket.
+def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> int:
+    """Create the runtime dir 0700 (its parents too) or take an existing one of ours, and
+    return a descriptor of it. Never follows a symlink at the runtime dir itself; mode and
+    group are set through the descriptor. With ``group`` (a gid), the dir is 0750 and belongs
+    to that group, so its members can reach the socket. Run as the user who will serve:
+    a root parent starting a daemon for someone else drops privileges first (cli.py).
 
-    Raised when it cannot be created or belongs to another user: ConfigError.
+    Raised when it cannot be created, is a symlink or not a directory, or belongs to another
+    user: ConfigError.
     """
+    hint = "choose another --runtime-dir / H5SERVE_RUNTIME_DIR, or remove it"
     try:
-        location.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        location.directory.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(location.directory, 0o700)
+    except FileExistsError:
+        pass
     except OSError as exc:
         raise ConfigError(f"cannot create runtime dir {location.directory}: {exc.strerror}") from exc
-    st = location.directory.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigError(
-            f"runtime dir {location.directory} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-            "choose another --runtime-dir"
-        )
-    if group is not None:
-        try:
-            os.chown(location.directory, -1, group)
-        except OSError as exc:
-            raise ConfigError(f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
-    wanted = 0o700 if group is None else 0o750
-    if stat.S_IMODE(st.st_mode) != wanted:
-        os.chmod(location.directory, wanted)
-
-
-def daemon_lock_held(location: RuntimeLocation) -> bool:
-    """True when some process holds the daemon's exclusive lock on the pidfile."""
+    uid = os.geteuid()
     try:
-        fd = os.open(location.pidfile, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(location.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "it is a symbolic link or not a directory" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise ConfigError(f"cannot use runtime dir {location.directory}: {why}; {hint}") from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            raise ConfigError(
+                f"runtime dir {location.directory} belongs to {describe_owner(st.st_uid)}, not to you "
+                f"({describe_owner(uid)}); {hint}"
+            )
+        if group is not None and st.st_gid != group:
+            try:
+                os.fchown(fd, -1, group)
+            except OSError as exc:
+                raise ConfigError(f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
+        wanted = 0o700 if group is None else 0o750
+        if stat.S_IMODE(st.st_mode) != wanted:
+            os.fchmod(fd, wanted)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | None:
+    """The uid of the daemon on ``location`` as the files prove it: the owner of the runtime
+    dir, which must be one of ``trusted``, a directory (not a symlink) nobody else can write,
+    holding a socket and pidfile of the same owner. None when no daemon has been there (no
+    dir or no socket).
+
+    Raised when any of them is someone else's or of the wrong kind: UntrustedDaemon.
+    Raised when this user may not look into the dir: DaemonUnavailable.
+    """
+    hint = (f"start your own daemon, set H5SERVE_RUNTIME_DIR to its dir, or set {DAEMON_USER_ENV} to the "
+            "user that runs this node's shared daemon")
+    try:
+        st = os.lstat(location.directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _not_accessible(location) from exc
+    check_dir_stat(st, f"h5serve runtime dir {location.directory}", trusted, UntrustedDaemon, hint)
+    owner = st.st_uid
+    for path, is_kind, kind in ((location.socket_path, stat.S_ISSOCK, "socket"),
+                                (location.pidfile, stat.S_ISREG, "regular file")):
+        try:
+            entry = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _not_accessible(location) from exc
+        if not is_kind(entry.st_mode) or entry.st_uid != owner:
+            what = kind if not is_kind(entry.st_mode) else f"file of {describe_owner(entry.st_uid)}"
+            raise UntrustedDaemon(
+                f"{path} is not a {kind} of the runtime dir's owner ({describe_owner(owner)}): "
+                f"found a {what if is_kind(entry.st_mode) else 'different kind of file'}; refusing to talk to it; {hint}"
+            )
+    return owner
+
+
+def _not_accessible(location: RuntimeLocation) -> DaemonUnavailable:
+    return DaemonUnavailable(
+        f"the h5serve runtime dir {location.directory} is not accessible to {describe_owner(os.getuid())}: "
+        "use a daemon of your own, or ask its owner to start it with --group"
+    )
+
+
+def open_pidfile(location: RuntimeLocation, owner: int) -> int:
+    """The daemon's pidfile opened read-only (no symlink, no FIFO), checked to be ``owner``'s.
+
+    Raised when it is missing, of another kind or someone else's: UntrustedDaemon.
+    """
+    return open_regular(location.pidfile, UntrustedDaemon, owners={owner})[0]
+
+
+def read_pid(location: RuntimeLocation, owner: int) -> int:
+    """The pid written in the daemon's pidfile (0 if none). Trust it only as far as
+    ``daemon_process`` checks it.
+
+    Raised as ``open_pidfile``: UntrustedDaemon.
+    """
+    fd = open_pidfile(location, owner)
+    try:
+        text = read_small(fd, 32).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return int(text) if text.isdigit() else 0
+
+
+def daemon_lock_held(location: RuntimeLocation, owner: int | None = None) -> bool:
+    """True when some process holds the daemon's exclusive lock on the pidfile (``owner``'s
+    pidfile, when given; default: the caller's)."""
+    try:
+        fd = open_pidfile(location, os.geteuid() if owner is None else owner)
+    except UntrustedDaemon:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -169,3 +262,68 @@ def trusted_daemon_uids(daemon_user: str | int | None = None) -> frozenset[int]:
                 f"daemon user {text!r} ({DAEMON_USER_ENV} or daemon_user=) is not a user on this machine"
             ) from None
     return frozenset(uids)
+
+
+def _lock_holders(dev: int, ino: int) -> set[int]:
+    """Pids holding an exclusive flock on the file (dev, ino), from /proc/locks."""
+    holders: set[int] = set()
+    try:
+        with open("/proc/locks") as f:
+            lines = f.readlines()
+    except OSError:
+        return holders
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "WRITE":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(inode)) == (os.major(dev), os.minor(dev), ino):
+                holders.add(int(fields[4]))
+        except ValueError:
+            continue
+    return holders
+
+
+def _process_uids(pid: int) -> tuple[int, ...]:
+    """(real, effective, saved, fs) uids of ``pid``; () when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return tuple(int(n) for n in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def signal_daemon(location: RuntimeLocation, owner: int, sig: int) -> int:
+    """Send ``sig`` to the daemon of ``location``, but only to a process proven to be it: it
+    runs as ``owner`` (every uid) and holds the exclusive flock on the pidfile we opened. The
+    pid written in the pidfile is only a hint; the signal goes through a pidfd taken before
+    the checks, so a pid reused meanwhile is never hit. Returns the pid signalled, 0 when no
+    process proves to be the daemon.
+    """
+    fd = open_pidfile(location, owner)
+    try:
+        st = os.fstat(fd)
+        text = read_small(fd, 32).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    hinted = int(text) if text.isdigit() else 0
+    for pid in sorted(_lock_holders(st.st_dev, st.st_ino), key=lambda p: p != hinted):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            uids = _process_uids(pid)
+            if not uids or any(u != owner for u in uids) or pid not in _lock_holders(st.st_dev, st.st_ino):
+                continue
+            signal.pidfd_send_signal(pidfd, sig)
+            return pid
+        except ProcessLookupError:
+            continue
+        finally:
+            os.close(pidfd)
+    return 0

@@ -10,18 +10,21 @@ h5py errors are translated to h5serve errors here, in one place.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 
 import h5py
 import numpy as np
 
-from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceNotFound, UnsupportedDataset
+from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
 
 __all__ = [
     "FileIdentity",
     "DatasetInfo",
     "file_identity",
+    "open_identified",
     "open_h5",
+    "open_h5_verified",
     "inspect_dataset",
     "check_lengths",
     "resolve_dtype",
@@ -83,6 +86,49 @@ def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
     if not os.path.isfile(real):
         raise SourceNotFound(f"{os.fspath(path)!r} is not a regular file; pass the path of an HDF5 file")
     return FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_identified(path: str | os.PathLike[str]) -> tuple[int, FileIdentity]:
+    """Open ``path`` once (read-only, ``O_NONBLOCK``: a FIFO or device never blocks) and
+    describe what was opened, not what the path names a moment later: its real path (from
+    ``/proc/self/fd``), device, inode, size and mtime. The caller closes the descriptor.
+
+    Raised when it cannot be opened or is not a regular file: SourceNotFound.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceNotFound(
+            f"HDF5 file {os.fspath(path)!r} cannot be read: {exc.strerror}; check the path and its permissions"
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceNotFound(f"{os.fspath(path)!r} is not a regular file; pass the path of an HDF5 file")
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
+    """Open the file ``ident`` describes with h5py, and check that HDF5 opened that very file
+    (same device and inode), not whatever was swapped in at its path since it was identified.
+
+    Raised when it cannot be opened: SourceNotFound. Raised when HDF5 opened another file:
+    SourceChanged.
+    """
+    f = open_h5(ident.path, **kwargs)
+    try:
+        if f.driver == "sec2":
+            st = os.fstat(f.id.get_vfd_handle())
+            if (st.st_dev, st.st_ino) != (ident.dev, ident.ino):
+                raise SourceChanged(f"{ident.path} was replaced while it was being opened; request it again")
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def sources_unchanged(source: tuple, linked: tuple = ()) -> bool:

@@ -186,7 +186,7 @@ def test_relative_dir_counts_absolute_length(env, short_tmp):
 
 def test_ensure_creates_private_dir_with_parents(short_tmp):
     loc = RuntimeLocation(short_tmp / "a" / "b" / "run")
-    ensure_runtime_dir(loc)
+    os.close(ensure_runtime_dir(loc))
     st = loc.directory.stat()
     assert stat.S_ISDIR(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o700
@@ -197,7 +197,7 @@ def test_ensure_creates_0700_even_with_permissive_umask(short_tmp):
     old = os.umask(0)
     try:
         loc = RuntimeLocation(short_tmp / "run")
-        ensure_runtime_dir(loc)
+        os.close(ensure_runtime_dir(loc))
     finally:
         os.umask(old)
     assert stat.S_IMODE(loc.directory.stat().st_mode) == 0o700
@@ -209,23 +209,33 @@ def test_ensure_tightens_existing_dir(short_tmp, mode):
     d.mkdir()
     os.chmod(d, mode)
     (d / "keep").write_text("data")
-    ensure_runtime_dir(RuntimeLocation(d))
+    os.close(ensure_runtime_dir(RuntimeLocation(d)))
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     assert (d / "keep").read_text() == "data"  # existing contents untouched
 
 
 def test_ensure_is_idempotent(short_tmp):
     loc = RuntimeLocation(short_tmp / "run")
-    ensure_runtime_dir(loc)
-    ensure_runtime_dir(loc)
+    os.close(ensure_runtime_dir(loc))
+    os.close(ensure_runtime_dir(loc))
     assert stat.S_IMODE(loc.directory.stat().st_mode) == 0o700
 
 
 def test_ensure_on_a_file_is_config_error(short_tmp):
     f = short_tmp / "run"
     f.write_text("not a dir")
-    with pytest.raises(ConfigError, match="cannot create runtime dir"):
-        ensure_runtime_dir(RuntimeLocation(f))
+    with pytest.raises(ConfigError, match="it is not a directory"):
+        os.close(ensure_runtime_dir(RuntimeLocation(f)))
+
+
+def test_ensure_refuses_a_symlinked_runtime_dir(short_tmp):
+    """A symlink planted at the runtime dir (e.g. /tmp/h5serve-$UID -> somewhere) is never followed."""
+    target = short_tmp / "elsewhere"
+    target.mkdir(mode=0o755)
+    (short_tmp / "run").symlink_to(target)
+    with pytest.raises(ConfigError, match="it is a symbolic link"):
+        os.close(ensure_runtime_dir(RuntimeLocation(short_tmp / "run")))
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755  # not chmod-ed through the link
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
@@ -234,14 +244,14 @@ def test_ensure_foreign_owner_is_config_error(short_tmp):
     d.mkdir(mode=0o700)
     os.chown(d, 65534, 65534)
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
-        ensure_runtime_dir(RuntimeLocation(d))
+        os.close(ensure_runtime_dir(RuntimeLocation(d)))
 
 
 def test_resolved_private_xdg_dir_round_trips_through_ensure(env, short_tmp):
     xdg = private_dir(short_tmp / "xdg")
     env.setenv("XDG_RUNTIME_DIR", str(xdg))
     loc = resolve_runtime()
-    ensure_runtime_dir(loc)
+    os.close(ensure_runtime_dir(loc))
     assert loc.directory.is_dir()
     assert stat.S_IMODE(loc.directory.stat().st_mode) == 0o700
 

@@ -47,6 +47,7 @@ class BackendSpec:
     dtype_y: np.dtype | None
     runtime_dir: str | None = None
     timeout: float | None = None
+    daemon_user: str | int | None = None  # a shared daemon's user to trust (else $H5SERVE_DAEMON_USER)
     h5_options: dict[str, Any] = field(default_factory=dict)
     cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
 
@@ -213,7 +214,7 @@ class ShmBackend(ArrayBackend):
                     None if dtype is None else dtype.str)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
-        with DaemonClient(spec.runtime_dir, spec.timeout) as client:
+        with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
             first = [AcquireResult.from_wire(client.request(r)) for r in requests]  # starts every load at once
             if len(first) == 2 and first[0].dataset_rows != first[1].dataset_rows:
                 raise LengthMismatch(
@@ -256,7 +257,8 @@ class ShmBackend(ArrayBackend):
             if result.state != "ready":
                 result = client.acquire(request, progress)
             try:
-                segment = attach_segment(result.shm_dir, result.name, result.uid)
+                # the runtime dir's owner, checked to be trusted: never the uid the daemon reports
+                segment = attach_segment(result.shm_dir, result.name, client.daemon_uid)
             except SegmentError:
                 if attempt == 2:
                     raise

@@ -26,7 +26,7 @@ from ..protocol import (
     decode_reply,
     encode_request,
 )
-from ..runtime import RuntimeLocation, daemon_lock_held, resolve_runtime
+from ..runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
 
 __all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S"]
 
@@ -37,10 +37,19 @@ FIRST_POLL_S = 0.002
 
 
 class DaemonClient:
-    """Requests to the daemon of one runtime dir. Cheap to create; close() when done."""
+    """Requests to the daemon of one runtime dir. Cheap to create; close() when done.
 
-    def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, timeout: float | None = None) -> None:
+    It talks only to a daemon it trusts: one whose runtime dir, socket and pidfile belong to
+    this user, root, or ``daemon_user`` (default ``$H5SERVE_DAEMON_USER``), checked on disk
+    before every connection (``runtime.trusted_owner``); ``daemon_uid`` is that owner, the
+    only uid whose segments this process maps.
+    """
+
+    def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
+                 daemon_user: str | int | None = None) -> None:
         self.location: RuntimeLocation = resolve_runtime(runtime_dir)
+        self.trusted = trusted_daemon_uids(daemon_user)
+        self.daemon_uid: int | None = None
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -71,20 +80,17 @@ class DaemonClient:
         return self._sock
 
     def available(self) -> bool:
-        """A daemon holds this runtime dir's lock and its socket exists (no round trip).
+        """A trusted daemon holds this runtime dir's lock and its socket exists (no round trip).
 
-        Raised when the runtime dir is not accessible to this user: DaemonUnavailable.
+        Raised when the runtime dir, socket or pidfile belongs to an untrusted user or can be
+        written by others: UntrustedDaemon. Raised when the runtime dir is not accessible to
+        this user: DaemonUnavailable.
         """
-        try:
-            os.stat(self.location.socket_path)
-        except PermissionError as exc:
-            raise DaemonUnavailable(
-                f"the h5serve runtime dir {self.location.directory} is not accessible to uid {os.getuid()}: "
-                "use a daemon of your own, or ask its owner to start it with --group"
-            ) from exc
-        except OSError:
+        owner = trusted_owner(self.location, self.trusted)
+        if owner is None:
             return False
-        return daemon_lock_held(self.location)
+        self.daemon_uid = owner
+        return daemon_lock_held(self.location, owner)
 
     def request(self, request: Request, timeout: float | None = None, retries: int = 1) -> dict[str, Any]:
         """Send one request and wait for its reply; on a timeout, rebuild the socket and send

@@ -17,15 +17,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
-from ..errors import (
-    AccessDenied,
-    CapacityError,
-    ConfigError,
-    DaemonUnavailable,
-    H5ServeError,
-    ProtocolError,
-    SegmentError,
-)
+from ..errors import ConfigError, H5ServeError, falls_back
 from ..sharding import Selection, resolve_rank_world
 from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
@@ -34,10 +26,6 @@ from .gather import as_positions
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "collate"]
 
 FALLBACKS = ("lazy", "error")
-# Errors after which training can go on from the file itself: anything else is the user's to fix.
-# AccessDenied is the daemon's policy (--allow-root), not the user's right to read the file;
-# ProtocolError is a daemon of another h5serve version.
-_FALLBACK_ERRORS = (DaemonUnavailable, CapacityError, SegmentError, AccessDenied, ProtocolError)
 
 
 class BatchRow(tuple):
@@ -130,6 +118,11 @@ class SharedH5Dataset(Dataset):
     the whole shard, when the shard fits in ``cache_bytes`` (default: half the memory
     available; 0: never cache, read rows through HDF5 each time).
 
+    The daemon is trusted only when its runtime dir, socket, pidfile and segments belong to
+    this user, root, or ``daemon_user`` (a shared daemon's user name or uid; default
+    ``$H5SERVE_DAEMON_USER``); any other is refused like a missing daemon (a warning naming
+    the path and owner, then lazy reads).
+
     Raised for bad arguments: ConfigError. Raised for a missing file or key, mismatched
     lengths or an unservable dtype: the DataError subclass that says which.
     """
@@ -151,6 +144,7 @@ class SharedH5Dataset(Dataset):
         runtime_dir: str | os.PathLike[str] | None = None,
         timeout: float | None = None,
         cache_bytes: int | None = None,
+        daemon_user: str | int | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -167,6 +161,7 @@ class SharedH5Dataset(Dataset):
             dtype_y=resolve_dtype(dtype_y, "dtype_y"),
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
             timeout=timeout,
+            daemon_user=daemon_user,
             h5_options=self._h5_options(),
             cache_bytes=_check_cache_bytes(cache_bytes),
         )
@@ -184,8 +179,8 @@ class SharedH5Dataset(Dataset):
     def _open_backend(self) -> Backend:
         try:
             return ShmBackend.connect(self.spec, self.rank)
-        except _FALLBACK_ERRORS as exc:
-            if self.fallback == "error":
+        except H5ServeError as exc:  # errors.py decides which ones lazy reads can stand in for
+            if self.fallback == "error" or not falls_back(exc):
                 raise
             self._announce_fallback(exc)
             return self._fallback_backend()

@@ -35,7 +35,8 @@ from ..protocol import (
     encode_error,
     encode_ok,
 )
-from ..runtime import ensure_runtime_dir
+from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
+from ..safeio import open_regular, read_small
 from ..segments import format_bytes
 from .config import (
     DEFAULT_MEMORY_FRACTION,
@@ -44,6 +45,7 @@ from .config import (
     default_load_processes,
     default_loaders,
 )
+from .access import Peer
 from .metrics import Metrics
 from .notify import Notifier
 from .store import SegmentStore
@@ -56,28 +58,38 @@ STATUS_SCHEMA_VERSION = 1
 MAX_PEER_MESSAGE_BYTES = 1024 * 1024
 
 
-def _lock_pidfile(config: DaemonConfig) -> int:
+def _lock_pidfile(config: DaemonConfig, dir_fd: int) -> int:
     """Take the runtime dir's exclusive lock before touching the socket: ``bind`` on an ipc
-    path would silently steal it from a running daemon.
+    path would silently steal it from a running daemon. The pidfile is opened in the checked
+    runtime dir, never through a symlink, and must be ours.
 
-    Raised when another daemon holds it: DaemonAlreadyRunning.
+    Raised when another daemon holds it: DaemonAlreadyRunning. Raised when it is not a
+    regular file of ours: ConfigError.
     """
-    path = config.location.pidfile
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_regular(PIDFILE_NAME, ConfigError, owners={os.geteuid()}, flags=os.O_RDWR | os.O_CREAT,
+                      dir_fd=dir_fd, hint=f"remove it from {config.location.directory}")[0]
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
+        pid = read_small(fd, 32).decode("ascii", "replace").strip() or "?"
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            pid = path.read_text().strip() or "?"
             raise DaemonAlreadyRunning(f"an h5serve daemon (pid {pid}) already serves {config.location.directory}") from exc
-        raise
+        raise ConfigError(f"cannot lock {config.location.pidfile}: {exc.strerror}") from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     if config.group is not None:  # clients check the lock before connecting
         os.fchown(fd, -1, config.group)
         os.fchmod(fd, 0o640)
     return fd
+
+
+def _peer_of(frame: zmq.Frame) -> Peer | None:
+    """Who sent ``frame``: libzmq's SO_PEERCRED record of the ipc connection."""
+    try:
+        return Peer.from_address(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return None
 
 
 class Server:
@@ -103,9 +115,9 @@ class Server:
             self.metrics = Metrics(config.metrics_port, config.metrics_textfile, config.metrics_addr)
             self.store.on_loaded = self.metrics.observe_load
 
-    def handle(self, request: Request) -> dict[str, Any]:
+    def handle(self, request: Request, peer: Peer | None = None) -> dict[str, Any]:
         if isinstance(request, Acquire):
-            return self.store.acquire(request).to_wire()
+            return self.store.acquire(request, peer).to_wire()
         info = {
             "pid": os.getpid(), "version": __version__, "protocol": VERSION,
             "runtime_dir": str(self.config.location.directory), "shm_dir": str(self.config.shm_dir),
@@ -119,13 +131,14 @@ class Server:
         assert isinstance(request, (Ping, Shutdown))
         return info
 
-    def reply_to(self, frames: list[bytes]) -> bytes:
+    def reply_to(self, frames: list[bytes], peer: Peer | None = None) -> bytes:
+        """The reply to one request from ``peer`` (as the kernel reported it; None: unknown)."""
         request_id = 0
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one frame per request, got {len(frames)}")
             request_id, request = decode_request(frames[0])
-            return encode_ok(request_id, self.handle(request))
+            return encode_ok(request_id, self.handle(request, peer))
         except H5ServeError as exc:
             self.store.errors[exc.code] += 1
             if isinstance(exc, ProtocolError):
@@ -141,12 +154,15 @@ class Server:
 
     def run(self) -> None:
         location = self.config.location
-        ensure_runtime_dir(location, self.config.group)
-        lock_fd = _lock_pidfile(self.config)
+        dir_fd = ensure_runtime_dir(location, self.config.group)
+        lock_fd = _lock_pidfile(self.config, dir_fd)
         ctx = zmq.Context()
         try:
             self.store.recover()
-            location.socket_path.unlink(missing_ok=True)  # stale: we hold the lock
+            try:
+                os.unlink(SOCKET_NAME, dir_fd=dir_fd)  # stale: we hold the lock
+            except FileNotFoundError:
+                pass
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -159,8 +175,8 @@ class Server:
             finally:
                 os.umask(old_umask)
             if self.config.group is not None:  # members of the group may connect
-                os.chown(location.socket_path, -1, self.config.group)
-                os.chmod(location.socket_path, 0o660)
+                os.chown(SOCKET_NAME, -1, self.config.group, dir_fd=dir_fd, follow_symlinks=False)
+                os.chmod(SOCKET_NAME, 0o660, dir_fd=dir_fd)
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             log.info(
@@ -175,9 +191,14 @@ class Server:
             self.notifier.stopping()
             self.store.shutdown()
             ctx.destroy(linger=0)
-            location.socket_path.unlink(missing_ok=True)
-            location.pidfile.unlink(missing_ok=True)
+            self.store.resolver.close()
+            for name in (SOCKET_NAME, PIDFILE_NAME):
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
             os.close(lock_fd)
+            os.close(dir_fd)
             self.notifier.close()
             if self.metrics is not None:
                 self.metrics.refresh(self.store.status(), force=True)
@@ -198,12 +219,13 @@ class Server:
                 raise
             for _ in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
                 try:
-                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                reply = self.reply_to(frames)
+                peer = _peer_of(frames[0]) if frames else None
+                reply = self.reply_to([f.bytes for f in frames], peer)
                 try:
-                    sock.send_multipart([identity, reply], zmq.NOBLOCK)
+                    sock.send_multipart([identity.bytes, reply], zmq.NOBLOCK)
                 except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
                     pass
             self.store.poll_loads()

@@ -42,22 +42,18 @@ from ..segments import (
 )
 from ..sharding import Selection
 from ..source import (
-    DatasetInfo,
-    FileIdentity,
-    file_identity,
-    inspect_dataset,
-    open_h5,
     resolve_dtype,
     sources_unchanged,
     storage_dtype,
 )
+from .access import Peer
 from .config import FAILURE_MEMORY_S, SWEEP_INTERVAL_S
 from .loader import LoadJob, loader_context, start_load
+from .resolve import Resolver
 
 __all__ = ["SegmentStore"]
 
 log = logging.getLogger("h5serve.daemon")
-_INFO_CACHE_SIZE = 256
 # Shown in `status --json` from the start, so watchers never see a key appear.
 COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted")
 
@@ -100,7 +96,7 @@ class SegmentStore:
         self.failures: dict[str, tuple[float, str, str]] = {}
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.errors: Counter[str] = Counter()  # error replies by code
-        self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
+        self.resolver = Resolver(self.allow_roots)
         self._last_sweep = time.monotonic()
         self._ctx = loader_context()
 
@@ -129,36 +125,22 @@ class SegmentStore:
                 path.unlink(missing_ok=True)
 
     # ----- requests ------------------------------------------------------------------------
-    def _check_allowed(self, path: str) -> None:
-        """Raised when --allow-root is set and ``path`` resolves outside every root: AccessDenied."""
-        if not self.allow_roots:
-            return
-        real = os.path.realpath(path)
-        if not any(os.path.commonpath([real, root]) == root for root in self.allow_roots):
+    def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
+        """Find or start loading the segment for ``req``, asked by ``peer`` (None: ourselves).
+        Never waits for a load; waits for the file's resolution only briefly (resolve.py) and
+        answers "loading" meanwhile.
+
+        Raised when the file may not or cannot be served: AccessDenied, a DataError.
+        """
+        try:
+            resolved = self.resolver.poll(req.path, req.key, peer)
+        except AccessDenied:
             self.counters["refusals"] += 1
-            raise AccessDenied(
-                f"{path} (resolved to {real}) is outside the daemon's allowed roots "
-                f"({', '.join(self.allow_roots)}); move the file there or restart the daemon with --allow-root"
-            )
-
-    def _info(self, ident: FileIdentity, key: str) -> DatasetInfo:
-        cached = self._infos.get((ident, key))
-        if cached is None:
-            with open_h5(ident.path) as f:
-                cached = inspect_dataset(f, key)
-            if len(self._infos) >= _INFO_CACHE_SIZE:
-                self._infos.clear()
-            if not cached.linked_file:  # another file's metadata can change under the same outer identity
-                self._infos[(ident, key)] = cached
-        return cached
-
-    def acquire(self, req: Acquire) -> AcquireResult:
-        """Find or start loading the segment for ``req``. Never waits for a load."""
-        self._check_allowed(req.path)
-        ident = file_identity(req.path)
-        info = self._info(ident, req.key)
-        if info.linked_file:
-            self._check_allowed(info.linked_file)
+            raise
+        if resolved is None:
+            st = os.stat(self.shm_dir)
+            return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
+        ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank)
         stored = storage_dtype(info.dtype, resolve_dtype(req.dtype, "dtype"))
         meta = SegmentMeta(
@@ -167,7 +149,7 @@ class SegmentStore:
             mode=req.mode, world_size=req.world_size, rank=req.rank,
             total_rows=info.rows, rows=selection.count(info.rows), row_shape=info.row_shape,
             dtype=stored.str, source_dtype=info.dtype.str,
-            linked=file_identity(info.linked_file).as_tuple() if info.linked_file else (),
+            linked=resolved.linked.as_tuple() if resolved.linked else (),
         )
         name = segment_name(self.namespace, meta)
         entry = self.entries.get(name)

@@ -1,0 +1,158 @@
+"""What a request's file is, found off the control loop.
+
+Resolving a request touches the file system and HDF5: opening the path, ``fstat``, reading
+the dataset's metadata with h5py. On a hung network file system, or a FIFO an attacker put at
+the path, any of these can block; the control loop must never. So they run in a small pool
+of resolver threads, and the store waits for one only briefly (``RESOLVE_WAIT_S``: a local
+file resolves in well under a millisecond) before answering "loading" and picking the result
+up on the client's next poll.
+
+One resolution opens the path once (``O_NONBLOCK``) and checks what it opened: its real path
+under ``--allow-root``, that the requesting user may read it (access.py), and that the file
+HDF5 then opens is the same one (device and inode). HDF5 itself opens by path, so a FIFO
+raced into that path in between can still block one resolver thread (never the loop); the
+request then fails after ``RESOLVE_TIMEOUT_S`` and the thread is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import AccessDenied, SourceNotFound
+from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
+from .access import Peer, check_peer_can_read
+
+__all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
+
+RESOLVE_WAIT_S = 0.05  # how long the control loop waits for a resolution before answering "loading"
+RESOLVE_TIMEOUT_S = 30.0  # a resolution still running after this fails its request
+RESOLVER_THREADS = 4
+_INFO_CACHE_SIZE = 256
+
+
+class _DaemonThreads:
+    """A fixed pool of daemon threads: unlike ThreadPoolExecutor's, a thread stuck in a
+    blocking open never keeps the daemon from exiting."""
+
+    def __init__(self, count: int) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._count = count
+        for i in range(count):
+            threading.Thread(target=self._work, name=f"h5serve-resolve-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        for _ in range(self._count):
+            self._queue.put(None)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request's file as opened and checked, and its dataset's metadata."""
+
+    ident: FileIdentity
+    info: DatasetInfo
+    linked: FileIdentity | None  # the externally linked file holding the rows, if any
+
+
+class Resolver:
+    """Resolves (path, key, peer) in threads; one ``Future`` per request in flight."""
+
+    def __init__(self, allow_roots: tuple[str, ...] = ()) -> None:
+        self.allow_roots = allow_roots
+        self._pool = _DaemonThreads(RESOLVER_THREADS)
+        self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
+
+    def poll(self, path: str, key: str, peer: Peer | None) -> Resolved | None:
+        """The resolution of this request: started now if none is in flight, waited for up to
+        RESOLVE_WAIT_S; None while it is still running (ask again).
+
+        Raised when the file cannot be served: the H5ServeError saying why.
+        """
+        pending_key = (path, key, peer.uid if peer else None, peer.gid if peer else None)
+        started, future = self._pending.get(pending_key, (0.0, None))
+        if future is None:
+            started, future = time.monotonic(), self._pool.submit(self.resolve, path, key, peer)
+            self._pending[pending_key] = (started, future)
+        if not future.done():
+            try:
+                future.exception(timeout=RESOLVE_WAIT_S)
+            except TimeoutError:
+                if time.monotonic() - started < RESOLVE_TIMEOUT_S:
+                    return None
+                del self._pending[pending_key]
+                raise SourceNotFound(
+                    f"{path} did not open within {RESOLVE_TIMEOUT_S:g}s (a hung file system, or not a regular "
+                    "file); check the path"
+                ) from None
+        del self._pending[pending_key]
+        return future.result()
+
+    def resolve(self, path: str, key: str, peer: Peer | None) -> Resolved:
+        """Open, check and inspect (blocking: runs in a resolver thread)."""
+        fd, ident = open_identified(path)
+        try:
+            self._check_allowed(path, ident.path)
+            if peer is not None:
+                check_peer_can_read(peer, ident)
+            info = self._info(ident, key)
+        finally:
+            os.close(fd)
+        linked = None
+        if info.linked_file:
+            fd, linked = open_identified(info.linked_file)
+            try:
+                self._check_allowed(info.linked_file, linked.path)
+                if peer is not None:
+                    check_peer_can_read(peer, linked)
+            finally:
+                os.close(fd)
+        return Resolved(ident, info, linked)
+
+    def _check_allowed(self, asked: str, real: str) -> None:
+        """Raised when --allow-root is set and the opened file's real path is outside every
+        root: AccessDenied."""
+        if self.allow_roots and not any(os.path.commonpath([real, root]) == root for root in self.allow_roots):
+            raise AccessDenied(
+                f"{asked} (resolved to {real}) is outside the daemon's allowed roots "
+                f"({', '.join(self.allow_roots)}); move the file there or restart the daemon with --allow-root"
+            )
+
+    def _info(self, ident: FileIdentity, key: str) -> DatasetInfo:
+        with self._lock:
+            cached = self._infos.get((ident, key))
+        if cached is not None:
+            return cached
+        with open_h5_verified(ident) as f:
+            info = inspect_dataset(f, key)
+        if not info.linked_file:  # another file's metadata can change under the same outer identity
+            with self._lock:
+                if len(self._infos) >= _INFO_CACHE_SIZE:
+                    self._infos.clear()
+                self._infos[(ident, key)] = info
+        return info
+
+    def close(self) -> None:
+        self._pool.close()
