@@ -136,7 +136,7 @@ def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> i
     try:
         fd = os.open(location.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        why = "it is a symbolic link or not a directory" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        why = _why_not_a_dir(location.directory) or exc.strerror
         raise ConfigError(f"cannot use runtime dir {location.directory}: {why}; {hint}") from exc
     try:
         st = os.fstat(fd)
@@ -157,6 +157,16 @@ def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> i
         os.close(fd)
         raise
     return fd
+
+
+def _why_not_a_dir(path: Path) -> str:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    return "" if stat.S_ISDIR(st.st_mode) else "it is not a directory"
 
 
 def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | None:
