@@ -173,7 +173,7 @@ def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | N
     """The uid of the daemon on ``location`` as the files prove it: the owner of the runtime
     dir, which must be one of ``trusted``, a directory (not a symlink) nobody else can write,
     holding a socket and pidfile of the same owner. None when no daemon has been there (no
-    dir or no socket).
+    dir, no socket or pidfile, or something else at the socket's name).
 
     Raised when any of them is someone else's or of the wrong kind: UntrustedDaemon.
     Raised when this user may not look into the dir: DaemonUnavailable.
@@ -188,20 +188,20 @@ def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | N
         raise _not_accessible(location) from exc
     check_dir_stat(st, f"h5serve runtime dir {location.directory}", trusted, UntrustedDaemon, hint)
     owner = st.st_uid
-    for path, is_kind, kind in ((location.socket_path, stat.S_ISSOCK, "socket"),
-                                (location.pidfile, stat.S_ISREG, "regular file")):
+    for path in (location.socket_path, location.pidfile):
         try:
             entry = os.lstat(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise _not_accessible(location) from exc
-        if not is_kind(entry.st_mode) or entry.st_uid != owner:
-            what = kind if not is_kind(entry.st_mode) else f"file of {describe_owner(entry.st_uid)}"
+        if entry.st_uid != owner:
             raise UntrustedDaemon(
-                f"{path} is not a {kind} of the runtime dir's owner ({describe_owner(owner)}): "
-                f"found a {what if is_kind(entry.st_mode) else 'different kind of file'}; refusing to talk to it; {hint}"
+                f"{path} belongs to {describe_owner(entry.st_uid)}, not to the runtime dir's owner "
+                f"({describe_owner(owner)}); refusing to talk to it; {hint}"
             )
+    if not stat.S_ISSOCK(os.lstat(location.socket_path).st_mode):
+        return None  # a leftover, not a daemon's socket
     return owner
 
 

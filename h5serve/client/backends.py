@@ -176,6 +176,14 @@ class MemoryBackend(ArrayBackend):
         return cls(arrays, out_dtypes, infos[0].rows)
 
 
+def _check_same_length(spec: BackendSpec, rows: list[int]) -> None:
+    """Raised when x and y have different numbers of rows: LengthMismatch."""
+    if len(rows) == 2 and rows[0] != rows[1]:
+        raise LengthMismatch(
+            f"x {spec.x_key!r} has {rows[0]} rows but y {spec.y_key!r} has {rows[1]}: they must have the same length"
+        )
+
+
 def _check_same_shm(result: AcquireResult) -> None:
     """Raised when this process does not see the daemon's shm filesystem: SegmentError."""
     try:
@@ -216,15 +224,13 @@ class ShmBackend(ArrayBackend):
         ]
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
             first = [AcquireResult.from_wire(client.request(r)) for r in requests]  # starts every load at once
-            if len(first) == 2 and first[0].dataset_rows != first[1].dataset_rows:
-                raise LengthMismatch(
-                    f"x {spec.x_key!r} has {first[0].dataset_rows} rows but y {spec.y_key!r} has "
-                    f"{first[1].dataset_rows}: they must have the same length"
-                )
+            if all(r.name for r in first):  # both resolved already (else: checked once attached)
+                _check_same_length(spec, [r.dataset_rows for r in first])
             segments: list[AttachedSegment] = []
             try:
                 for request, result in zip(requests, first):
                     segments.append(cls._attach(client, request, result, rank_for_logs))
+                _check_same_length(spec, [s.meta.total_rows for s in segments])
             except BaseException:
                 for segment in segments:  # x attached but y failed: drop x's lease now, not at GC
                     segment.close()
@@ -236,6 +242,8 @@ class ShmBackend(ArrayBackend):
         bar: list[Progress] = []
 
         def progress(result: AcquireResult) -> None:
+            if not result.rows_total:  # the daemon is still opening the file
+                return
             if not bar:  # rank 0 shows a bar (or log lines); other ranks log at debug level
                 emit = log.info if rank_for_logs == 0 else log.debug
                 stream = None if rank_for_logs == 0 else io.StringIO()
