@@ -55,7 +55,7 @@ def _at_least_one(text: str) -> int:
 
 
 def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = None) -> Any:
-    from .client.connection import DaemonClient  # zmq only for the commands that talk
+    from .connection import DaemonClient  # zmq only for the commands that talk
 
     return DaemonClient(runtime_dir, timeout)
 
@@ -258,7 +258,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
-    from .client.connection import POLL_INTERVAL_S
+    from .connection import POLL_INTERVAL_S
     from .progress import Progress
     from .protocol import Acquire, AcquireResult
     from .source import resolve_dtype

@@ -97,11 +97,20 @@ def supplementary_gids(user: User) -> list[int]:
     return os.getgrouplist(user.name, user.gid)
 
 
+# Imported lazily by numpy, h5py or torch on first use: import them here, in the parent,
+# because a child acting as another user may not be able to read the interpreter's files.
+_LAZY_IMPORTS = ("numpy.ma", "numpy.lib.recfunctions", "warnings", "h5py._hl.vds")
+
+
 def as_user(user: User, fn: Callable[[], object], timeout: float = 60) -> tuple[str, object]:
     """Run ``fn`` in a forked child that dropped to ``user`` for good (groups, gid, uid).
     Returns ``("ok", result)`` or ``("error", "ExcType: message")``. Everything ``fn`` needs
     must already be imported: the parent interpreter's files may not be readable as ``user``.
     The child is killed when the deadline passes."""
+    import importlib
+
+    for name in _LAZY_IMPORTS:
+        importlib.import_module(name)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -159,6 +168,13 @@ class PortablePython:
 
     def argv(self, *args: str) -> list[str]:
         return [self.python, "-m", "h5serve", *args]
+
+    def run(self, *args: str, user: User | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``h5serve *args`` as ``user`` (default: as we are), from ``/`` (``python -m`` puts
+        the working directory first on the path: never the repository's checkout)."""
+        if user is not None:
+            return run_as(user, self.argv(*args), env=self.env, timeout=timeout)
+        return subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True, timeout=timeout, cwd="/")
 
 
 def _same_minor(python: str) -> bool:

@@ -27,7 +27,7 @@ from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
 from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
-from .connection import DaemonClient
+from ..connection import DaemonClient
 from .gather import RowSource
 
 __all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]

@@ -1,0 +1,167 @@
+"""Talking to the daemon: a ZeroMQ DEALER socket with request ids and timeouts.
+
+Fork-safe in the redis-py way: the socket remembers the pid that made it; after a fork the
+child drops the inherited objects untouched (closing a parent's ZeroMQ context in a child can
+hang) and builds its own. Every receive is bounded by a timeout; a timed-out socket is
+destroyed (``linger=0``) and rebuilt, so a late reply can never be taken for the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import zmq
+
+from .errors import DaemonUnavailable
+from .protocol import (
+    MAX_REPLY_BYTES,
+    Acquire,
+    AcquireResult,
+    Ping,
+    Request,
+    Shutdown,
+    Status,
+    decode_reply,
+    encode_request,
+)
+from .runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
+
+__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S"]
+
+
+DEFAULT_TIMEOUT_S = 5.0
+POLL_INTERVAL_S = 0.05
+FIRST_POLL_S = 0.002
+
+
+class DaemonClient:
+    """Requests to the daemon of one runtime dir. Cheap to create; close() when done.
+
+    It talks only to a daemon it trusts: one whose runtime dir, socket and pidfile belong to
+    this user, root, or ``daemon_user`` (default ``$H5SERVE_DAEMON_USER``), checked on disk
+    before every connection (``runtime.trusted_owner``); ``daemon_uid`` is that owner, the
+    only uid whose segments this process maps.
+    """
+
+    def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
+                 daemon_user: str | int | None = None) -> None:
+        self.location: RuntimeLocation = resolve_runtime(runtime_dir)
+        self.trusted = trusted_daemon_uids(daemon_user)
+        self.daemon_uid: int | None = None
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        self._pid = -1
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._next_id = 0
+
+    def __enter__(self) -> "DaemonClient":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._ctx is not None and self._pid == os.getpid():
+            self._ctx.destroy(linger=0)
+        self._ctx, self._sock = None, None
+
+    def _socket(self) -> zmq.Socket:
+        if self._pid != os.getpid():  # new process: never touch the parent's context
+            self._ctx, self._sock = None, None
+        if self._sock is None:
+            self._pid = os.getpid()
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            self._sock.connect(self.location.endpoint)
+        return self._sock
+
+    def available(self) -> bool:
+        """A trusted daemon holds this runtime dir's lock and its socket exists (no round trip).
+
+        Raised when the runtime dir, socket or pidfile belongs to an untrusted user or can be
+        written by others: UntrustedDaemon. Raised when the runtime dir is not accessible to
+        this user: DaemonUnavailable.
+        """
+        owner = trusted_owner(self.location, self.trusted)
+        if owner is None:
+            return False
+        self.daemon_uid = owner
+        return daemon_lock_held(self.location, owner)
+
+    def request(self, request: Request, timeout: float | None = None, retries: int = 1) -> dict[str, Any]:
+        """Send one request and wait for its reply; on a timeout, rebuild the socket and send
+        it again up to ``retries`` times (every request is idempotent).
+
+        Raised when no daemon runs there or it does not answer in time: DaemonUnavailable.
+        Raised when the daemon answers with an error: that error's H5ServeError subclass.
+        """
+        if not self.available():
+            raise DaemonUnavailable(
+                f"no h5serve daemon is running on {self.location.directory}; start one with "
+                f"`h5serve start` (or set H5SERVE_RUNTIME_DIR / runtime_dir to where it runs)"
+            )
+        timeout = self.timeout if timeout is None else timeout
+        for _ in range(retries + 1):
+            reply = self._round_trip(request, timeout)
+            if reply is not None:
+                if isinstance(reply, Exception):
+                    raise reply
+                return reply
+            if not self.available():
+                break
+        raise DaemonUnavailable(
+            f"the h5serve daemon at {self.location.endpoint} did not answer within {timeout:g}s; "
+            "check `h5serve status` and its log, or raise timeout="
+        )
+
+    def _round_trip(self, request: Request, timeout: float) -> dict[str, Any] | Exception | None:
+        """The reply (a result, or the error to raise), or None on timeout."""
+        sock = self._socket()
+        self._next_id += 1
+        request_id = self._next_id
+        try:
+            sock.send(encode_request(request_id, request), zmq.NOBLOCK)
+            deadline = time.monotonic() + timeout
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                    continue
+                reply_id, result = decode_reply(sock.recv())
+                if reply_id == request_id:
+                    return result
+                # else: a late reply to a request that already timed out
+        except zmq.ZMQError as exc:
+            self.close()
+            raise DaemonUnavailable(f"cannot talk to the daemon at {self.location.endpoint}: {exc}") from exc
+        self.close()  # never reuse a socket that may still receive the late reply
+        return None
+
+    def ping(self) -> dict[str, Any]:
+        return self.request(Ping())
+
+    def status(self) -> dict[str, Any]:
+        return self.request(Status())
+
+    def shutdown(self) -> dict[str, Any]:
+        return self.request(Shutdown(), retries=0)
+
+    def acquire(
+        self, request: Acquire, on_progress: Callable[[AcquireResult], None] | None = None
+    ) -> AcquireResult:
+        """Ask for a segment and poll until it is loaded. Each poll is bounded by the timeout,
+        so a daemon that dies mid-load surfaces as DaemonUnavailable, never a hang. The pause
+        between polls is a tenth of the time waited so far (FIRST_POLL_S to POLL_INTERVAL_S):
+        noticing a finished load never adds more than about 10% to it."""
+        started = time.monotonic()
+        while True:
+            result = AcquireResult.from_wire(self.request(request))
+            if result.state == "ready":
+                return result
+            if on_progress is not None:
+                on_progress(result)
+            time.sleep(min(max((time.monotonic() - started) / 10, FIRST_POLL_S), POLL_INTERVAL_S))
+
+
