@@ -15,6 +15,7 @@ import zmq
 
 from h5serve.client import H5LazyDataset, RankMemCachedH5Dataset, SharedH5Dataset
 from h5serve.errors import (
+    ERROR_CODES,
     BudgetExceeded,
     ConfigError,
     H5ServeError,
@@ -22,7 +23,10 @@ from h5serve.errors import (
     LengthMismatch,
     ShmFull,
     SourceNotFound,
+    RemoteError,
     UnsupportedDataset,
+    error_from_code,
+    falls_back,
 )
 
 from .helpers import Daemon, short_tmpdir
@@ -177,3 +181,87 @@ def test_full_shm_filesystem_is_a_clear_error_not_sigbus(tmp_path: Path) -> None
 def test_every_error_is_an_h5serve_error() -> None:
     for cls in (BudgetExceeded, ConfigError, KeyNotFound, LengthMismatch, ShmFull, SourceNotFound, UnsupportedDataset):
         assert issubclass(cls, H5ServeError)
+
+
+# Which daemon errors a client with fallback="lazy" reads lazily after, class by class. A new
+# error class fails this test until it is classified here and in errors.py.
+FALLS_BACK = {
+    "H5ServeError": True, "ConfigError": False, "DataError": False, "SourceNotFound": True,
+    "KeyNotFound": False, "UnsupportedDataset": False, "LengthMismatch": False, "SourceChanged": True,
+    "AccessDenied": True, "CapacityError": True, "ShmFull": True, "BudgetExceeded": True, "SegmentError": True,
+    "DaemonUnavailable": True, "UntrustedDaemon": True, "DaemonAlreadyRunning": True, "ProtocolError": True,
+    "RemoteError": True,
+}
+
+
+class ErrorDaemon:
+    """A peer that speaks the real protocol on a real runtime dir (socket, locked pidfile) and
+    answers every request with one error code: the only way to meet every code a daemon can
+    send, since a healthy daemon sends few of them."""
+
+    def __init__(self, code: str) -> None:
+        import fcntl
+        import threading
+
+        from h5serve.protocol import decode_request, encode_error
+
+        self.dir = short_tmpdir("h5s-err-")
+        self.dir.chmod(0o700)
+        self._lock = os.open(self.dir / "h5serve.pid", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.bind(f"ipc://{self.dir}/h5serve.sock")
+        self._stop = threading.Event()
+
+        def serve() -> None:
+            while not self._stop.is_set():
+                if sock.poll(50):
+                    identity, frame = sock.recv_multipart()
+                    request_id, _ = decode_request(frame)
+                    sock.send_multipart([identity, encode_error(request_id, code, f"daemon says {code}")])
+            sock.close(linger=0)
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        import shutil
+
+        self._stop.set()
+        self._thread.join(10)
+        self._ctx.term()
+        os.close(self._lock)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("code", sorted(cls.code for cls in ERROR_CODES.values()))
+def test_every_daemon_error_falls_back_or_raises_as_errors_py_decides(code: str, tmp_path: Path) -> None:
+    import warnings
+
+    cls = ERROR_CODES[code]
+    assert cls.__name__ in FALLS_BACK, f"classify {cls.__name__} in FALLS_BACK and errors.py"
+    assert falls_back(cls("x")) is FALLS_BACK[cls.__name__]
+    data = tmp_path / "data.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.arange(12, dtype=np.float32).reshape(6, 2)
+    daemon = ErrorDaemon(code)
+    try:
+        if FALLS_BACK[cls.__name__]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ds = SharedH5Dataset(data, "x", runtime_dir=daemon.dir, timeout=5)
+            assert ds.backend == "lazy" and ds[5].tolist() == [10.0, 11.0]
+            assert any(f"daemon says {code}" in str(w.message) for w in caught)
+        else:
+            with pytest.raises(cls, match=f"daemon says {code}"):
+                SharedH5Dataset(data, "x", runtime_dir=daemon.dir, timeout=5)
+        with pytest.raises(cls, match=f"daemon says {code}"):
+            SharedH5Dataset(data, "x", runtime_dir=daemon.dir, timeout=5, fallback="error")
+    finally:
+        daemon.close()
+
+
+def test_an_unknown_error_code_is_a_remote_error_and_falls_back() -> None:
+    """A newer daemon's code this client does not know: RemoteError, read lazily."""
+    assert type(error_from_code("from-the-future", "?")) is RemoteError and falls_back(RemoteError("?"))
