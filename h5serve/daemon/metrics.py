@@ -12,7 +12,7 @@ import logging
 import platform
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import __version__
 from ..errors import ConfigError
@@ -60,13 +60,14 @@ class Metrics:
     def observe_load(self, seconds: float) -> None:
         self.load_seconds.observe(seconds)
 
-    def refresh(self, status: dict[str, Any], force: bool = False) -> None:
-        """Called from the control loop with ``store.status()``; rate-limited."""
+    def refresh(self, status: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        """Called from every tick of the control loop with ``store.status`` (not its result:
+        building a status reads /proc/locks and statvfs, so it is built only when due)."""
         now = time.monotonic()
         if not force and now - self._last_refresh < SNAPSHOT_INTERVAL_S:
             return
         self._last_refresh = now
-        self._snapshot = status
+        self._snapshot = status()
         if self.textfile is not None and (force or now - self._last_textfile >= TEXTFILE_INTERVAL_S):
             self._last_textfile = now
             from prometheus_client import write_to_textfile

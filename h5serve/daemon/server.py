@@ -201,7 +201,7 @@ class Server:
             os.close(dir_fd)
             self.notifier.close()
             if self.metrics is not None:
-                self.metrics.refresh(self.store.status(), force=True)
+                self.metrics.refresh(self.store.status, force=True)
                 self.metrics.close()
             log.info("stopped")
 
@@ -234,7 +234,7 @@ class Server:
             self.notifier.tick(loading)
             self.notifier.status(self._status_line())
             if self.metrics is not None:
-                self.metrics.refresh(self.store.status())
+                self.metrics.refresh(self.store.status)
 
     def _status_line(self) -> str:
         entries = self.store.entries.values()
