@@ -16,6 +16,7 @@ request then fails after ``RESOLVE_TIMEOUT_S`` and the thread is left behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -24,12 +25,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import AccessDenied, SourceNotFound
+from ..errors import AccessDenied, H5ServeError, SourceNotFound
 from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
 from .access import Peer, check_peer_can_read
 
 __all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 
+log = logging.getLogger("h5serve.daemon")
 RESOLVE_WAIT_S = 0.05  # how long the control loop waits for a resolution before answering "loading"
 RESOLVE_TIMEOUT_S = 30.0  # a resolution still running after this fails its request
 RESOLVER_THREADS = 4
@@ -54,12 +56,28 @@ class _DaemonThreads:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                    if not isinstance(exc, H5ServeError):
+                        log.exception("internal error while resolving a request")
+                    future.set_exception(_without_tracebacks(exc))
+            del future  # while this thread waits, nothing of the last request stays alive
+
+
+def _without_tracebacks(exc: BaseException) -> BaseException:
+    """``exc`` and its causes with their tracebacks dropped: their frames hold h5py objects,
+    and an h5py object keeps its file (and files reached through external links) open, so a
+    refused file would stay open, and locked, for as long as the error is kept."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    return exc
 
     def close(self) -> None:
         for _ in range(self._count):
@@ -108,6 +126,12 @@ class Resolver:
                     "file); check the path"
                 ) from None
         del self._pending[pending_key]
+        error = future.exception()
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = future = None  # noqa: F841 - no cycle through this frame keeps it alive
         return future.result()
 
     def resolve(self, path: str, key: str, peer: Peer | None) -> Resolved:
