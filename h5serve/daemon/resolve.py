@@ -34,7 +34,9 @@ __all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 log = logging.getLogger("h5serve.daemon")
 RESOLVE_WAIT_S = 0.05  # how long the control loop waits for a resolution before answering "loading"
 RESOLVE_TIMEOUT_S = 30.0  # a resolution still running after this fails its request
+RESOLVE_FRESH_S = 1.0  # a finished resolution not picked up within this is done again
 RESOLVER_THREADS = 4
+_PENDING_MAX = 1024
 _INFO_CACHE_SIZE = 256
 
 
@@ -111,7 +113,11 @@ class Resolver:
         """
         pending_key = (path, key, peer.uid if peer else None, peer.gid if peer else None)
         started, future = self._pending.get(pending_key, (0.0, None))
+        if future is not None and future.done() and time.monotonic() - started > RESOLVE_FRESH_S:
+            future = None  # an answer nobody picked up in time: the file may have changed since
         if future is None:
+            if len(self._pending) >= _PENDING_MAX:
+                self._forget_abandoned()
             started, future = time.monotonic(), self._pool.submit(self.resolve, path, key, peer)
             self._pending[pending_key] = (started, future)
         if not future.done():
@@ -133,6 +139,13 @@ class Resolver:
             finally:
                 error = future = None  # noqa: F841 - no cycle through this frame keeps it alive
         return future.result()
+
+    def _forget_abandoned(self) -> None:
+        """Drop finished resolutions no client came back for (it died, or gave up)."""
+        now = time.monotonic()
+        for k, (started, future) in list(self._pending.items()):
+            if future.done() and now - started > RESOLVE_FRESH_S:
+                del self._pending[k]
 
     def resolve(self, path: str, key: str, peer: Peer | None) -> Resolved:
         """Open, check and inspect (blocking: runs in a resolver thread)."""
