@@ -68,6 +68,10 @@ class _DaemonThreads:
                     future.set_exception(_without_tracebacks(exc))
             del future  # while this thread waits, nothing of the last request stays alive
 
+    def close(self) -> None:
+        for _ in range(self._count):
+            self._queue.put(None)
+
 
 def _without_tracebacks(exc: BaseException) -> BaseException:
     """``exc`` and its causes with their tracebacks dropped: their frames hold h5py objects,
@@ -80,10 +84,6 @@ def _without_tracebacks(exc: BaseException) -> BaseException:
         current.__traceback__ = None
         current = current.__cause__ or current.__context__
     return exc
-
-    def close(self) -> None:
-        for _ in range(self._count):
-            self._queue.put(None)
 
 
 @dataclass(frozen=True)

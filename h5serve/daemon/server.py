@@ -87,9 +87,10 @@ def _lock_pidfile(config: DaemonConfig, dir_fd: int) -> int:
 def _peer_of(frame: zmq.Frame) -> Peer | None:
     """Who sent ``frame``: libzmq's SO_PEERCRED record of the ipc connection."""
     try:
-        return Peer.from_address(frame.get("Peer-Address"))
+        address = frame.get("Peer-Address")
     except zmq.ZMQError:
         return None
+    return Peer.from_address(address if isinstance(address, str) else None)
 
 
 class Server:
