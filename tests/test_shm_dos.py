@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -33,8 +32,8 @@ from h5serve.daemon.secret import KEY_NAME, load_secret
 from h5serve.runtime import RuntimeLocation
 from h5serve.segments import HEADER_SIZE, SECRET_BYTES, read_meta, segment_name
 
-from .portable_torch import add_torch
 from .helpers import h5serve_cli, make_h5, short_tmpdir, wait_for
+from .portable_torch import add_torch
 from .users import PortablePython, User, as_user, portable_python, root_only, setpriv, throwaway_user
 
 SHM = Path("/dev/shm")
@@ -73,7 +72,7 @@ def workdir() -> Iterator[Path]:
     try:
         yield where
     finally:
-        subprocess.run(["rm", "-rf", "--one-file-system", str(where)], timeout=60)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(where)], timeout=60, check=False)
 
 
 @pytest.fixture
@@ -109,7 +108,7 @@ class Served:
             return h5serve_cli(*args, env={**os.environ, "H5SERVE_RUNTIME_DIR": str(self.runtime_dir)}, timeout=timeout)
         env = {**self.py.env, "H5SERVE_RUNTIME_DIR": str(self.runtime_dir)}
         return subprocess.run(setpriv(self.user) + self.py.argv(*args), env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd="/")
+                              timeout=timeout, cwd="/", check=False)
 
     def start(self) -> None:
         done = self.cli("start", *self.extra)

@@ -47,19 +47,29 @@ def _read_key(dir_fd: int, directory: Path) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as exc:  # a symlink (ELOOP), a socket...
-        return _discard(dir_fd, directory, exc.strerror or str(exc))
+        _discard(dir_fd, directory, exc.strerror or str(exc))
+        return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            return _discard(dir_fd, directory, f"it is {describe_file(st)}")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            return _discard(dir_fd, directory, f"it was readable by others (mode {stat.S_IMODE(st.st_mode):o})")
-        key = read_small(fd, SECRET_BYTES + 1)
+        key = read_small(fd, SECRET_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
     finally:
         os.close(fd)
-    if len(key) != SECRET_BYTES:
-        return _discard(dir_fd, directory, f"it has {len(key)} bytes, not {SECRET_BYTES}")
+    problem = _key_problem(st, key)
+    if problem:
+        _discard(dir_fd, directory, problem)
+        return None
     return key
+
+
+def _key_problem(st: os.stat_result, key: bytes) -> str:
+    """Why the opened key file (``st``, its first bytes ``key``) cannot be used; "" if it can."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return f"it is {describe_file(st)}"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"it was readable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if len(key) != SECRET_BYTES:
+        return f"it has {len(key)} bytes, not {SECRET_BYTES}"
+    return ""
 
 
 def _discard(dir_fd: int, directory: Path, why: str) -> None:
@@ -71,7 +81,6 @@ def _discard(dir_fd: int, directory: Path, why: str) -> None:
         pass
     except OSError as exc:
         raise ConfigError(f"cannot remove {directory}/{KEY_NAME}: {exc.strerror}; remove it by hand") from exc
-    return None
 
 
 def _create_key(dir_fd: int, directory: Path) -> bytes:
