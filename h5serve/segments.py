@@ -20,12 +20,15 @@ temporaries and segments behind; the next daemon on the same runtime dir removes
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -35,6 +38,7 @@ import msgpack
 import numpy as np
 
 from .errors import SegmentError, ShmFull
+from .safeio import NOFOLLOW_FLAGS, describe_owner
 
 __all__ = [
     "HEADER_SIZE",
@@ -43,6 +47,9 @@ __all__ = [
     "AttachedSegment",
     "segment_prefix",
     "segment_name",
+    "SECRET_BYTES",
+    "is_own_file",
+    "describe_file",
     "temporary_name",
     "temporary_owner_pid",
     "create_segment",
@@ -64,6 +71,11 @@ _PROGRESS_OFFSET = 16
 _META_OFFSET = 64
 _TMP_MARK = ".tmp-"
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype"})
+SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+log = logging.getLogger("h5serve.segments")
 
 
 @dataclass(frozen=True)
@@ -140,13 +152,33 @@ class SegmentMeta:
 
 
 def segment_prefix(namespace: str) -> str:
-    """Every segment of one daemon (uid + runtime-dir namespace) starts with this."""
+    """Every segment of one daemon (uid + runtime-dir namespace) starts with this: public,
+    so that the SLURM epilog can find what a killed daemon left behind."""
     return f"h5serve-{os.getuid()}-{namespace}-"
 
 
-def segment_name(namespace: str, meta: SegmentMeta) -> str:
-    digest = hashlib.blake2b(msgpack.packb(list(meta.identity())), digest_size=12).hexdigest()
+def segment_name(namespace: str, meta: SegmentMeta, secret: bytes) -> str:
+    """The published name of the segment holding ``meta``. The part after the prefix is keyed
+    by the daemon's ``secret``, so nobody can compute a name from ``stat()`` of the data file
+    and plant a file there before the daemon publishes it."""
+    if not 16 <= len(secret) <= 64:
+        raise ValueError(f"a segment naming secret has 16..64 bytes, got {len(secret)}")
+    digest = hashlib.blake2b(msgpack.packb(list(meta.identity())), digest_size=12, key=secret).hexdigest()
     return segment_prefix(namespace) + digest
+
+
+def is_own_file(st: os.stat_result, owner: int | None = None) -> bool:
+    """True when ``st`` (an lstat or fstat) is a regular file of ``owner`` (default: our euid):
+    the only kind of file under a segment prefix that the daemon reads, evicts or removes."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == (os.geteuid() if owner is None else owner)
+
+
+def describe_file(st: os.stat_result) -> str:
+    """``a FIFO of uid 1001 (mallory)``: what sits at a path, for log and error messages."""
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a file"))
+    kind = next((text for test, text in kinds if test(st.st_mode)), "a device")
+    return f"{kind} of {describe_owner(st.st_uid)}"
 
 
 def temporary_name(name: str) -> str:
@@ -206,7 +238,10 @@ class SegmentWriter:
         self._map[_COMPLETE_OFFSET:_COMPLETE_OFFSET + 4] = struct.pack("<I", 1)
         final = self.path.with_name(final_name)
         self.close()
-        os.rename(self.path, final)
+        try:
+            _rename_noreplace(self.path, final)
+        except OSError as exc:
+            raise SegmentError(_publish_failure(final, exc)) from exc
         return final
 
     def abort(self) -> None:
@@ -229,6 +264,43 @@ class SegmentWriter:
             self._fd = -1
 
 
+def _rename_noreplace(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` unless another user's file (or a symlink, FIFO...) is
+    there: a root daemon must not replace what someone else put at a published name, and an
+    unprivileged one gets EPERM for it in a sticky dir anyway. A leftover of our own at the
+    name is replaced.
+
+    Raised when something not ours is at ``target``: FileExistsError; other failures: OSError.
+    """
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    err = errno.ENOSYS
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+    if err not in (errno.EEXIST, errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, os.strerror(err), str(target))
+    try:  # taken, or renameat2 unsupported here: replace only a file of our own
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not is_own_file(st):
+        raise FileExistsError(errno.EEXIST, f"{describe_file(st)} is in the way", str(target))
+    os.rename(source, target)
+
+
+def _publish_failure(final: Path, exc: OSError) -> str:
+    why = exc.strerror or str(exc)
+    try:
+        st = os.lstat(final)
+    except OSError:
+        st = None
+    if st is not None and not is_own_file(st):
+        why = f"{describe_file(st)} is in the way"
+    return (f"cannot publish segment {final}: {why}; clients read this shard lazily. Remove that file "
+            "(its owner or root can), or restart the daemon with another --shm-dir")
+
+
 def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None) -> SegmentWriter:
     """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete.
     Mode 0600, or 0640 owned by ``group`` (a gid) when given.
@@ -236,7 +308,7 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
     Raised when the shm filesystem has no room for it: ShmFull (says needed and free bytes).
     """
     path = Path(shm_dir) / tmp_name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW_FLAGS, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # "being written": a restarted daemon removes it only once unlocked
         if group is not None:
@@ -286,24 +358,54 @@ def _parse_header(raw: bytes, where: str) -> tuple[SegmentMeta, bool]:
     return SegmentMeta.from_wire(data), complete == 1
 
 
-def read_meta(path: Path) -> tuple[SegmentMeta, bool]:
-    """Header of a segment file on disk: (meta, complete). Raised when invalid: SegmentError."""
+def _open_own(path: Path, owner: int | None = None) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file of ``owner`` (default: our
+    euid): no symlink followed, no FIFO blocked on, the type and owner read from the file opened.
+
+    Raised when it cannot be opened or is anything else: SegmentError.
+    """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW_FLAGS)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise SegmentError(f"cannot read segment {path}: {why}") from exc
+    try:
+        st = os.fstat(fd)
+        if not is_own_file(st, owner):
+            raise SegmentError(f"{path} is {describe_file(st)}, not a segment of this daemon: leaving it alone")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_meta(path: Path, owner: int | None = None) -> tuple[SegmentMeta, bool]:
+    """Header of a segment file on disk: (meta, complete). Only a regular file of ``owner``
+    (default: our euid) is read.
+
+    Raised when it is someone else's, not a regular file, or invalid: SegmentError.
+    """
+    fd = _open_own(path, owner)
+    try:
+        raw = os.pread(fd, HEADER_SIZE, 0)
     except OSError as exc:
         raise SegmentError(f"cannot read segment {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
     return _parse_header(raw, str(path))
 
 
 def read_progress(path: Path) -> tuple[int, int]:
-    """(rows done, rows total) of a segment being loaded; (0, 0) if it cannot be read yet."""
+    """(rows done, rows total) of a segment being loaded; (0, 0) if it cannot be read yet, or
+    is not a regular file of ours."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = _open_own(path)
+    except SegmentError:
         return 0, 0
     try:
         raw = os.pread(fd, _PROGRESS.size, _PROGRESS_OFFSET)
+    except OSError:
+        return 0, 0
     finally:
         os.close(fd)
     return _PROGRESS.unpack(raw) if len(raw) == _PROGRESS.size else (0, 0)
@@ -346,19 +448,22 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
     if _TMP_MARK in name or "/" in name:
         raise SegmentError(f"{name!r} is not a published segment name")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW_FLAGS)  # a FIFO planted at the name must not hang us
     except OSError as exc:
-        raise SegmentError(f"segment {path} cannot be opened: {exc.strerror} (evicted or not loaded)") from exc
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise SegmentError(f"segment {path} cannot be opened: {why} (evicted or not loaded)") from exc
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
         st = os.fstat(fd)
-        if st.st_nlink == 0:
-            raise SegmentError(f"segment {path} was evicted while attaching; request it again")
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"{path} is {describe_file(st)}, not a segment: refusing to map it")
         expected_owner = os.getuid() if owner is None else owner
-        if st.st_uid != expected_owner:
+        if st.st_uid != expected_owner:  # before the lease: another user's file could be locked forever
             raise SegmentError(
                 f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: refusing to map it"
             )
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:
+            raise SegmentError(f"segment {path} was evicted while attaching; request it again")
         meta, complete = _parse_header(os.pread(fd, HEADER_SIZE, 0), str(path))
         if not complete:
             raise SegmentError(f"segment {path} is not complete: refusing to map a partial load")
@@ -379,8 +484,10 @@ def count_leases(paths: list[Path]) -> dict[Path, int]:
     wanted: dict[tuple[int, int, int], Path] = {}
     for path in paths:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
             continue
         wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = path
     counts = dict.fromkeys(paths, 0)
@@ -403,18 +510,59 @@ def count_leases(paths: list[Path]) -> dict[Path, int]:
     return counts
 
 
-def try_evict(path: Path) -> bool:
-    """Unlink a segment if no process holds a lease on it. True if it is gone."""
+def try_evict(path: Path, owner: int | None = None) -> bool:
+    """Unlink a segment of ``owner`` (default: our euid) if no process holds a lease on it.
+
+    True when no segment of ours is left at ``path``: evicted, already gone, or what is there
+    is not ours (another user's file, a symlink, a FIFO: left alone and logged). False when a
+    lease holds it, or it cannot be removed now (logged).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW_FLAGS)
     except FileNotFoundError:
         return True
+    except OSError as exc:  # a symlink (ELOOP), a socket (ENXIO), unreadable...
+        return _not_ours(path, owner, exc.strerror)
     try:
+        st = os.fstat(fd)
+        if not is_own_file(st, owner):
+            return _not_ours(path, owner)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        os.unlink(path)
-        return True
+        return _unlink_same(path, st)
     finally:
         os.close(fd)
+
+
+def _not_ours(path: Path, owner: int | None, why: str = "") -> bool:
+    """True (nothing of ours there) unless ``path`` is in fact our regular file (then False:
+    it could not be opened, so it stays)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        log.warning("cannot look at %s: %s; leaving it", path, exc.strerror)
+        return False
+    if is_own_file(st, owner):
+        log.warning("cannot open segment %s to evict it: %s", path, why)
+        return False
+    log.warning("%s is %s, not a segment of this daemon: leaving it alone", path, describe_file(st))
+    return True
+
+
+def _unlink_same(path: Path, opened: os.stat_result) -> bool:
+    """Unlink ``path`` if it still names the file ``opened`` describes. Never raises."""
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            return True  # renamed away or replaced meanwhile: our file is no longer there
+        os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        log.warning("cannot remove segment %s: %s", path, exc.strerror)
+        return False
+    return True

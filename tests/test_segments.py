@@ -37,6 +37,7 @@ from h5serve.segments import (
 )
 
 NAMESPACE = "abcd1234"
+SECRET = bytes(range(32))
 
 
 def make_meta(rows=6, row_shape=(3, 4), dtype="float32", **changes):
@@ -68,7 +69,7 @@ def sample_data(meta):
 def publish_segment(shm_dir, meta=None, data=None):
     """Create, fill and publish a segment; returns (final name, final path, data written)."""
     meta = meta or make_meta()
-    name = segment_name(NAMESPACE, meta)
+    name = segment_name(NAMESPACE, meta, SECRET)
     writer = create_segment(shm_dir, temporary_name(name), meta)
     data = sample_data(meta) if data is None else data
     writer.data[...] = data
@@ -119,11 +120,11 @@ def kill(proc):
 def test_segment_name_is_deterministic():
     a, b = make_meta(), make_meta()
     assert a is not b
-    assert segment_name(NAMESPACE, a) == segment_name(NAMESPACE, b)
+    assert segment_name(NAMESPACE, a, SECRET) == segment_name(NAMESPACE, b, SECRET)
 
 
 def test_segment_name_shape():
-    name = segment_name(NAMESPACE, make_meta())
+    name = segment_name(NAMESPACE, make_meta(), SECRET)
     assert name.startswith(segment_prefix(NAMESPACE))
     assert segment_prefix(NAMESPACE) == f"h5serve-{os.getuid()}-{NAMESPACE}-"
     assert "/" not in name and ".tmp-" not in name and "\0" not in name
@@ -150,16 +151,16 @@ def test_segment_name_changes_with_every_identity_field(field, value):
     base = make_meta()
     changed = dataclasses.replace(base, **{field: value})
     assert getattr(changed, field) != getattr(base, field)
-    assert segment_name(NAMESPACE, changed) != segment_name(NAMESPACE, base)
+    assert segment_name(NAMESPACE, changed, SECRET) != segment_name(NAMESPACE, base, SECRET)
 
 
 def test_segment_name_changes_with_namespace():
     meta = make_meta()
-    assert segment_name("ns000001", meta) != segment_name("ns000002", meta)
+    assert segment_name("ns000001", meta, SECRET) != segment_name("ns000002", meta, SECRET)
 
 
 def test_temporary_name_round_trip():
-    final = segment_name(NAMESPACE, make_meta())
+    final = segment_name(NAMESPACE, make_meta(), SECRET)
     tmp = temporary_name(final)
     assert tmp.startswith(final + ".tmp-")
     assert temporary_owner_pid(tmp) == os.getpid()
@@ -238,7 +239,7 @@ def test_meta_from_wire_rejects_non_dict(data):
 
 def test_create_publish_attach(tmp_path):
     meta = make_meta()
-    name = segment_name(NAMESPACE, meta)
+    name = segment_name(NAMESPACE, meta, SECRET)
     tmp = temporary_name(name)
     writer = create_segment(tmp_path, tmp, meta)
     try:
@@ -423,7 +424,7 @@ def test_attach_missing_name(tmp_path):
 
 def test_attach_refuses_temporary_name(tmp_path):
     meta = make_meta()
-    name = segment_name(NAMESPACE, meta)
+    name = segment_name(NAMESPACE, meta, SECRET)
     tmp = temporary_name(name)
     writer = create_segment(tmp_path, tmp, meta)
     try:
@@ -486,7 +487,7 @@ def test_attach_refuses_size_mismatch(tmp_path, delta):
 
 def test_attach_refuses_incomplete_segment(tmp_path):
     meta = make_meta()
-    name = segment_name(NAMESPACE, meta)
+    name = segment_name(NAMESPACE, meta, SECRET)
     writer = create_segment(tmp_path, temporary_name(name), meta)
     try:
         writer.data[...] = sample_data(meta)
@@ -694,7 +695,7 @@ def test_shm_full_on_small_tmpfs(tmp_path):
     try:
         meta = make_meta(rows=4096, row_shape=(1024,), dtype="uint8")  # 4 MiB + header
         with pytest.raises(ShmFull) as info:
-            create_segment(mnt, temporary_name(segment_name(NAMESPACE, meta)), meta)
+            create_segment(mnt, temporary_name(segment_name(NAMESPACE, meta, SECRET)), meta)
         message = str(info.value)
         assert "needs" in message and "free" in message
         assert "4.0 MiB" in message

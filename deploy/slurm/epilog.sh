@@ -6,64 +6,212 @@
 # Runs as root on every node of every job at job end; acts only where the prolog left a
 # runtime dir (/run/h5serve/$SLURM_JOB_ID), so it needs no opt-in check and is idempotent.
 #
-# 1. `h5serve stop`: the daemon unlinks every segment of the job and exits. Processes that
-#    still map a segment keep reading it until they unmap; the memory is freed after that.
-# 2. If the daemon does not stop (hung, or already killed): SIGTERM, then SIGKILL, then
-#    remove the segments it left in /dev/shm. Only this job's segments match: their names
-#    carry the job user's uid and a hash of this job's runtime dir.
-# 3. Remove the runtime dir (socket, pidfile, log) and the systemd env file.
+# Everything in that dir belongs to the job's user, who may have rewritten it: the pidfile
+# can name any process, be a FIFO or a symlink. So root never reads, follows, signals or
+# deletes on the strength of it. Every step that touches the user's files or processes runs
+# as the job's user (setpriv), with a timeout:
+#
+# 1. `h5serve stop`, as the job user: the daemon unlinks every segment of the job and exits.
+#    Processes that still map a segment keep reading it until they unmap.
+# 2. If a daemon still runs: SIGTERM, then SIGKILL, sent as the job user, and only to a
+#    process of the job's uid that holds the exclusive flock on the runtime dir's pidfile (the
+#    daemon holds it all its life) or, when the pidfile was replaced, that runs
+#    `h5serve.daemon --runtime-dir <this dir>` and holds an exclusive flock.
+# 3. Remove the segments it left in /dev/shm, as the job user: regular files of the job's uid
+#    whose names carry that uid and a hash of this job's runtime dir.
+# 4. Remove the runtime dir's contents as the job user, then the empty dir as root; and the
+#    systemd env file.
 #
 # Fail open: failures are logged with `logger -t h5serve` and the script exits 0. A failing
 # epilog drains the node.
 
 set -u
+cd / || exit 0
 
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 CONFIG=${H5SERVE_SLURM_CONFIG:-/etc/default/h5serve-slurm}
 RUN_ROOT=/run/h5serve
 ENV_ROOT=/run/h5serve-jobs
+JOB_UID=""
+JOB_GID=""
+AS_JOB_USER=()  # setpriv prefix: the job's uid and gid, no other groups (set by job_identity)
 
 log() {
     logger -t h5serve -- "epilog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*" 2>/dev/null || true
 }
 
-daemon_pid() {
-    # The daemon's pid, if a daemon runs on runtime dir $1. A live daemon holds an exclusive
-    # flock on its pidfile for its whole life (that is how h5serve itself tells), so a pid
-    # reused by an unrelated process is never mistaken for it.
-    local pidfile=$1/h5serve.pid pid
-    [ -e "$pidfile" ] || return 1
-    if command -v flock >/dev/null 2>&1 && flock --nonblock --shared "$pidfile" true 2>/dev/null; then
-        return 1  # nobody holds the lock: no daemon
+config_trusted() {
+    # The config is sourced as root: a regular file of root's that only root can write.
+    local perms
+    [ -f "$1" ] && [ ! -L "$1" ] || return 1
+    perms=$(stat -c '%u %a' -- "$1" 2>/dev/null) || return 1
+    case "$perms" in
+        "0 "*[0-7][0145][0145]) return 0 ;;
+    esac
+    return 1
+}
+
+job_identity() {
+    # JOB_UID/JOB_GID from slurmd's environment (SLURM_JOB_GID, else the uid's primary group).
+    JOB_UID=${SLURM_JOB_UID:-}
+    case "$JOB_UID" in "" | *[!0-9]*) log "SLURM_JOB_UID='$JOB_UID' is not a uid; leaving everything as it is"; return 1 ;; esac
+    if [ "$JOB_UID" -eq 0 ]; then
+        log "job of root: h5serve starts no daemon for root jobs; nothing to do"
+        return 1
     fi
-    pid=$(cat "$pidfile" 2>/dev/null) || return 1
-    case "$pid" in "" | *[!0-9]*) return 1 ;; esac
-    kill -0 "$pid" 2>/dev/null || return 1
+    JOB_GID=${SLURM_JOB_GID:-}
+    case "$JOB_GID" in
+        "" | *[!0-9]*) JOB_GID=$(timeout 10 getent passwd "$JOB_UID" | cut -d: -f4) ;;
+    esac
+    case "$JOB_GID" in "" | *[!0-9]*) log "no group for uid $JOB_UID; leaving everything as it is"; return 1 ;; esac
+    command -v setpriv >/dev/null 2>&1 || { log "setpriv not found (util-linux); leaving everything as it is"; return 1; }
+    # Whatever runs with this prefix can only touch what the job user could: a path or pid
+    # the user planted gains them nothing.
+    AS_JOB_USER=(setpriv --reuid="$JOB_UID" --regid="$JOB_GID" --clear-groups --)
+}
+
+pidfile_pid() {
+    # The pid written in the pidfile of runtime dir $1: read as the job user, only from a
+    # regular file (no symlink), at most 32 bytes, with a timeout (a FIFO swapped in after the
+    # check must not hang the node).
+    local pidfile=$1/h5serve.pid pid
+    [ -f "$pidfile" ] && [ ! -L "$pidfile" ] || return 1
+    pid=$(timeout -k 1 5 "${AS_JOB_USER[@]}" head -c 32 -- "$pidfile" 2>/dev/null) || return 1
+    pid=${pid%$'\n'}
+    case "$pid" in "" | *[!0-9]* | 0*) return 1 ;; esac
     echo "$pid"
 }
 
-remove_leftover_segments() {
-    # Segment names are h5serve-<uid>-<namespace>-<hash> in the shm dir, where namespace is
-    # blake2b(runtime dir, 4 bytes) (h5serve.runtime.RuntimeLocation.namespace,
-    # h5serve.segments.segment_prefix). Only reached when no daemon runs on the dir.
-    local dir=$1 uid=${SLURM_JOB_UID:-} ns shm=${H5SERVE_SHM_DIR:-/dev/shm}
-    case "$uid" in "" | *[!0-9]*) log "SLURM_JOB_UID not set; leftover segments (if any) stay in $shm"; return 0 ;; esac
-    ns=$(python3 -c 'import hashlib, sys; print(hashlib.blake2b(sys.argv[1].encode(), digest_size=4).hexdigest())' "$dir") \
-        || { log "python3 not found; leftover segments (if any) stay in $shm"; return 0; }
-    local f found=0
-    for f in "$shm/h5serve-$uid-$ns-"*; do
-        [ -e "$f" ] || continue
-        rm -f -- "$f" && found=$((found + 1))
+owned_by_job() {
+    # True when process $1 runs with the job's uid (real, effective, saved and filesystem).
+    local key real effective saved fs
+    while read -r key real effective saved fs; do
+        [ "$key" = "Uid:" ] || continue
+        [ "$real" = "$JOB_UID" ] && [ "$effective" = "$JOB_UID" ] && [ "$saved" = "$JOB_UID" ] && [ "$fs" = "$JOB_UID" ]
+        return
+    done 2>/dev/null < "/proc/$1/status"
+    return 1
+}
+
+holds_write_flock() {
+    # True when process $1 holds an exclusive flock, on inode $2 when given (/proc/locks
+    # lines: "N: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF"; waiters are
+    # "N: -> FLOCK ..." and do not count).
+    local _n kind _adv mode pid dev _rest
+    while read -r _n kind _adv mode pid dev _rest; do
+        if [ "$kind" = FLOCK ] && [ "$mode" = WRITE ] && [ "$pid" = "$1" ] \
+            && { [ -z "${2:-}" ] || [ "${dev##*:}" = "$2" ]; }; then
+            return 0
+        fi
+    done < /proc/locks
+    return 1
+}
+
+runs_daemon_of() {
+    # True when process $1's command line is `... -m h5serve.daemon ... --runtime-dir $2 ...`.
+    local args
+    args=$'\n'$(tr '\0' '\n' 2>/dev/null < "/proc/$1/cmdline")$'\n' || return 1
+    case "$args" in *$'\n'h5serve.daemon$'\n'*) ;; *) return 1 ;; esac
+    case "$args" in *$'\n'--runtime-dir$'\n'"$2"$'\n'*) return 0 ;; esac
+    return 1
+}
+
+daemon_pids() {
+    # The daemon of runtime dir $1, verified: a process of the job's uid holding the
+    # exclusive flock on the pidfile's inode. If the pidfile was replaced (its inode is no
+    # longer the locked one), processes of the job's uid that run h5serve.daemon on this dir
+    # and hold an exclusive flock. Signals go out as the job user either way.
+    local dir=$1 pid ino found=1 status
+    if pid=$(pidfile_pid "$dir") && ino=$(stat -c %i -- "$dir/h5serve.pid" 2>/dev/null) \
+        && owned_by_job "$pid" && holds_write_flock "$pid" "$ino"; then
+        echo "$pid"
+        return 0
+    fi
+    for status in /proc/[0-9]*/status; do
+        pid=${status#/proc/}
+        pid=${pid%/status}
+        if owned_by_job "$pid" && runs_daemon_of "$pid" "$dir" && holds_write_flock "$pid"; then
+            echo "$pid"
+            found=0
+        fi
     done
-    [ "$found" -eq 0 ] || log "removed $found leftover segment file(s) of $dir from $shm"
+    return $found
+}
+
+signal_daemon() {
+    # Send signal $1 to the verified daemon of runtime dir $2, as the job user.
+    local pid
+    for pid in $(daemon_pids "$2"); do
+        timeout -k 1 5 "${AS_JOB_USER[@]}" kill "-$1" "$pid" 2>/dev/null \
+            || log "cannot send SIG$1 to pid $pid"
+    done
+}
+
+stop_daemon() {
+    # `h5serve stop` as the job user, then SIGTERM, then SIGKILL. False if it still runs.
+    local dir=$1 out i
+    out=$(timeout -k 5 40 "${AS_JOB_USER[@]}" \
+        "$H5SERVE_BIN" stop --runtime-dir "$dir" 2>&1) || log "h5serve stop failed: ${out//$'\n'/ | }"
+    daemon_pids "$dir" >/dev/null || return 0
+    log "daemon (pid $(daemon_pids "$dir" | tr '\n' ' ')) still running after stop; sending SIGTERM"
+    signal_daemon TERM "$dir"
+    signal_daemon CONT "$dir"  # a stopped (SIGSTOP) daemon handles SIGTERM only once continued
+    for i in 1 2 3 4 5 6 7 8 9 10; do
+        daemon_pids "$dir" >/dev/null || return 0
+        sleep 1
+    done
+    log "daemon ignored SIGTERM for ${i}s; sending SIGKILL"
+    signal_daemon KILL "$dir"
+    sleep 1
+    ! daemon_pids "$dir" >/dev/null
+}
+
+namespace_of() {
+    # blake2b(runtime dir, 4 bytes) in hex, as h5serve.runtime.RuntimeLocation.namespace.
+    local ns
+    if command -v b2sum >/dev/null 2>&1; then
+        ns=$(printf %s "$1" | timeout 10 b2sum -l 32) || return 1
+    else
+        ns=$(timeout 10 python3 -c 'import hashlib, sys; print(hashlib.blake2b(sys.argv[1].encode(), digest_size=4).hexdigest())' "$1") \
+            || return 1
+    fi
+    ns=${ns%% *}
+    case "$ns" in ????????) echo "$ns" ;; *) return 1 ;; esac
+}
+
+remove_leftover_segments() {
+    # Segment names are h5serve-<uid>-<namespace>-<hash> in the shm dir (see
+    # h5serve.segments.segment_prefix). Only regular files of the job's uid are removed, by
+    # the job user: another user's file under the same prefix is never touched.
+    local dir=$1 ns shm=${H5SERVE_SHM_DIR:-/dev/shm} removed
+    ns=$(namespace_of "$dir") || { log "cannot hash $dir (no b2sum or python3); leftover segments stay in $shm"; return 0; }
+    removed=$(timeout -k 5 60 "${AS_JOB_USER[@]}" \
+        find "$shm" -maxdepth 1 -type f -user "$JOB_UID" -name "h5serve-$JOB_UID-$ns-*" -print -delete 2>/dev/null | wc -l)
+    [ "${removed:-0}" -eq 0 ] || log "removed $removed leftover segment file(s) of $dir from $shm"
+}
+
+remove_runtime_dir() {
+    # The dir's entries are the job user's: removed by that user (no symlink followed, nothing
+    # of root's reachable); the dir itself, in root's $RUN_ROOT, by root once it is empty.
+    local dir=$1 owner
+    owner=$(stat -c %u -- "$dir" 2>/dev/null) || return 0
+    if [ "$owner" = "$JOB_UID" ]; then
+        timeout -k 5 60 "${AS_JOB_USER[@]}" \
+            find "$dir" -mindepth 1 -delete 2>/dev/null
+    fi
+    rmdir -- "$dir" 2>/dev/null || log "cannot remove $dir (owner uid $owner): not empty or not a directory; left as it is"
 }
 
 main() {
     H5SERVE_BIN=h5serve
     if [ -e "$CONFIG" ]; then
-        # shellcheck source=/dev/null
-        . "$CONFIG" || log "cannot read $CONFIG; using defaults"
+        if config_trusted "$CONFIG"; then
+            # shellcheck source=/dev/null
+            . "$CONFIG" || log "cannot read $CONFIG; using defaults"
+        else
+            log "$CONFIG is not a regular file that only root can write; ignoring it"
+        fi
     fi
     local job=${SLURM_JOB_ID:-}
     case "$job" in
@@ -73,38 +221,20 @@ main() {
 
     # A systemd instance (H5SERVE_LAUNCH=systemd, or started by hand): stopping it sends
     # SIGTERM and its ExecStopPost removes the dir and env file. Harmless when not loaded.
-    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet "h5serve@$job.service" 2>/dev/null; then
+    if command -v systemctl >/dev/null 2>&1 && timeout 10 systemctl is-active --quiet "h5serve@$job.service" 2>/dev/null; then
         timeout 60 systemctl stop "h5serve@$job.service" || log "systemctl stop h5serve@$job.service failed"
     fi
 
-    if [ -d "$dir" ]; then
-        if daemon_pid "$dir" >/dev/null; then
-            local out
-            out=$(timeout 60 "$H5SERVE_BIN" stop --runtime-dir "$dir" 2>&1) || log "h5serve stop failed: ${out//$'\n'/ | }"
-        fi
-        local pid
-        if pid=$(daemon_pid "$dir"); then
-            log "daemon (pid $pid) still running after stop; sending SIGTERM"
-            kill -TERM "$pid" 2>/dev/null
-            local i
-            for i in 1 2 3 4 5 6 7 8 9 10; do
-                daemon_pid "$dir" >/dev/null || break
-                sleep 1
-            done
-            if pid=$(daemon_pid "$dir"); then
-                log "daemon (pid $pid) ignored SIGTERM for ${i}s; sending SIGKILL"
-                kill -KILL "$pid" 2>/dev/null
-                sleep 1
-            fi
-        fi
-        if daemon_pid "$dir" >/dev/null; then
+    if [ -d "$dir" ] && [ ! -L "$dir" ]; then
+        job_identity || return 1
+        if ! stop_daemon "$dir"; then
             log "daemon on $dir cannot be stopped; leaving $dir and its segments"
             return 1
         fi
         remove_leftover_segments "$dir"
-        rm -rf -- "$dir" || log "cannot remove $dir"
+        remove_runtime_dir "$dir"
     fi
-    rm -f -- "$ENV_ROOT/$job.env" "$ENV_ROOT/$job.env.tmp"
+    rm -f -- "$ENV_ROOT/$job.env" "$ENV_ROOT/$job.env".*
     return 0
 }
 

@@ -17,11 +17,16 @@
 # SLURM_JOB_COMMENT to the node prolog; check with `env > /tmp/prolog.env` in a test prolog,
 # and use H5SERVE_ALL_JOBS=yes there.)
 #
-# What it does: h5serve start --user "$SLURM_JOB_USER" --runtime-dir /run/h5serve/$SLURM_JOB_ID
-# The daemon drops to the job user before it creates anything, so the runtime dir, socket and
+# What it does: creates the job's runtime dir /run/h5serve/$SLURM_JOB_ID (0700, owned by the
+# job user, in root's /run/h5serve), then runs
+#   h5serve start --user "$SLURM_JOB_USER" --runtime-dir /run/h5serve/$SLURM_JOB_ID
+# The daemon drops to the job user before it creates anything, so the socket, pidfile and
 # segments belong to that user and no other user can read them. The TaskProlog then exports
 # H5SERVE_RUNTIME_DIR=/run/h5serve/$SLURM_JOB_ID to every task; the epilog stops the daemon
 # (unlinking its segments) and removes the dir.
+#
+# Root only ever writes in directories no user can write to (/run/h5serve, /run/h5serve-jobs:
+# checked to be real directories of root's, not symlinks), and every step has a timeout.
 #
 # Fail open: any failure is logged (logger -t h5serve, i.e. syslog/journal) and the script
 # still exits 0. A failing prolog makes Slurm drain the node and requeue the job; without the
@@ -35,7 +40,8 @@
 # job instead (sbatch_example.sh), or keep /dev/shm out of the plugin's Dirs= where your
 # Slurm version supports that.
 #
-# Settings, all optional, in /etc/default/h5serve-slurm (sourced; must be owned by root):
+# Settings, all optional, in /etc/default/h5serve-slurm (sourced as root, so ignored unless it
+# is a regular file owned by root and writable by nobody else):
 #   H5SERVE_BIN=/opt/h5serve/bin/h5serve   # the command; its interpreter must be runnable by
 #                                          # job users (a venv under /opt, not /root)
 #   H5SERVE_OPTS="--max-memory 64G --allow-root /datasets"   # extra `h5serve start` flags
@@ -46,6 +52,7 @@
 #   H5SERVE_START_TIMEOUT=90               # seconds before giving up on a start
 
 set -u
+cd / || exit 0
 
 # Slurm runs prologs without a search path.
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -56,6 +63,62 @@ ENV_ROOT=/run/h5serve-jobs     # per-job environment files for h5serve@.service
 
 log() {
     logger -t h5serve -- "prolog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*" 2>/dev/null || true
+}
+
+config_trusted() {
+    # The config is sourced as root: a regular file of root's that only root can write.
+    local perms
+    [ -f "$1" ] && [ ! -L "$1" ] || return 1
+    perms=$(stat -c '%u %a' -- "$1" 2>/dev/null) || return 1
+    case "$perms" in
+        "0 "*[0-7][0145][0145]) return 0 ;;
+    esac
+    return 1
+}
+
+root_dir() {
+    # Create $1 (mode 0755, root's) if needed and check it is a real directory of root's that
+    # nobody else can write to: root writes in it, so no user may plant anything there.
+    if [ -L "$1" ]; then
+        log "$1 is a symbolic link; refusing to use it"
+        return 1
+    fi
+    timeout 10 install -d -m 0755 -o root -g root "$1" || { log "cannot create $1"; return 1; }
+    local perms
+    perms=$(stat -c '%F %u %a' -- "$1" 2>/dev/null)
+    if [ "$perms" != "directory 0 755" ]; then
+        log "$1 is not a root-owned directory with mode 755 ($perms); refusing to use it"
+        return 1
+    fi
+}
+
+job_dir() {
+    # The job's runtime dir $1, 0700, owned by uid $2 / gid $3: created here by root in root's
+    # $RUN_ROOT (no user can have put anything at the name), or left by an earlier run of this
+    # prolog for the same job (then it must already be that user's real directory).
+    local dir=$1 uid=$2 gid=$3 perms
+    if mkdir -m 0700 -- "$dir" 2>/dev/null; then
+        chown -h -- "$uid:$gid" "$dir" || { log "cannot give $dir to uid $uid"; rmdir -- "$dir"; return 1; }
+        return 0
+    fi
+    perms=$(stat -c '%F %u' -- "$dir" 2>/dev/null)
+    if [ "$perms" != "directory $uid" ]; then
+        log "$dir exists and is not a directory of uid $uid ($perms); refusing to use it"
+        return 1
+    fi
+}
+
+write_env_file() {
+    # $ENV_ROOT/$1.env for h5serve@$1.service, written to a fresh temporary (mktemp: O_EXCL)
+    # and renamed, so systemd never reads half a file.
+    local envfile=$ENV_ROOT/$1.env tmp
+    tmp=$(mktemp "$envfile.XXXXXX") || return 1
+    if printf 'H5SERVE_USER=%s\nH5SERVE_OPTS=%s\n' "$2" "$H5SERVE_OPTS" > "$tmp" && chmod 0644 "$tmp" \
+        && mv -f -T -- "$tmp" "$envfile"; then
+        return 0
+    fi
+    rm -f -- "$tmp"
+    return 1
 }
 
 opted_in() {
@@ -78,41 +141,47 @@ main() {
     H5SERVE_LAUNCH=direct
     H5SERVE_START_TIMEOUT=90
     if [ -e "$CONFIG" ]; then
+        if ! config_trusted "$CONFIG"; then
+            log "$CONFIG is not a regular file that only root can write; refusing to source it"
+            return 1
+        fi
         # shellcheck source=/dev/null
         . "$CONFIG" || { log "cannot read $CONFIG"; return 1; }
     fi
     opted_in || return 0
 
-    local job=${SLURM_JOB_ID:-} user=${SLURM_JOB_USER:-}
+    local job=${SLURM_JOB_ID:-} user=${SLURM_JOB_USER:-} uid gid
     case "$job" in
         "" | *[!0-9]*) log "SLURM_JOB_ID='$job' is not a job id; is this running as a slurmd Prolog?"; return 1 ;;
     esac
-    if [ -z "$user" ] || [ "$user" = root ]; then
-        log "SLURM_JOB_USER='$user': no daemon for root or an unknown user"
+    case "$user" in
+        "" | root | -* | *[!A-Za-z0-9._@-]*) log "SLURM_JOB_USER='$user': no daemon for root or an unknown user"; return 0 ;;
+    esac
+    if ! uid=$(timeout 10 id -u -- "$user" 2>/dev/null) || ! gid=$(timeout 10 id -g -- "$user" 2>/dev/null); then
+        log "no such user '$user'"
+        return 1
+    fi
+    if [ "$uid" = 0 ]; then
+        log "SLURM_JOB_USER='$user' has uid 0: no daemon for root"
         return 0
     fi
     local dir=$RUN_ROOT/$job opts=()
     read -r -a opts <<< "$H5SERVE_OPTS"
-    install -d -m 0755 -o root -g root "$RUN_ROOT" || { log "cannot create $RUN_ROOT"; return 1; }
+    root_dir "$RUN_ROOT" || return 1
 
     case "$H5SERVE_LAUNCH" in
         systemd)
-            install -d -m 0755 -o root -g root "$ENV_ROOT" || { log "cannot create $ENV_ROOT"; return 1; }
-            local envfile=$ENV_ROOT/$job.env
-            # Written to a temporary name and renamed, so systemd never reads half a file.
-            if ! { printf 'H5SERVE_USER=%s\nH5SERVE_OPTS=%s\n' "$user" "$H5SERVE_OPTS" > "$envfile.tmp" \
-                    && mv -f "$envfile.tmp" "$envfile"; }; then
-                log "cannot write $envfile"
-                return 1
-            fi
-            if ! timeout "$H5SERVE_START_TIMEOUT" systemctl start "h5serve@$job.service"; then
+            root_dir "$ENV_ROOT" || return 1
+            write_env_file "$job" "$user" || { log "cannot write $ENV_ROOT/$job.env"; return 1; }
+            if ! timeout -k 5 "$H5SERVE_START_TIMEOUT" systemctl start "h5serve@$job.service"; then
                 log "systemctl start h5serve@$job.service failed; see journalctl -u h5serve@$job"
                 return 1
             fi
             ;;
         direct)
+            job_dir "$dir" "$uid" "$gid" || return 1
             local out
-            if ! out=$(timeout "$H5SERVE_START_TIMEOUT" "$H5SERVE_BIN" start --user "$user" --runtime-dir "$dir" \
+            if ! out=$(timeout -k 5 "$H5SERVE_START_TIMEOUT" "$H5SERVE_BIN" start --user "$user" --runtime-dir "$dir" \
                 ${opts[@]+"${opts[@]}"} 2>&1); then
                 log "h5serve start failed: ${out//$'\n'/ | }"
                 return 1

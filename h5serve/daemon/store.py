@@ -28,10 +28,13 @@ from ..errors import (
 )
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
+from ..safeio import remove_if
 from ..segments import (
     SegmentMeta,
     count_leases,
+    describe_file,
     format_bytes,
+    is_own_file,
     read_meta,
     read_progress,
     segment_name,
@@ -50,6 +53,7 @@ from .access import Peer
 from .config import FAILURE_MEMORY_S, SWEEP_INTERVAL_S
 from .loader import LoadJob, loader_context, start_load
 from .resolve import Resolver
+from .secret import load_secret
 
 __all__ = ["SegmentStore"]
 
@@ -77,6 +81,8 @@ class Entry:
 
 
 class SegmentStore:
+    secret: bytes  # segment names are keyed by it; recover() loads it before any request
+
     def __init__(
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
@@ -102,9 +108,11 @@ class SegmentStore:
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
-        """Remove temporaries of dead loaders; adopt complete segments whose source is unchanged."""
-        prefix = segment_prefix(self.namespace)
-        for path in sorted(self.shm_dir.glob(prefix + "*")):
+        """Load the naming secret; remove temporaries of dead loaders; adopt complete segments
+        whose source is unchanged. Only regular files of our own are read or removed: anything
+        else under the prefix (another user's file, a symlink, a FIFO) is logged and left."""
+        self.secret = load_secret(self.location.directory)
+        for path in self._own_files():
             if temporary_owner_pid(path.name) is not None:
                 # A live loader holds an exclusive lock on its temporary; a dead one's lock is
                 # gone with it (pids in names can be reused or belong to unreaped zombies).
@@ -117,12 +125,34 @@ class SegmentStore:
             except H5ServeError as exc:
                 log.info("dropping %s: %s", path.name, exc)
                 complete = unchanged = False
-            if complete and unchanged and segment_name(self.namespace, meta) == path.name:
+            if complete and unchanged and segment_name(self.namespace, meta, self.secret) == path.name:
                 self.entries[path.name] = Entry(path.name, meta, "ready")
                 self.counters["adopted"] += 1
                 log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank, meta.world_size)
             else:
-                path.unlink(missing_ok=True)
+                remove_if(path, keep=lambda st: not is_own_file(st))
+
+    def _own_files(self) -> list[Path]:
+        """This daemon's files in the shm dir: under its prefix, regular, owned by its euid
+        (lstat). The prefix is public, so the rest is logged and never touched."""
+        prefix = segment_prefix(self.namespace)
+        try:
+            names = sorted(n for n in os.listdir(self.shm_dir) if n.startswith(prefix))
+        except OSError as exc:
+            log.warning("cannot list %s: %s", self.shm_dir, exc.strerror)
+            return []
+        own = []
+        for name in names:
+            path = self.shm_dir / name
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if is_own_file(st):
+                own.append(path)
+            else:
+                log.warning("%s is %s, not a segment of this daemon: leaving it alone", path, describe_file(st))
+        return own
 
     # ----- requests ------------------------------------------------------------------------
     def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
@@ -151,7 +181,7 @@ class SegmentStore:
             dtype=stored.str, source_dtype=info.dtype.str,
             linked=resolved.linked.as_tuple() if resolved.linked else (),
         )
-        name = segment_name(self.namespace, meta)
+        name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
         if entry is not None and entry.state == "ready" and not (self.shm_dir / name).exists():
             log.warning("segment %s disappeared from %s; loading it again", name, self.shm_dir)
@@ -237,7 +267,7 @@ class SegmentStore:
             if entry.state == "loading" or sources_unchanged(entry.meta.source, entry.meta.linked):
                 continue
             entry.state = "stale"
-            if try_evict(self.shm_dir / entry.name):
+            if try_evict(self.shm_dir / entry.name):  # never raises: runs on the loop, outside any request
                 del self.entries[entry.name]
                 self.counters["evictions"] += 1
                 self.counters["stale_evictions"] += 1
@@ -335,8 +365,10 @@ class SegmentStore:
             if entry.process is not None:
                 entry.process.kill()
                 entry.process.join(timeout=5)
-        # The namespace is this runtime dir, whose pidfile lock we hold: every file under the
-        # prefix is ours (published, or a temporary of a loader we just killed).
-        for path in self.shm_dir.glob(segment_prefix(self.namespace) + "*"):
-            path.unlink(missing_ok=True)
+        # The namespace is this runtime dir, whose pidfile lock we hold: every regular file of
+        # our euid under the prefix is ours (published, or a temporary of a loader we just
+        # killed). The prefix is public, so anything else there is someone else's: left alone.
+        for path in self._own_files():
+            if not remove_if(path, keep=lambda st: not is_own_file(st)):
+                log.warning("cannot remove segment %s; remove it by hand", path)
         self.entries.clear()
