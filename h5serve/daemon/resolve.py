@@ -140,6 +140,10 @@ class Resolver:
                 error = future = None  # noqa: F841 - no cycle through this frame keeps it alive
         return future.result()
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run other blocking file-system work (the stale sweep's stats) on the resolver threads."""
+        return self._pool.submit(fn, *args)
+
     def _forget_abandoned(self) -> None:
         """Drop finished resolutions no client came back for (it died, or gave up)."""
         now = time.monotonic()

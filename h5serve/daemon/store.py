@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import Process
 from multiprocessing.connection import Connection
@@ -80,6 +81,11 @@ class Entry:
     load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
 
 
+def _changed_sources(sources: dict[str, tuple[tuple, tuple]]) -> set[str]:
+    """The names whose source (or linked) file no longer has its recorded identity (blocking)."""
+    return {name for name, (source, linked) in sources.items() if not sources_unchanged(source, linked)}
+
+
 class SegmentStore:
     secret: bytes  # segment names are keyed by it; recover() loads it before any request
 
@@ -104,6 +110,7 @@ class SegmentStore:
         self.errors: Counter[str] = Counter()  # error replies by code
         self.resolver = Resolver(self.allow_roots)
         self._last_sweep = time.monotonic()
+        self._sweep: Future[set[str]] | None = None
         self._ctx = loader_context()
 
     # ----- startup -------------------------------------------------------------------------
@@ -258,13 +265,27 @@ class SegmentStore:
 
     def sweep(self) -> None:
         """Evict ready segments whose source file changed (or vanished) once no client holds
-        them: new requests already map to new names, so these can only waste memory."""
+        them: new requests already map to new names, so these can only waste memory. The
+        files are stat-ed in a resolver thread (a hung network file system must not stall the
+        control loop); the evictions happen here, on a later tick."""
+        if self._sweep is not None:
+            if not self._sweep.done():
+                return
+            changed, self._sweep = self._sweep.result(), None
+            self._evict_changed(changed)
+            return
         now = time.monotonic()
         if now - self._last_sweep < SWEEP_INTERVAL_S:
             return
         self._last_sweep = now
-        for entry in list(self.entries.values()):
-            if entry.state == "loading" or sources_unchanged(entry.meta.source, entry.meta.linked):
+        sources = {e.name: (e.meta.source, e.meta.linked) for e in self.entries.values() if e.state != "loading"}
+        if sources:
+            self._sweep = self.resolver.submit(_changed_sources, sources)
+
+    def _evict_changed(self, changed: set[str]) -> None:
+        for name in changed:
+            entry = self.entries.get(name)
+            if entry is None or entry.state == "loading":
                 continue
             entry.state = "stale"
             if try_evict(self.shm_dir / entry.name):  # never raises: runs on the loop, outside any request
