@@ -1,10 +1,16 @@
 """Shared-memory segments: naming, header, create, publish, attach, lease, evict.
 
-A segment is one file in the shm dir (``/dev/shm`` by default), mode 0600::
+A segment is one file in the shm dir (``/dev/shm`` by default)::
 
     offset 0     magic "H5SRVSEG", format version, complete flag, rows done, rows total,
-                 length of the msgpack metadata (SegmentMeta), then the metadata itself
+                 length of the msgpack metadata (SegmentMeta), checksum kind and value,
+                 activity counter; at offset 64 the metadata itself
     offset 4096  the rows, C-contiguous, native byte order (page-aligned)
+
+A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
+with ``fchmod`` before the rename, so no process (root aside) can open a published segment
+for writing. The content checksum (crc32 of the rows, when the loader computed one) lets
+``verify_content`` tell whether anything wrote into a segment after it was published.
 
 Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
 with ``posix_fallocate`` (a full tmpfs is a clear ShmFull now, never a SIGBUS later);
@@ -30,15 +36,17 @@ import os
 import secrets
 import stat
 import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
 
 from .errors import SegmentError, ShmFull
-from .safeio import NOFOLLOW_FLAGS, describe_owner
+from .safeio import NOFOLLOW_FLAGS, describe_owner, open_regular
 
 __all__ = [
     "HEADER_SIZE",
@@ -56,19 +64,33 @@ __all__ = [
     "attach_segment",
     "read_progress",
     "read_meta",
+    "read_activity",
+    "check_published",
+    "verify_content",
+    "data_crc32",
+    "crc32_combine",
     "try_evict",
     "count_leases",
     "format_bytes",
 ]
 
 MAGIC = b"H5SRVSEG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: read-only once published, checksum and activity counter in the header
 HEADER_SIZE = 4096
-_FIXED = struct.Struct("<8sIIQQI")  # magic, version, complete, rows_done, rows_total, meta_len
+# magic, version, complete, rows_done, rows_total, meta_len, checksum kind, checksum, activity
+_FIXED = struct.Struct("<8sIIQQII16sQ")
 _COMPLETE_OFFSET = 12
 _PROGRESS = struct.Struct("<QQ")
 _PROGRESS_OFFSET = 16
+_CHECKSUM = struct.Struct("<I16s")
+_CHECKSUM_OFFSET = 36
+_ACTIVITY = struct.Struct("<Q")
+_ACTIVITY_OFFSET = 56
 _META_OFFSET = 64
+CHECKSUM_NONE, CHECKSUM_CRC32 = 0, 1
+_CHECKSUM_NAMES = {CHECKSUM_NONE: "none", CHECKSUM_CRC32: "crc32"}
+_CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per crc32 call: threads hash blocks, crc32_combine joins them
+_PUBLISHED_MODE_MASK = 0o440  # a temporary's 0600 / 0640 becomes 0400 / 0440
 _TMP_MARK = ".tmp-"
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype"})
 SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
@@ -214,6 +236,78 @@ def _data_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray:
     return flat.reshape((meta.rows, *meta.row_shape))
 
 
+# ----- crc32 of large buffers, in parallel ----------------------------------------------------
+_CRC_POLY = 0xEDB88320  # zlib's crc32, reflected
+
+
+def _gf2_multiply(a: int, b: int) -> int:
+    """a * b modulo the crc32 polynomial (reflected bit order), as zlib's multmodp."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+def _x_pow_2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _gf2_multiply(p, p)
+    return table
+
+
+_X2N = _x_pow_2n_table()  # x^(2^k) modulo the polynomial
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's
+    zlib does not expose): lets several threads hash parts of one buffer."""
+    p, k, n = 1 << 31, 3, len2  # x^0; a byte is x^8 = x^(2^3)
+    while n:
+        if n & 1:
+            p = _gf2_multiply(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _gf2_multiply(p, crc1) ^ crc2
+
+
+def data_crc32(buffer: Any, offset: int, length: int, threads: int = 1,
+               progress: Callable[[int], None] | None = None) -> int:
+    """zlib.crc32 of ``buffer[offset:offset + length]``, hashed in blocks by up to ``threads``
+    threads (zlib releases the GIL); ``progress(bytes)`` is called after each block."""
+    starts = list(range(offset, offset + length, _CHECKSUM_BLOCK))
+    with memoryview(buffer) as view:  # released on return, so the caller can close its mapping
+
+        def one(start: int) -> int:
+            end = min(start + _CHECKSUM_BLOCK, offset + length)
+            with view[start:end] as block:
+                crc = zlib.crc32(block)
+            if progress is not None:
+                progress(end - start)
+            return crc
+
+        if threads > 1 and len(starts) > 1:
+            with ThreadPoolExecutor(min(threads, len(starts)), thread_name_prefix="h5serve-crc") as pool:
+                crcs = list(pool.map(one, starts))
+        else:
+            crcs = [one(start) for start in starts]
+    total = 0
+    for start, crc in zip(starts, crcs):
+        total = crc32_combine(total, crc, min(_CHECKSUM_BLOCK, offset + length - start))
+    return total
+
+
+def _checksum_text(kind: int, value: bytes) -> str:
+    """``crc32:1a2b3c4d`` (the form ``status`` shows), or "" when there is none."""
+    if kind == CHECKSUM_CRC32:
+        return f"crc32:{struct.unpack_from('<I', value)[0]:08x}"
+    return ""
+
+
 class SegmentWriter:
     """A temporary segment being filled by a loader. ``data`` is writable."""
 
@@ -223,6 +317,7 @@ class SegmentWriter:
         self._fd = fd
         self._map = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.data = _data_view(self._map, meta)
+        self._activity = 0
 
     def data_target(self) -> tuple[int, int]:
         """``(fd, offset)``: the segment file's descriptor and the byte offset of ``data[0]`` in
@@ -231,11 +326,31 @@ class SegmentWriter:
 
     def set_progress(self, rows_done: int) -> None:
         self._map[_PROGRESS_OFFSET:_PROGRESS_OFFSET + _PROGRESS.size] = _PROGRESS.pack(rows_done, self.meta.rows)
+        self.mark_activity()
+
+    def mark_activity(self) -> None:
+        """Say "still working" where the daemon's stall watchdog looks (``read_activity``):
+        a counter in the header that only moves when the load does."""
+        self._activity += 1
+        self._map[_ACTIVITY_OFFSET:_ACTIVITY_OFFSET + _ACTIVITY.size] = _ACTIVITY.pack(self._activity)
+
+    def compute_checksum(self, threads: int = 1) -> str:
+        """crc32 of the rows as written, stored in the header (``crc32:...``). Call once every
+        row is in place: ``verify_content`` compares the rows against it later."""
+        crc = data_crc32(self._map, HEADER_SIZE, self.meta.nbytes, threads, lambda _: self.mark_activity())
+        value = struct.pack("<I", crc).ljust(16, b"\0")
+        self._map[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + _CHECKSUM.size] = _CHECKSUM.pack(CHECKSUM_CRC32, value)
+        return _checksum_text(CHECKSUM_CRC32, value)
 
     def publish(self, final_name: str) -> Path:
-        """Mark complete and rename to ``final_name`` in the same directory (atomic)."""
+        """Mark complete, make read-only and rename to ``final_name`` in the same directory (atomic).
+
+        The mode changes on the descriptor before the rename, so the final name never exists
+        writable: nobody (root aside) can open it for writing, or truncate it, afterwards.
+        """
         self.set_progress(self.meta.rows)
         self._map[_COMPLETE_OFFSET:_COMPLETE_OFFSET + 4] = struct.pack("<I", 1)
+        os.fchmod(self._fd, stat.S_IMODE(os.fstat(self._fd).st_mode) & _PUBLISHED_MODE_MASK)
         final = self.path.with_name(final_name)
         self.close()
         try:
@@ -332,7 +447,7 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
         blob = msgpack.packb(meta.to_wire())
         if _META_OFFSET + len(blob) > HEADER_SIZE:
             raise SegmentError(f"segment metadata too large ({len(blob)} bytes): shorten the path or key")
-        header = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob))
+        header = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob), CHECKSUM_NONE, b"", 0)
         os.pwrite(fd, header.ljust(_META_OFFSET, b"\0") + blob, 0)
         return SegmentWriter(path, fd, meta)
     except BaseException:
@@ -344,11 +459,15 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
 def _parse_header(raw: bytes, where: str) -> tuple[SegmentMeta, bool]:
     if len(raw) < HEADER_SIZE:
         raise SegmentError(f"{where} is truncated ({len(raw)} bytes): not an h5serve segment")
-    magic, version, complete, _done, _total, meta_len = _FIXED.unpack_from(raw, 0)
+    magic, version, complete, _done, _total, meta_len, _kind, _sum, _activity = _FIXED.unpack_from(raw, 0)
     if magic != MAGIC:
         raise SegmentError(f"{where} is not an h5serve segment (bad magic)")
     if version != FORMAT_VERSION:
-        raise SegmentError(f"{where} has segment format {version}, this h5serve reads {FORMAT_VERSION}")
+        raise SegmentError(
+            f"{where} has segment format {version}, this h5serve reads {FORMAT_VERSION}: it was written by another "
+            "h5serve version; run one version for the daemon and the jobs, and restart the daemon "
+            "(h5serve stop; h5serve start) so it loads the data again"
+        )
     if _META_OFFSET + meta_len > HEADER_SIZE:
         raise SegmentError(f"{where} has a corrupt header (metadata length {meta_len})")
     try:
@@ -395,20 +514,104 @@ def read_meta(path: Path, owner: int | None = None) -> tuple[SegmentMeta, bool]:
     return _parse_header(raw, str(path))
 
 
-def read_progress(path: Path) -> tuple[int, int]:
-    """(rows done, rows total) of a segment being loaded; (0, 0) if it cannot be read yet, or
-    is not a regular file of ours."""
+def _read_fixed(path: Path, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset`` of a regular file of ours, opened without following a
+    symlink or blocking on a FIFO (the daemon's loop calls this: it must never block); b""
+    if unreadable or anything else."""
     try:
         fd = _open_own(path)
     except SegmentError:
-        return 0, 0
+        return b""
     try:
-        raw = os.pread(fd, _PROGRESS.size, _PROGRESS_OFFSET)
+        return os.pread(fd, size, offset)
     except OSError:
-        return 0, 0
+        return b""
     finally:
         os.close(fd)
+
+
+def read_progress(path: Path) -> tuple[int, int]:
+    """(rows done, rows total) of a segment being loaded; (0, 0) if it cannot be read yet."""
+    raw = _read_fixed(path, _PROGRESS_OFFSET, _PROGRESS.size)
     return _PROGRESS.unpack(raw) if len(raw) == _PROGRESS.size else (0, 0)
+
+
+def read_activity(path: Path) -> tuple[int, int]:
+    """(rows done, activity counter) of a segment being loaded: either moves while its loader
+    makes progress (the activity counter also moves while it computes the checksum); (0, 0)
+    if it cannot be read yet."""
+    raw = _read_fixed(path, _PROGRESS_OFFSET, _ACTIVITY_OFFSET + _ACTIVITY.size - _PROGRESS_OFFSET)
+    if len(raw) != _ACTIVITY_OFFSET + _ACTIVITY.size - _PROGRESS_OFFSET:
+        return 0, 0
+    return _PROGRESS.unpack_from(raw)[0], _ACTIVITY.unpack_from(raw, _ACTIVITY_OFFSET - _PROGRESS_OFFSET)[0]
+
+
+def published_mode(group: int | None) -> int:
+    """The mode of a published segment: 0400, or 0440 when shared with a group."""
+    return 0o440 if group is not None else 0o400
+
+
+def check_published(path: Path, meta: SegmentMeta, mode: int, header: bytes | None = None) -> bytes:
+    """Cheap check of a published segment before it is handed out again: a regular file of
+    ours (no symlink, no FIFO: never blocks), one link, mode ``mode``, exactly
+    ``meta.file_size`` bytes, and a complete header describing ``meta`` (byte for byte
+    ``header`` when given: the one seen when it was published). Returns its header.
+
+    Raised when any of that does not hold (missing, truncated, made writable, header
+    rewritten): SegmentError, saying what.
+    """
+    fd, st = open_regular(path, SegmentError, owners=(os.geteuid(),))
+    try:
+        if st.st_nlink != 1:
+            raise SegmentError(f"segment {path} has {st.st_nlink} links, not 1")
+        if stat.S_IMODE(st.st_mode) != mode:
+            raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}: "
+                               "something made it writable")
+        if st.st_size != meta.file_size:
+            raise SegmentError(f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
+        raw = os.pread(fd, HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    if header is not None:
+        if raw != header:
+            raise SegmentError(f"segment {path} has a header that changed since it was published")
+        return raw
+    found, complete = _parse_header(raw, f"segment {path}")
+    if found != meta or not complete:
+        raise SegmentError(f"segment {path} has a header that does not describe the load it should hold")
+    return raw
+
+
+def header_checksum(header: bytes) -> str:
+    """The checksum a segment header records (``crc32:...``), or "" when it has none."""
+    kind, value = _CHECKSUM.unpack_from(header, _CHECKSUM_OFFSET)
+    return _checksum_text(kind, value)
+
+
+def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
+    """Re-read a published segment's rows and compare them with the checksum its header
+    records (and with ``expected``, the daemon's record, when given). Returns "" when they
+    match, else what does not.
+
+    Raised when it cannot be opened or is not a valid complete segment: SegmentError.
+    """
+    fd, st = open_regular(path, SegmentError)
+    try:
+        header = os.pread(fd, HEADER_SIZE, 0)
+        meta, complete = _parse_header(header, f"segment {path}")
+        if not complete or st.st_size != meta.file_size:
+            return f"it is {st.st_size} bytes for {meta.file_size} expected, or incomplete (truncated or rewritten)"
+        recorded = header_checksum(header)
+        if expected and recorded != expected:
+            return f"its header records checksum {recorded or 'none'}, the daemon recorded {expected}"
+        if not recorded:
+            return ""  # loaded without a checksum: nothing to compare with
+        with mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
+            crc = data_crc32(buffer, HEADER_SIZE, meta.nbytes, threads)
+    finally:
+        os.close(fd)
+    actual = _checksum_text(CHECKSUM_CRC32, struct.pack("<I", crc).ljust(16, b"\0"))
+    return "" if actual == recorded else f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"
 
 
 class AttachedSegment:

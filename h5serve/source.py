@@ -165,16 +165,23 @@ def _dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
 def resolve_dtype(dtype: object, what: str) -> np.dtype | None:
     """A requested dtype as a servable numpy dtype (native order), or None.
 
-    Raised when it is not a numeric dtype numpy knows: ConfigError.
+    Raised when numpy cannot parse it, or it is an array, structured, non-numeric or
+    extended-precision dtype: ConfigError.
     """
     if dtype is None:
         return None
     try:
         resolved = np.dtype(dtype)
-    except TypeError as exc:
-        raise ConfigError(f"{what}={dtype!r} is not a numpy dtype; use e.g. 'float32' or np.float32") from exc
-    if resolved.kind not in SERVABLE_KINDS or resolved.fields is not None:
+    except Exception as exc:  # numpy's parser raises TypeError, ValueError, SyntaxError, ...
+        raise ConfigError(f"{what}={dtype!r:.80} is not a numpy dtype; use e.g. 'float32' or np.float32") from exc
+    if resolved.subdtype is not None or resolved.fields is not None:
+        raise ConfigError(f"{what}={dtype!r:.80} is an array or structured dtype; use a scalar numeric dtype "
+                          "such as 'float32' (a row's shape comes from the dataset)")
+    if resolved.kind not in SERVABLE_KINDS:
         raise ConfigError(f"{what}={resolved} is not a numeric dtype; use a bool, integer or float dtype")
+    if resolved.kind in "fc" and resolved.itemsize > (8 if resolved.kind == "f" else 16):
+        raise ConfigError(f"{what}={resolved} is extended precision, which torch cannot hold; use float64 or "
+                          "complex128 at most")
     return resolved.newbyteorder("=")
 
 

@@ -83,7 +83,7 @@ def test_runtime_dir_socket_pidfile_log_and_segments_are_private(daemon: Daemon,
     for name in ("h5serve.sock", "h5serve.pid", "h5serve.log"):
         assert mode(daemon.runtime_dir / name) == 0o600, name
     segment = Path("/dev/shm") / daemon.segment_files()[0]
-    assert mode(segment) == 0o600 and os.stat(segment).st_uid == os.getuid()
+    assert mode(segment) == 0o400 and os.stat(segment).st_uid == os.getuid()  # published: read-only
     ds.close()
 
 
@@ -138,7 +138,7 @@ def test_group_members_may_connect_and_attach(public_file: Path) -> None:
         with h5py.File(public_file) as f:
             assert out == ("shm", f["x"][500:].tobytes())
         segments = [Path("/dev/shm") / n for n in d.segment_files()]
-        assert segments and all(mode(p) == 0o640 and os.stat(p).st_gid == NOGROUP for p in segments)
+        assert segments and all(mode(p) == 0o440 and os.stat(p).st_gid == NOGROUP for p in segments)
 
         status, out = as_user(NOBODY - 1, NOGROUP - 1, [], read_shard)  # not in the group
         assert status == "error" and "DaemonUnavailable" in out

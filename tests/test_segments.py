@@ -265,7 +265,7 @@ def test_create_publish_attach(tmp_path):
     assert not tmp_file.exists()
     assert final.exists()
     assert os.listdir(tmp_path) == [name]
-    assert stat.S_IMODE(final.stat().st_mode) == 0o600
+    assert stat.S_IMODE(final.stat().st_mode) == 0o400  # read-only once published
     assert final.stat().st_size == meta.file_size
     assert read_meta(final) == (meta, True)
     assert read_progress(final) == (meta.rows, meta.rows)
@@ -395,7 +395,7 @@ def test_segment_in_dev_shm():
         path = writer.publish(name)
         assert not (shm / tmp).exists()
         assert path == shm / name and path.exists()
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.stat().st_mode) == 0o400
         seg = attach_segment(shm, name)
         np.testing.assert_array_equal(seg.data, expected)
         assert seg.data.flags.writeable is False
@@ -502,8 +502,8 @@ def test_attach_refuses_incomplete_segment(tmp_path):
 
 def test_attach_refuses_other_format_version(tmp_path):
     name, path, _ = publish_segment(tmp_path)
-    _patch(path, 8, struct.pack("<I", 2))
-    with pytest.raises(SegmentError, match="segment format 2, this h5serve reads 1"):
+    _patch(path, 8, struct.pack("<I", 1))  # a segment of the previous format
+    with pytest.raises(SegmentError, match="segment format 1, this h5serve reads 2: .*restart the daemon"):
         attach_segment(tmp_path, name)
 
 

@@ -10,12 +10,18 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..runtime import RuntimeLocation
 
-__all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "default_loaders", "default_load_processes"]
+__all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
+           "default_load_processes"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 POLL_INTERVAL_S = 0.05
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
 FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
+# A load whose rows (or checksum) have not moved for this long is killed and fails: long enough
+# for the slowest single step of a healthy load (one compressed block, posix_fallocate of a
+# huge segment), short enough that a hung file system does not hold a loader slot for long.
+DEFAULT_STALL_TIMEOUT_S = 120.0
+STALL_CHECK_INTERVAL_S = 0.5  # how often running loads are checked for progress
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -61,8 +67,12 @@ class DaemonConfig:
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP (0: any free port)
     metrics_addr: str = "127.0.0.1"
     metrics_textfile: Path | None = None  # write h5serve.prom there for node_exporter
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a load without progress this long is killed and fails
+    checksum: bool = True  # loaders store a crc32 of the rows in the header (status --verify checks it)
 
     def __post_init__(self) -> None:
         for name in ("loaders", "load_processes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be at least 1 (or 0 for the default), got {getattr(self, name)}")
+        if not self.stall_timeout > 0:  # also refuses NaN
+            raise ConfigError(f"stall_timeout must be a number of seconds > 0, got {self.stall_timeout}")

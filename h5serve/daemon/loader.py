@@ -44,7 +44,7 @@ from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import Selection
 from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
 
-__all__ = ["LoadJob", "start_load", "loader_context", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
 _PR_SET_PDEATHSIG = 1
 # A part is worth its own process only above this many bytes of source rows (forking, opening
@@ -66,6 +66,7 @@ class LoadJob:
     group: int | None = None
     daemon_pid: int = 0
     load_processes: int = 1  # processes one load may be split across (the loader and its children)
+    checksum: bool = True  # crc32 of the rows into the header, for `h5serve status --verify`
 
 
 class DaemonGone(Exception):
@@ -360,8 +361,12 @@ def _run(job: LoadJob, reply: Connection) -> None:
         if parts is not None:
             finished += parts.finished[1:].tolist()
             copied += int(parts.copied[1:].sum())
+        read_done = time.monotonic_ns()
+        # every part is reaped: nothing writes into the rows any more
+        checksum = writer.compute_checksum(job.load_processes) if job.checksum else ""
         stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
-                 "read_s": (time.monotonic_ns() - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished]}
+                 "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
+                 "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9}
         if not sources_unchanged(meta.source, meta.linked):
             raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
         if daemon_gone():
@@ -393,3 +398,59 @@ def start_load(ctx: multiprocessing.context.BaseContext, job: LoadJob) -> tuple[
     process.start()
     sender.close()
     return process, receiver
+
+
+def _parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` from /proc (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _children_of(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (a loader's part processes), from /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:  # parts are forked by the main thread
+            return [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    found = []
+    for entry in os.listdir("/proc"):  # no CONFIG_PROC_CHILDREN: look at every process's parent
+        if entry.isdigit() and _parent_of(int(entry)) == pid:
+            found.append(int(entry))
+    return found
+
+
+def kill_load(pid: int) -> int:
+    """SIGKILL a loader (``pid``, alive) and the part processes it forked. Never blocks: /proc
+    reads and signals only (a process stuck in an uninterruptible read dies when the read
+    returns). Returns how many processes were signalled.
+
+    Each process is signalled through a pidfd opened before checking that it is still the
+    loader's child, so a pid reused meanwhile is never signalled.
+    """
+    try:
+        pidfds = [os.pidfd_open(pid)]
+    except OSError:  # already gone
+        return 0
+    for child in _children_of(pid):
+        try:
+            fd = os.pidfd_open(child)
+        except OSError:
+            continue
+        if _parent_of(child) == pid:
+            pidfds.append(fd)
+        else:
+            os.close(fd)
+    signalled = 0
+    for fd in pidfds:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            signalled += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return signalled

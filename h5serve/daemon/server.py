@@ -107,6 +107,7 @@ class Server:
             config.location, config.shm_dir, budget, config.loaders or default_loaders(),
             group=config.group, allow_roots=config.allow_roots, budget_rule=rule,
             load_processes=config.load_processes or default_load_processes(),
+            stall_timeout=config.stall_timeout, checksum=config.checksum,
         )
         self._stopping = False
         self.started = time.time()

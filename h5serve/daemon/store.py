@@ -32,10 +32,14 @@ from ..runtime import RuntimeLocation
 from ..safeio import remove_if
 from ..segments import (
     SegmentMeta,
+    check_published,
     count_leases,
     describe_file,
     format_bytes,
+    header_checksum,
     is_own_file,
+    published_mode,
+    read_activity,
     read_meta,
     read_progress,
     segment_name,
@@ -51,8 +55,8 @@ from ..source import (
     storage_dtype,
 )
 from .access import Peer
-from .config import FAILURE_MEMORY_S, SWEEP_INTERVAL_S
-from .loader import LoadJob, loader_context, start_load
+from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
+from .loader import LoadJob, kill_load, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
 
@@ -60,7 +64,10 @@ __all__ = ["SegmentStore"]
 
 log = logging.getLogger("h5serve.daemon")
 # Shown in `status --json` from the start, so watchers never see a key appear.
-COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted")
+# damaged: published segments found changed (missing, truncated, made writable, header rewritten)
+# and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
+COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
+            "damaged", "stalled")
 
 
 @dataclass
@@ -79,11 +86,20 @@ class Entry:
     load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
     load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
     load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
+    header: bytes = b""  # the header as published, compared byte for byte before each hit
+    checksum: str = ""  # "crc32:..." of the rows, as the loader computed it ("" when not computed)
+    activity: tuple[int, int] = (0, 0)  # (rows done, activity counter) last read from the temporary
+    active_at: float = 0.0  # when ``activity`` last moved (monotonic)
 
 
 def _changed_sources(sources: dict[str, tuple[tuple, tuple]]) -> set[str]:
     """The names whose source (or linked) file no longer has its recorded identity (blocking)."""
     return {name for name, (source, linked) in sources.items() if not sources_unchanged(source, linked)}
+
+
+def _not_ours(st: os.stat_result) -> bool:
+    """For remove_if: keep (leave alone) anything that is not a regular file of ours."""
+    return not is_own_file(st)
 
 
 class SegmentStore:
@@ -92,9 +108,13 @@ class SegmentStore:
     def __init__(
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
-        load_processes: int = 1,
+        load_processes: int = 1, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, checksum: bool = True,
     ) -> None:
         self.budget_rule = budget_rule
+        self.stall_timeout = stall_timeout  # a load without progress for this long is stopped
+        self.checksum = checksum  # loaders store a crc32 of the rows (status --verify compares it)
+        self._last_stall_check = time.monotonic()
+        self._reaping: list[Process] = []  # loaders that finished or were killed, not yet reaped
         self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
         self.location = location
         self.shm_dir = shm_dir
@@ -137,7 +157,7 @@ class SegmentStore:
                 self.counters["adopted"] += 1
                 log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank, meta.world_size)
             else:
-                remove_if(path, keep=lambda st: not is_own_file(st))
+                remove_if(path, keep=_not_ours)
 
     def _own_files(self) -> list[Path]:
         """This daemon's files in the shm dir: under its prefix, regular, owned by its euid
@@ -190,9 +210,7 @@ class SegmentStore:
         )
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
-        if entry is not None and entry.state == "ready" and not (self.shm_dir / name).exists():
-            log.warning("segment %s disappeared from %s; loading it again", name, self.shm_dir)
-            del self.entries[name]
+        if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
             entry = None
         if entry is None:
             failure = self.failures.get(name)
@@ -209,6 +227,24 @@ class SegmentStore:
             return self._result("ready", name, meta.rows, meta)
         done = read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0
         return self._result("loading", name, done, meta)
+
+    def _ready_ok(self, entry: Entry) -> bool:
+        """Whether a published segment is still as published (fstat and its header: cheap). If
+        not (missing, truncated, made writable, header rewritten) its name is removed and the
+        entry dropped, so the caller loads it again; processes that mapped it keep their mapping."""
+        path = self.shm_dir / entry.name
+        try:
+            header = check_published(path, entry.meta, published_mode(self.group), entry.header or None)
+        except SegmentError as exc:
+            log.warning("%s; loading %s[%s] rank %d/%d again", exc, entry.meta.source_path, entry.meta.key,
+                        entry.meta.rank, entry.meta.world_size)
+            self.counters["damaged"] += 1
+            remove_if(path, keep=_not_ours)
+            del self.entries[entry.name]
+            return False
+        if not entry.header:  # adopted from a previous daemon: its header was checked against meta
+            entry.header, entry.checksum = header, header_checksum(header)
+        return True
 
     def _result(self, state: str, name: str, done: int, meta: SegmentMeta) -> AcquireResult:
         st = os.stat(self.shm_dir)
@@ -230,9 +266,9 @@ class SegmentStore:
                 return
             if entry.state == "loading" and entry.process is None:
                 job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
-                              self.load_processes)
+                              self.load_processes, self.checksum)
                 entry.process, entry.reply = start_load(self._ctx, job)
-                entry.load_started = time.monotonic()
+                entry.load_started = entry.active_at = time.monotonic()
                 running += 1
                 log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
                          entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
@@ -300,7 +336,13 @@ class SegmentStore:
         return [e.reply.fileno() for e in self.entries.values() if e.reply is not None and not e.reply.closed]
 
     def poll_loads(self) -> None:
-        """Reap finished loaders: publish successes, remember failures for pollers."""
+        """Reap finished loaders: publish successes, remember failures for pollers; stop loads
+        that made no progress for ``stall_timeout``; start queued loads in the slots freed.
+        Never blocks: pipes are polled, the temporaries are read with non-blocking opens."""
+        now = time.monotonic()
+        check_stalls = now - self._last_stall_check >= STALL_CHECK_INTERVAL_S
+        if check_stalls:
+            self._last_stall_check = now
         for entry in list(self.entries.values()):
             if entry.process is None or entry.reply is None:
                 continue
@@ -311,39 +353,94 @@ class SegmentStore:
                 except (EOFError, OSError):
                     result = None
             elif entry.process.is_alive():
+                if check_stalls and self._stalled(entry, now):
+                    self._stop_stalled(entry, now)
                 continue
-            entry.process.join(timeout=5)
-            entry.reply.close()
+            if result is None:  # died without a word: its exit code is known within moments
+                entry.process.join(timeout=1)
             exitcode = entry.process.exitcode
-            entry.process, entry.reply = None, None
+            self._release_loader(entry)
             if result is not None and result[0] == "ok":
-                entry.state = "ready"
-                entry.load_seconds = time.monotonic() - entry.load_started
-                stats = result[3] if len(result) > 3 and isinstance(result[3], dict) else {}
-                entry.load_parts = int(stats.get("parts", 1))
-                entry.load_copied_bytes = int(stats.get("copied_bytes", 0))
-                self.counters["loads"] += 1
-                log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
-                read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
-                entry.load_read_seconds = read_s
-                log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
-                          "(parts done after %s s): %.0f rows/s, %.1f MB/s",
-                          entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
-                          float(stats.get("create_s", 0.0)), read_s,
-                          "/".join(f"{t:.2f}" for t in stats.get("part_s", ())) or "?",
-                          entry.meta.rows / read_s, entry.meta.nbytes / read_s / 1e6)
-                if self.on_loaded is not None:
-                    self.on_loaded(entry.load_seconds)
+                self._loaded(entry, result[3] if len(result) > 3 and isinstance(result[3], dict) else {})
             else:
                 code, message = (result[1], result[2]) if result else (
                     SegmentError.code, f"the loader process died (exit code {exitcode}); see the daemon log")
-                (self.shm_dir / entry.tmp_name).unlink(missing_ok=True)
-                del self.entries[entry.name]
-                self.failures[entry.name] = (time.monotonic(), code, message)
-                self.counters["load_errors"] += 1
-                self.errors[code] += 1
-                log.warning("load of %s failed: %s", entry.name, message)
+                self._fail(entry, code, message)
+        self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
+
+    def _release_loader(self, entry: Entry) -> None:
+        """Forget a finished (or killed) loader; it is reaped later, without waiting for it."""
+        assert entry.process is not None and entry.reply is not None
+        entry.reply.close()
+        self._reaping.append(entry.process)
+        entry.process, entry.reply = None, None
+
+    @staticmethod
+    def _reaped(process: Process) -> bool:
+        if process.is_alive():
+            return False
+        process.close()
+        return True
+
+    def _loaded(self, entry: Entry, stats: dict[str, Any]) -> None:
+        try:  # the header as published: every later hit compares the file with it
+            entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
+        except SegmentError as exc:
+            remove_if(self.shm_dir / entry.name, keep=_not_ours)
+            self._fail(entry, SegmentError.code, f"{exc} right after it was loaded; ask again to load it again")
+            return
+        entry.checksum = header_checksum(entry.header)
+        entry.state = "ready"
+        entry.load_seconds = time.monotonic() - entry.load_started
+        entry.load_parts = int(stats.get("parts", 1))
+        entry.load_copied_bytes = int(stats.get("copied_bytes", 0))
+        self.counters["loads"] += 1
+        log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
+        read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
+        entry.load_read_seconds = read_s
+        log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
+                  "(parts done after %s s): %.0f rows/s, %.1f MB/s; checksum %s in %.2fs",
+                  entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
+                  float(stats.get("create_s", 0.0)), read_s,
+                  "/".join(f"{t:.2f}" for t in stats.get("part_s", ())) or "?",
+                  entry.meta.rows / read_s, entry.meta.nbytes / read_s / 1e6,
+                  entry.checksum or "not computed", float(stats.get("checksum_s", 0.0)))
+        if self.on_loaded is not None:
+            self.on_loaded(entry.load_seconds)
+
+    def _fail(self, entry: Entry, code: str, message: str) -> None:
+        """A load failed: drop its temporary and entry; pollers get the error for FAILURE_MEMORY_S."""
+        remove_if(self.shm_dir / entry.tmp_name, keep=_not_ours)
+        del self.entries[entry.name]
+        self.failures[entry.name] = (time.monotonic(), code, message)
+        self.counters["load_errors"] += 1
+        self.errors[code] += 1
+        log.warning("load of %s failed: %s", entry.name, message)
+
+    def _stalled(self, entry: Entry, now: float) -> bool:
+        """Whether a running load made no progress (rows written, checksum blocks) for
+        ``stall_timeout`` seconds: a stopped loader, or one blocked in a read (a hung file system)."""
+        activity = read_activity(self.shm_dir / entry.tmp_name)
+        if activity != entry.activity:
+            entry.activity, entry.active_at = activity, now
+            return False
+        return now - entry.active_at >= self.stall_timeout
+
+    def _stop_stalled(self, entry: Entry, now: float) -> None:
+        """Kill a stalled loader and its part processes, fail its load, free its slot."""
+        assert entry.process is not None
+        m = entry.meta
+        killed = kill_load(entry.process.pid)
+        self._release_loader(entry)
+        self.counters["stalled"] += 1
+        log.warning("load of %s[%s] rank %d/%d made no progress for %.0fs: killed its %d process(es)",
+                    m.source_path, m.key, m.rank, m.world_size, now - entry.active_at, killed)
+        self._fail(entry, SegmentError.code, (
+            f"the daemon's load of {m.source_path}[{m.key}] rank {m.rank}/{m.world_size} made no progress for "
+            f"{self.stall_timeout:g}s ({entry.activity[0]} of {m.rows} rows; a stopped loader or a hung file system), "
+            f"so the daemon stopped it. Check that the file reads (e.g. `cat FILE > /dev/null`); the daemon loads it "
+            f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately that slow)"))
 
     # ----- reporting and shutdown ----------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -364,6 +461,7 @@ class SegmentStore:
                 "load_read_s": round(entry.load_read_seconds, 4),
                 "load_parts": entry.load_parts,
                 "load_copied_bytes": entry.load_copied_bytes,
+                "checksum": entry.checksum,
             })
         st = os.statvfs(self.shm_dir)
         return {
@@ -390,6 +488,6 @@ class SegmentStore:
         # our euid under the prefix is ours (published, or a temporary of a loader we just
         # killed). The prefix is public, so anything else there is someone else's: left alone.
         for path in self._own_files():
-            if not remove_if(path, keep=lambda st: not is_own_file(st)):
+            if not remove_if(path, keep=_not_ours):
                 log.warning("cannot remove segment %s; remove it by hand", path)
         self.entries.clear()
