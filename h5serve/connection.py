@@ -148,20 +148,53 @@ class DaemonClient:
     def shutdown(self) -> dict[str, Any]:
         return self.request(Shutdown(), retries=0)
 
+    def request_by(self, request: Request, deadline: float | None) -> dict[str, Any]:
+        """``request`` with every wait over by ``deadline`` (a ``time.monotonic()`` value; None:
+        ``request``'s own timeout and retry).
+
+        Raised when no reply came in time, or the deadline has passed: DaemonUnavailable.
+        Raised when the daemon answers with an error: that error's H5ServeError subclass.
+        """
+        if deadline is None:
+            return self.request(request)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DaemonUnavailable(f"no time left of timeout={self.timeout:g}s to ask the daemon at "
+                                    f"{self.location.endpoint}; raise timeout= (None: wait while the load progresses)")
+        timeout = min(self.timeout, remaining)
+        return self.request(request, timeout=timeout, retries=1 if 2 * timeout <= remaining else 0)
+
     def acquire(
-        self, request: Acquire, on_progress: Callable[[AcquireResult], None] | None = None
+        self, request: Acquire, on_progress: Callable[[AcquireResult], None] | None = None,
+        deadline: float | None = None,
     ) -> AcquireResult:
         """Ask for a segment and poll until it is loaded. Each poll is bounded by the timeout,
         so a daemon that dies mid-load surfaces as DaemonUnavailable, never a hang. The pause
         between polls is a tenth of the time waited so far (FIRST_POLL_S to POLL_INTERVAL_S):
-        noticing a finished load never adds more than about 10% to it."""
+        noticing a finished load never adds more than about 10% to it.
+
+        ``deadline`` (a ``time.monotonic()`` value) bounds the whole wait, polls included;
+        None waits as long as the daemon answers each poll and the load goes on (the daemon
+        fails a load that stops making progress: its ``--stall-timeout``).
+
+        Raised when the load is not done by ``deadline``, or the daemon does not answer:
+        DaemonUnavailable. Raised when the load fails: the daemon's error class.
+        """
         started = time.monotonic()
         while True:
-            result = AcquireResult.from_wire(self.request(request))
+            result = AcquireResult.from_wire(self.request_by(request, deadline))
             if result.state == "ready":
                 return result
             if on_progress is not None:
                 on_progress(result)
-            time.sleep(min(max((time.monotonic() - started) / 10, FIRST_POLL_S), POLL_INTERVAL_S))
+            pause = min(max((time.monotonic() - started) / 10, FIRST_POLL_S), POLL_INTERVAL_S)
+            if deadline is not None and time.monotonic() + pause >= deadline:
+                raise DaemonUnavailable(
+                    f"the daemon's load of {request.path}[{request.key}] rank {request.rank}/{request.world_size} "
+                    f"did not finish within timeout={self.timeout:g}s ({result.rows_done} of {result.rows_total} "
+                    "rows so far; it goes on for later jobs); pass a larger timeout=, or timeout=None to wait "
+                    "as long as the load makes progress"
+                )
+            time.sleep(pause)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -214,22 +215,28 @@ class ShmBackend(ArrayBackend):
     def connect(cls, spec: BackendSpec, rank_for_logs: int = 0) -> "ShmBackend":
         """Ask the daemon for the shard's segments (loading them if needed) and attach.
 
-        Raised when no daemon answers: DaemonUnavailable. Raised when x and y differ in
-        length: LengthMismatch. Other daemon errors arrive as their own classes.
+        ``spec.timeout`` bounds the whole of it (every request, the wait for the loads, the
+        attach); None: each request within the default timeout, and the loads as long as they
+        make progress (the daemon stops a stalled one: its ``--stall-timeout``).
+
+        Raised when no daemon answers, or the loads are not done within ``spec.timeout``:
+        DaemonUnavailable. Raised when x and y differ in length: LengthMismatch. Other
+        daemon errors arrive as their own classes.
         """
+        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
                     None if dtype is None else dtype.str)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
-            first = [AcquireResult.from_wire(client.request(r)) for r in requests]  # starts every load at once
+            first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
             if all(r.name for r in first):  # both resolved already (else: checked once attached)
                 _check_same_length(spec, [r.dataset_rows for r in first])
             segments: list[AttachedSegment] = []
             try:
                 for request, result in zip(requests, first):
-                    segments.append(cls._attach(client, request, result, rank_for_logs))
+                    segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
                 _check_same_length(spec, [s.meta.total_rows for s in segments])
             except BaseException:
                 for segment in segments:  # x attached but y failed: drop x's lease now, not at GC
@@ -238,7 +245,8 @@ class ShmBackend(ArrayBackend):
         return cls(spec, segments)
 
     @staticmethod
-    def _attach(client: DaemonClient, request: Acquire, result: AcquireResult, rank_for_logs: int) -> AttachedSegment:
+    def _attach(client: DaemonClient, request: Acquire, result: AcquireResult, rank_for_logs: int,
+                deadline: float | None = None) -> AttachedSegment:
         bar: list[Progress] = []
 
         def progress(result: AcquireResult) -> None:
@@ -252,18 +260,18 @@ class ShmBackend(ArrayBackend):
             bar[0].update(result.rows_done)
 
         try:
-            return ShmBackend._attach_ready(client, request, result, progress)
+            return ShmBackend._attach_ready(client, request, result, progress, deadline)
         finally:
             for b in bar:
                 b.close()
 
     @staticmethod
     def _attach_ready(client: DaemonClient, request: Acquire, result: AcquireResult,
-                      progress: Callable[[AcquireResult], None]) -> AttachedSegment:
+                      progress: Callable[[AcquireResult], None], deadline: float | None = None) -> AttachedSegment:
         _check_same_shm(result)
         for attempt in range(3):
             if result.state != "ready":
-                result = client.acquire(request, progress)
+                result = client.acquire(request, progress, deadline)
             try:
                 # the runtime dir's owner, checked to be trusted: never the uid the daemon reports
                 segment = attach_segment(result.shm_dir, result.name, client.daemon_uid)

@@ -10,9 +10,10 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -50,10 +51,11 @@ from .metrics import Metrics
 from .notify import Notifier
 from .store import SegmentStore
 
-__all__ = ["serve", "Server"]
+__all__ = ["serve", "Server", "ConnectionGuard", "raise_open_file_limit"]
 
 log = logging.getLogger("h5serve.daemon")
 _MAX_MESSAGES_PER_TICK = 256
+_GUARD_EVERY = 16  # messages answered between two looks at the connection guard
 STATUS_SCHEMA_VERSION = 1
 MAX_PEER_MESSAGE_BYTES = 1024 * 1024
 
@@ -91,6 +93,77 @@ def _peer_of(frame: zmq.Frame) -> Peer | None:
     except zmq.ZMQError:
         return None
     return Peer.from_address(address if isinstance(address, str) else None)
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (every client
+    connection is a descriptor); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20  # Linux's default fs.nr_open: setrlimit refuses more
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return soft if soft != resource.RLIM_INFINITY else hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    return hard
+
+
+def open_fd_count() -> int:
+    """Descriptors this process has open (from /proc; a bound listdir, never blocking)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+    except OSError:
+        return 0
+
+
+class ConnectionGuard:
+    """Keeps the daemon under its open-file limit however many peers connect.
+
+    libzmq (4.3.5 and its master) aborts the whole process when ``accept`` on an ipc listener
+    fails with EMFILE (``errno_assert`` in ipc_listener.cpp lists ENFILE, not EMFILE), and its
+    I/O thread accepts every pending connection as fast as peers make them. So the daemon
+    counts its descriptors whenever a peer connects (a socket monitor wakes its loop) and,
+    ``reserve`` descriptors short of the limit, stops listening (``unbind``: connected peers
+    are served on; new ones find no listener and fall back after their timeout). It listens
+    again once the count is ``reserve`` lower still. A burst faster than the loop can react
+    to (more than ``reserve`` connections in a few milliseconds) can still exhaust it.
+    """
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, bind: Callable[[], None], limit: int) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.bind = bind
+        self.reserve = max(64, limit // 4)  # measured: a 1,100-socket burst overshoots the mark by ~60
+        self.high = limit - self.reserve  # stop listening at this many descriptors
+        self.low = limit - 2 * self.reserve  # listen again at this many
+        self.paused = False
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+
+    def check(self) -> None:
+        """Drain connection events; stop or resume listening as the descriptor count says."""
+        events = 0
+        while True:
+            try:
+                self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            events += 1
+        if not events and not self.paused:
+            return
+        used = open_fd_count()
+        if not self.paused and used >= self.high:
+            self.sock.unbind(self.endpoint)
+            self.paused = True
+            log.warning("%d of %d open files in use: not accepting new connections until at most %d are "
+                        "(connected clients are still served; raise the daemon's open-file limit, e.g. "
+                        "LimitNOFILE= or ulimit -Hn, for more)", used, self.high + self.reserve, self.low)
+        elif self.paused and used <= self.low:
+            self.bind()
+            self.paused = False
+            log.info("%d open files in use: accepting connections again", used)
 
 
 class Server:
@@ -154,8 +227,19 @@ class Server:
     def request_stop(self, *_: object) -> None:
         self._stopping = True
 
+    def _bind(self, sock: zmq.Socket, dir_fd: int) -> None:
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(self.config.location.endpoint)
+        finally:
+            os.umask(old_umask)
+        if self.config.group is not None:  # members of the group may connect
+            os.chown(SOCKET_NAME, -1, self.config.group, dir_fd=dir_fd, follow_symlinks=False)
+            os.chmod(SOCKET_NAME, 0o660, dir_fd=dir_fd)
+
     def run(self) -> None:
         location = self.config.location
+        files_limit = raise_open_file_limit()
         dir_fd = ensure_runtime_dir(location, self.config.group)
         lock_fd = _lock_pidfile(self.config, dir_fd)
         ctx = zmq.Context()
@@ -171,20 +255,14 @@ class Server:
             # Frames up to 1 MiB get a protocol error reply (over MAX_FRAME_BYTES); a peer
             # sending more is disconnected before ZeroMQ allocates it.
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE_BYTES)
-            old_umask = os.umask(0o177)
-            try:
-                sock.bind(location.endpoint)
-            finally:
-                os.umask(old_umask)
-            if self.config.group is not None:  # members of the group may connect
-                os.chown(SOCKET_NAME, -1, self.config.group, dir_fd=dir_fd, follow_symlinks=False)
-                os.chmod(SOCKET_NAME, 0o660, dir_fd=dir_fd)
+            self.guard = ConnectionGuard(sock, location.endpoint, lambda: self._bind(sock, dir_fd), files_limit)
+            self._bind(sock, dir_fd)
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             log.info(
-                "h5serve %s serving %s (pid %d, shm %s, budget %s, %d loads at once, up to %d processes per load)",
-                __version__, location.endpoint, os.getpid(), self.config.shm_dir,
-                format_bytes(self.store.max_memory), self.store.max_loaders, self.store.load_processes,
+                "h5serve %s serving %s (pid %d, shm %s, budget %s, %d loads at once, up to %d processes per load, "
+                "%d open files)", __version__, location.endpoint, os.getpid(), self.config.shm_dir,
+                format_bytes(self.store.max_memory), self.store.max_loaders, self.store.load_processes, files_limit,
             )
             self.notifier.ready(self._status_line())
             self._loop(sock)
@@ -209,8 +287,11 @@ class Server:
 
     def _loop(self, sock: zmq.Socket) -> None:
         while not self._stopping:
-            poller = zmq.Poller()  # the socket, and the pipes of running loaders (a load is done: wake now)
+            # the socket, peers connecting (the guard counts descriptors), and the pipes of
+            # running loaders (a load is done: wake now)
+            poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
+            poller.register(self.guard.monitor, zmq.POLLIN)
             for fd in self.store.load_fds():
                 poller.register(fd, zmq.POLLIN)
             try:
@@ -219,7 +300,10 @@ class Server:
                 if exc.errno == errno.EINTR:
                     continue
                 raise
-            for _ in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
+            self.guard.check()
+            for n in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
+                if n % _GUARD_EVERY == _GUARD_EVERY - 1:  # connections keep arriving while we answer
+                    self.guard.check()
                 try:
                     identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
