@@ -422,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kill a load that makes no progress for this long (a stopped loader, a hung file system) "
                    "and fail it, so jobs read lazily and later loads run (default 120)")
     p.add_argument("--no-checksum", action="store_true",
-                   help="do not store a crc32 of each segment's rows (saves ~0.1 s per 300 MiB loaded, on 2 cores; "
-                   "node; `status --verify` then cannot check content)")
+                   help="do not store a crc32 of each segment's rows (saves ~0.1 s per 300 MiB loaded; "
+                   "`status --verify` then cannot check content)")
     p.set_defaults(func=cmd_start)
 
     p = with_runtime(sub.add_parser("stop", help="stop the daemon and unlink its segments"))
