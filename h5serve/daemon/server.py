@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import signal
+import struct
 import time
 from typing import Any, Callable
 
@@ -124,12 +125,15 @@ class ConnectionGuard:
 
     libzmq (4.3.5 and its master) aborts the whole process when ``accept`` on an ipc listener
     fails with EMFILE (``errno_assert`` in ipc_listener.cpp lists ENFILE, not EMFILE), and its
-    I/O thread accepts every pending connection as fast as peers make them. So the daemon
-    counts its descriptors whenever a peer connects (a socket monitor wakes its loop) and,
-    ``reserve`` descriptors short of the limit, stops listening (``unbind``: connected peers
-    are served on; new ones find no listener and fall back after their timeout). It listens
-    again once the count is ``reserve`` lower still. A burst faster than the loop can react
-    to (more than ``reserve`` connections in a few milliseconds) can still exhaust it.
+    I/O thread accepts every pending connection as fast as peers make them; it has no option
+    to cap them. So the daemon counts its descriptors whenever a peer connects (a socket
+    monitor wakes its loop) and, ``reserve`` descriptors short of the limit, sheds load: it
+    unbinds, which closes the listener and, in libzmq, every connection that listener
+    accepted. Clients reconnect on their own and ask again (requests are idempotent) or fall
+    back after their timeout; the daemon listens again as soon as the count is ``2 *
+    reserve`` under the limit (at once, since shedding freed the descriptors). A burst
+    faster than the loop can react to (``reserve`` connections within a few milliseconds)
+    can still exhaust it.
     """
 
     def __init__(self, sock: zmq.Socket, endpoint: str, bind: Callable[[], None], limit: int) -> None:
@@ -137,29 +141,33 @@ class ConnectionGuard:
         self.endpoint = endpoint
         self.bind = bind
         self.reserve = max(64, limit // 4)  # measured: a 1,100-socket burst overshoots the mark by ~60
-        self.high = limit - self.reserve  # stop listening at this many descriptors
+        self.high = limit - self.reserve  # shed connections at this many descriptors
         self.low = limit - 2 * self.reserve  # listen again at this many
         self.paused = False
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.estimate = open_fd_count()  # descriptors: counted, then moved by connection events
 
     def check(self) -> None:
         """Drain connection events; stop or resume listening as the descriptor count says."""
-        events = 0
         while True:
             try:
-                self.monitor.recv_multipart(zmq.NOBLOCK)
+                event = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            events += 1
-        if not events and not self.paused:
+            accepted = struct.unpack_from("=H", event[0])[0] == zmq.EVENT_ACCEPTED
+            self.estimate += 1 if accepted else -1
+        # counting /proc/self/fd costs ~0.1-0.5 ms: only near the mark (the daemon's own
+        # descriptors, loaders' pipes, are not in the estimate: the margin covers them)
+        if not self.paused and self.estimate < self.high - self.reserve // 2:
             return
-        used = open_fd_count()
+        used = self.estimate = open_fd_count()
         if not self.paused and used >= self.high:
             self.sock.unbind(self.endpoint)
             self.paused = True
-            log.warning("%d of %d open files in use: not accepting new connections until at most %d are "
-                        "(connected clients are still served; raise the daemon's open-file limit, e.g. "
-                        "LimitNOFILE= or ulimit -Hn, for more)", used, self.high + self.reserve, self.low)
+            log.warning("%d of %d open files in use: not accepting new connections, and dropped the current "
+                        "ones (clients reconnect and ask again, or read lazily after their timeout); raise the "
+                        "daemon's open-file limit (LimitNOFILE=, ulimit -Hn) to hold more clients at once",
+                        used, self.high + self.reserve)
         elif self.paused and used <= self.low:
             self.bind()
             self.paused = False
