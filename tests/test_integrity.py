@@ -15,6 +15,7 @@ import shutil
 import signal
 import stat
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset
 from h5serve.connection import DaemonClient
+from h5serve.errors import SegmentError
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments import HEADER_SIZE, attach_segment
 
@@ -143,15 +145,11 @@ def _damage(path: Path, how: str) -> None:
         os.chmod(path, 0o600)  # what a same-user process must do before it can write
     elif how == "removed":
         os.unlink(path)
-    elif how == "replaced by a fifo":
-        os.unlink(path)
-        os.mkfifo(path, 0o400)
     else:
         raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["truncated", "header rewritten", "rows_total rewritten", "made writable", "removed",
-                                 "replaced by a fifo"])
+@pytest.mark.parametrize("how", ["truncated", "header rewritten", "rows_total rewritten", "made writable", "removed"])
 def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, data_dir: Path, how: str) -> None:
     expected = rows_of(data_dir / "data.h5")
     with DaemonClient(daemon.runtime_dir, timeout=10) as client:
@@ -179,6 +177,28 @@ def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, d
             reader.close()
     log = (daemon.runtime_dir / "h5serve.log").read_text()
     assert f"loading {os.path.realpath(data_dir / 'data.h5')}[x] rank 0/1 again" in log
+
+
+def test_a_fifo_at_a_ready_name_is_never_served_and_never_blocks(daemon: Daemon, data_dir: Path) -> None:
+    """A segment replaced by something that is not a regular file of the daemon's: the daemon
+    does not hand it out, does not touch it (it is not its own file), and the load it tries
+    instead cannot be published over it: a clear error, the client reads lazily."""
+    with DaemonClient(daemon.runtime_dir, timeout=10) as client:
+        _, path = acquire(client, data_dir / "data.h5")
+        os.unlink(path)
+        os.mkfifo(path, 0o600)
+        try:
+            started = time.monotonic()
+            with pytest.raises(SegmentError, match="a FIFO of uid 0 .* is in the way"):
+                acquire(client, data_dir / "data.h5")
+            assert time.monotonic() - started < 10 and stat.S_ISFIFO(os.lstat(path).st_mode)
+            assert client.status()["counters"]["damaged"] == 1
+            with pytest.warns(RuntimeWarning, match="is in the way.*lazily"):
+                ds = SharedH5Dataset(data_dir / "data.h5", "x", runtime_dir=daemon.runtime_dir, timeout=10)
+            assert ds.backend == "lazy"
+            ds.close()
+        finally:
+            path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- content: status --verify

@@ -341,7 +341,9 @@ def test_foreign_files_at_ready_names_neither_hang_clients_nor_kill_eviction(
         status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "group/nested/x", fallback="error"))
         assert status == "ok" and out[0] == "shm" and out[1] == expected(data, "group/nested/x"), out
         info = served.status()
-        assert served.alive() and info["counters"]["evictions"] >= 2
+        # x and y: found damaged (a file not ours at the name) when asked for, and dropped; other.h5's
+        # y: evicted as stale. Their files are left alone either way.
+        assert served.alive() and info["counters"]["damaged"] >= 2 and info["counters"]["evictions"] >= 1, info
         assert {s["key"] for s in info["segments"]} <= {"y", "group/nested/x"}
 
         served.stop()
