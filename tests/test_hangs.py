@@ -155,6 +155,7 @@ def test_client_timeout_bounds_the_whole_acquire_of_a_stopped_load(big: Path, wo
                 ds = SharedH5Dataset(big, "x", rank=0, world_size=1, runtime_dir=d.runtime_dir, timeout=2.0,
                                      fallback="lazy")
             waited = time.monotonic() - started
+            print(f"\n[h5serve hangs] stopped loader, timeout=2.0, fallback='lazy': lazy after {waited:.2f}s")
             assert ds.backend == "lazy" and 1.9 < waited < 3.5, (ds.backend, waited)
             messages = [str(w.message) for w in caught]
             assert any("did not finish within timeout=2s" in m and "lazily" in m for m in messages), messages
@@ -202,6 +203,8 @@ def test_a_stalled_load_is_killed_failed_and_the_loads_behind_it_run(big: Path, 
 
             assert wait_for(lambda: not any(alive(p) for p in stopped), 15), [p for p in stopped if alive(p)]
             killed_after = time.monotonic() - t_stop
+            print(f"\n[h5serve hangs] --stall-timeout 2: loader and {len(parts)} part(s) killed {killed_after:.2f}s "
+                  "after SIGSTOP")
             assert 2.0 <= killed_after < 5.0, killed_after
             with pytest.raises(SegmentError, match=r"load of .*big\.h5\[x\] rank 0/1 made no progress for 2s"):
                 client.request(Acquire(str(big), "x", 1, 0))
