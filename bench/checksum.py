@@ -30,9 +30,9 @@ import numpy as np
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from h5serve.connection import DaemonClient  # noqa: E402
-from h5serve.protocol import Acquire  # noqa: E402
-from h5serve.segments import data_crc32  # noqa: E402
+from h5serve.connection import DaemonClient
+from h5serve.protocol import Acquire
+from h5serve.segments import data_crc32
 
 SIZE = 300 * 2**20
 ROWS, ROW_SHAPE = 25_600, (64, 64, 3)  # 12 KiB rows: 300 MiB
@@ -99,7 +99,7 @@ def _load_once(rt: Path, h5: Path, checksum: bool) -> tuple[float, float]:
         found = re.findall(r"checksum crc32:\w+ in ([0-9.]+)s", (rt / "h5serve.log").read_text())
         return load_s, float(found[-1]) if found else 0.0
     finally:
-        subprocess.run([sys.executable, "-m", "h5serve", "stop"], env=env, capture_output=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "h5serve", "stop"], env=env, capture_output=True, timeout=60, check=False)
 
 
 def _load(where: Path, h5: Path, checksum: bool) -> dict[str, float]:

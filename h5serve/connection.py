@@ -161,7 +161,7 @@ class DaemonClient:
         if remaining <= 0:
             raise DaemonUnavailable(f"no time left of timeout={self.timeout:g}s to ask the daemon at "
                                     f"{self.location.endpoint}; raise timeout= (None: wait while the load progresses)")
-        timeout = min(self.timeout, round(remaining, 2))  # to 10 ms: messages name the timeout= given
+        timeout = min(self.timeout, max(round(remaining, 2), 0.01))  # to 10 ms: messages name the timeout= given
         return self.request(request, timeout=timeout, retries=1 if 2 * timeout <= remaining else 0)
 
     def acquire(

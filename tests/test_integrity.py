@@ -31,7 +31,7 @@ from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments import HEADER_SIZE, attach_segment
 
 from .helpers import Daemon, h5serve_cli, make_h5, short_tmpdir, wait_for
-from .users import PortablePython, as_user, portable_python, root_only, throwaway_user
+from .users import as_user, portable_python, root_only, throwaway_user
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,9 +94,13 @@ def test_a_published_segment_cannot_be_opened_for_writing_by_its_own_user(data_d
                 path = ds._backend.segments[0].path
                 st = os.stat(path)
                 out: dict[str, object] = {"backend": ds.backend, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid}
+                def open_for_update() -> None:
+                    with open(path, "r+b"):
+                        pass
+
                 for what, attempt in (("open_rdwr", lambda: os.open(path, os.O_RDWR)),
                                       ("open_wronly", lambda: os.open(path, os.O_WRONLY)),
-                                      ("open_r+", lambda: open(path, "r+b")),
+                                      ("open_r+", open_for_update),
                                       ("truncate", lambda: os.truncate(path, 0))):
                     try:
                         attempt()
@@ -171,7 +175,7 @@ def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, d
                 np.testing.assert_array_equal(reader.data, expected)  # the reload did not touch their mapping
             status = client.status()
             assert status["counters"]["damaged"] == 1 and status["counters"]["loads"] == 2, status["counters"]
-            third, _ = acquire(client, data_dir / "data.h5")  # now intact: a plain hit
+            acquire(client, data_dir / "data.h5")  # now intact: a plain hit
             assert client.status()["counters"]["loads"] == 2
         finally:
             reader.close()
@@ -267,7 +271,7 @@ def test_restart_adopts_checksummed_segments_and_drops_old_formats(data_dir: Pat
         with DaemonClient(d.runtime_dir, timeout=10) as client:
             status = client.status()
             assert status["counters"]["adopted"] == 1 and not y_path.exists()
-            result, path = acquire(client, data_dir / "data.h5")  # a hit on the adopted segment
+            _, path = acquire(client, data_dir / "data.h5")  # a hit on the adopted segment
             assert path == x_path and client.status()["counters"]["loads"] == 0
             acquire(client, data_dir / "data.h5", "y")  # loaded again, in the current format
             after = {s["key"]: s["checksum"] for s in client.status()["segments"]}

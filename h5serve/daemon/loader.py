@@ -423,34 +423,48 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid``, -1 when this kernel has none (signal by pid then), None when it is gone."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    except (OSError, AttributeError):  # no pidfd_open (Linux < 5.3)
+        return -1
+
+
+def _send_kill(pid: int, pidfd: int) -> bool:
+    try:
+        if pidfd >= 0:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
 def kill_load(pid: int) -> int:
     """SIGKILL a loader (``pid``, alive) and the part processes it forked. Never blocks: /proc
     reads and signals only (a process stuck in an uninterruptible read dies when the read
     returns). Returns how many processes were signalled.
 
-    Each process is signalled through a pidfd opened before checking that it is still the
-    loader's child, so a pid reused meanwhile is never signalled.
+    Each child is signalled through a pidfd opened before checking that it is still the
+    loader's child, so a pid reused meanwhile is never signalled (where pidfds exist).
     """
-    try:
-        pidfds = [os.pidfd_open(pid)]
-    except OSError:  # already gone
+    loader = _pidfd(pid)
+    if loader is None:
         return 0
+    targets = [(pid, loader)]
     for child in _children_of(pid):
-        try:
-            fd = os.pidfd_open(child)
-        except OSError:
+        fd = _pidfd(child)
+        if fd is None:
             continue
         if _parent_of(child) == pid:
-            pidfds.append(fd)
-        else:
+            targets.append((child, fd))
+        elif fd >= 0:
             os.close(fd)
-    signalled = 0
-    for fd in pidfds:
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-            signalled += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return signalled
+    return sum(_send_kill(target, fd) for target, fd in targets)

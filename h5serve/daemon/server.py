@@ -14,7 +14,8 @@ import resource
 import signal
 import struct
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -162,14 +163,22 @@ class ConnectionGuard:
             return
         used = self.estimate = open_fd_count()
         if not self.paused and used >= self.high:
-            self.sock.unbind(self.endpoint)
+            try:
+                self.sock.unbind(self.endpoint)
+            except zmq.ZMQError as exc:  # never let the guard take the daemon down
+                log.warning("could not stop listening with %d open files: %s", used, exc)
+                return
             self.paused = True
             log.warning("%d of %d open files in use: not accepting new connections, and dropped the current "
                         "ones (clients reconnect and ask again, or read lazily after their timeout); raise the "
                         "daemon's open-file limit (LimitNOFILE=, ulimit -Hn) to hold more clients at once",
                         used, self.high + self.reserve)
         elif self.paused and used <= self.low:
-            self.bind()
+            try:
+                self.bind()
+            except (zmq.ZMQError, OSError) as exc:  # tried again on the next tick
+                log.warning("could not listen again on %s: %s", self.endpoint, exc)
+                return
             self.paused = False
             log.info("%d open files in use: accepting connections again", used)
 

@@ -429,7 +429,7 @@ class SegmentStore:
 
     def _stop_stalled(self, entry: Entry, now: float) -> None:
         """Kill a stalled loader and its part processes, fail its load, free its slot."""
-        assert entry.process is not None
+        assert entry.process is not None and entry.process.pid is not None
         m = entry.meta
         killed = kill_load(entry.process.pid)
         self._release_loader(entry)
