@@ -36,6 +36,7 @@ import os
 import secrets
 import stat
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +79,7 @@ __all__ = [
 MAGIC = b"H5SRVSEG"
 FORMAT_VERSION = 2  # 2: read-only once published, checksum and activity counter in the header
 HEADER_SIZE = 4096
+LEASE_WAIT_S = 5.0  # how long attaching waits for a segment someone holds exclusively
 # magic, version, complete, rows_done, rows_total, meta_len, checksum kind, checksum, activity
 _FIXED = struct.Struct("<8sIIQQII16sQ")
 _COMPLETE_OFFSET = 12
@@ -642,6 +644,25 @@ class AttachedSegment:
             self._fd = -1
 
 
+def _take_lease(fd: int, path: Path) -> None:
+    """``flock(LOCK_SH)``, waiting at most LEASE_WAIT_S: eviction holds LOCK_EX for an
+    instant, but any process that can open the file could hold it forever.
+
+    Raised when it stays locked: SegmentError.
+    """
+    deadline = time.monotonic() + LEASE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise SegmentError(
+                    f"segment {path} stayed locked by another process for {LEASE_WAIT_S:g}s; request it again"
+                ) from None
+            time.sleep(0.005)
+
+
 def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> AttachedSegment:
     """Open, lease and map a published segment read-only; validates owner, header and size.
     ``owner`` is the daemon's uid (default: ours): a file of anyone else is never mapped.
@@ -665,7 +686,9 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
             raise SegmentError(
                 f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: refusing to map it"
             )
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        if st.st_mode & 0o222:
+            raise SegmentError(f"segment {path} is writable (mode {st.st_mode & 0o777:o}): refusing to map it")
+        _take_lease(fd, path)
         if os.fstat(fd).st_nlink == 0:
             raise SegmentError(f"segment {path} was evicted while attaching; request it again")
         meta, complete = _parse_header(os.pread(fd, HEADER_SIZE, 0), str(path))

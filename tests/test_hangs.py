@@ -337,3 +337,28 @@ def test_a_bad_dtype_is_a_config_error_at_the_client_and_on_the_wire(daemon: Dae
             client.acquire(Acquire(str(h5file), "x", 1, 0, "contiguous", dtype), deadline=time.monotonic() + 10)
         assert client.ping()["pid"] == daemon.pid
         assert "internal" not in client.status()["errors"]
+
+
+def test_a_segment_held_exclusively_never_blocks_an_attach(daemon: Daemon, h5file: Path) -> None:
+    """Any process that can open a segment can flock it exclusively, forever: attaching waits
+    LEASE_WAIT_S at most, then reads lazily (or raises with fallback="error")."""
+    import fcntl
+
+    from h5serve.segments import LEASE_WAIT_S
+
+    SharedH5Dataset(h5file, "x", runtime_dir=daemon.runtime_dir, fallback="error").close()
+    segment = Path("/dev/shm") / daemon.segment_files()[0]
+    fd = os.open(segment, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds = SharedH5Dataset(h5file, "x", runtime_dir=daemon.runtime_dir)
+        assert ds.backend == "lazy" and any("stayed locked" in str(w.message) for w in caught)
+        assert time.monotonic() - started < LEASE_WAIT_S * 3 + 5
+        with pytest.raises(SegmentError, match="stayed locked"):
+            SharedH5Dataset(h5file, "x", runtime_dir=daemon.runtime_dir, fallback="error")
+    finally:
+        os.close(fd)
+    assert SharedH5Dataset(h5file, "x", runtime_dir=daemon.runtime_dir, fallback="error").backend == "shm"
