@@ -686,8 +686,6 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
             raise SegmentError(
                 f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: refusing to map it"
             )
-        if st.st_mode & 0o222:
-            raise SegmentError(f"segment {path} is writable (mode {st.st_mode & 0o777:o}): refusing to map it")
         _take_lease(fd, path)
         if os.fstat(fd).st_nlink == 0:
             raise SegmentError(f"segment {path} was evicted while attaching; request it again")
@@ -698,6 +696,8 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
             raise SegmentError(
                 f"segment {path} is {st.st_size} bytes but its header describes {meta.file_size}: refusing to map it"
             )
+        if st.st_mode & 0o222:
+            raise SegmentError(f"segment {path} is writable (mode {st.st_mode & 0o777:o}): refusing to map it")
         buffer = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
         return AttachedSegment(name, path, fd, meta, buffer, st.st_uid)
     except BaseException:

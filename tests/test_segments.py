@@ -460,6 +460,16 @@ def test_attach_refuses_bad_magic(tmp_path):
         attach_segment(tmp_path, name)
 
 
+def test_attach_refuses_a_segment_made_writable_after_publishing(tmp_path):
+    """Published segments are read-only; one made writable again (by its owner, or root) may
+    have been changed under every reader: never mapped."""
+    name, path, _ = publish_segment(tmp_path)
+    attach_segment(tmp_path, name).close()
+    os.chmod(path, 0o600)
+    with pytest.raises(SegmentError, match="is writable"):
+        attach_segment(tmp_path, name)
+
+
 def test_attach_refuses_foreign_file(tmp_path):
     (tmp_path / "seg").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * (HEADER_SIZE * 2 - 8))
     with pytest.raises(SegmentError, match="not an h5serve segment"):
