@@ -33,7 +33,6 @@ from h5serve.runtime import RuntimeLocation
 from h5serve.segments import HEADER_SIZE, SECRET_BYTES, read_meta, segment_name
 
 from .helpers import h5serve_cli, make_h5, short_tmpdir, wait_for
-from .portable_torch import add_torch
 from .users import PortablePython, User, as_user, portable_python, root_only, setpriv, throwaway_user
 
 SHM = Path("/dev/shm")
@@ -48,7 +47,6 @@ pytestmark = [root_only, pytest.mark.timeout(240)]
 @pytest.fixture(scope="module")
 def py() -> Iterator[PortablePython]:
     with portable_python() as p:
-        add_torch(p)  # `h5serve start/stop/status` import h5serve.client, hence torch
         yield p
 
 

@@ -25,7 +25,6 @@ import pytest
 from h5serve.client import SharedH5Dataset
 
 from .helpers import make_h5, short_workdir, wait_for
-from .portable_torch import add_torch
 from .users import PortablePython, User, as_user, portable_python, throwaway_user
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
@@ -46,7 +45,6 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def py() -> Iterator[PortablePython]:
     with portable_python() as p:
-        add_torch(p)  # `h5serve stop` (run by the epilog as the job user) imports h5serve.client
         yield p
 
 
