@@ -188,6 +188,7 @@ def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | N
         raise _not_accessible(location) from exc
     check_dir_stat(st, f"h5serve runtime dir {location.directory}", trusted, UntrustedDaemon, hint)
     owner = st.st_uid
+    kinds = []
     for path in (location.socket_path, location.pidfile):
         try:
             entry = os.lstat(path)
@@ -200,7 +201,8 @@ def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | N
                 f"{path} belongs to {describe_owner(entry.st_uid)}, not to the runtime dir's owner "
                 f"({describe_owner(owner)}); refusing to talk to it; {hint}"
             )
-    if not stat.S_ISSOCK(os.lstat(location.socket_path).st_mode):
+        kinds.append(entry.st_mode)
+    if not stat.S_ISSOCK(kinds[0]):
         return None  # a leftover, not a daemon's socket
     return owner
 
@@ -220,13 +222,25 @@ def open_pidfile(location: RuntimeLocation, owner: int) -> int:
     return open_regular(location.pidfile, UntrustedDaemon, owners={owner})[0]
 
 
+def _open_pidfile_if_there(location: RuntimeLocation, owner: int) -> int | None:
+    """``open_pidfile``, or None when the pidfile is gone (the daemon just stopped)."""
+    try:
+        return open_pidfile(location, owner)
+    except UntrustedDaemon as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            return None
+        raise
+
+
 def read_pid(location: RuntimeLocation, owner: int) -> int:
     """The pid written in the daemon's pidfile (0 if none). Trust it only as far as
     ``daemon_process`` checks it.
 
     Raised as ``open_pidfile``: UntrustedDaemon.
     """
-    fd = open_pidfile(location, owner)
+    fd = _open_pidfile_if_there(location, owner)
+    if fd is None:
+        return 0
     try:
         text = read_small(fd, 32).decode("ascii", "replace").strip()
     finally:
@@ -314,7 +328,9 @@ def signal_daemon(location: RuntimeLocation, owner: int, sig: int) -> int:
     the checks, so a pid reused meanwhile is never hit. Returns the pid signalled, 0 when no
     process proves to be the daemon.
     """
-    fd = open_pidfile(location, owner)
+    fd = _open_pidfile_if_there(location, owner)
+    if fd is None:
+        return 0
     try:
         st = os.fstat(fd)
         text = read_small(fd, 32).decode("ascii", "replace").strip()
