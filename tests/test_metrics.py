@@ -38,7 +38,8 @@ def test_metrics_endpoint_and_textfile(h5file: Path) -> None:
         assert 'h5serve_segments{state="ready"} 2.0' in text
         assert f'h5serve_segment_bytes{{dtype="uint8",file="{h5file}",key="x",mode="contiguous",rank="0",' in text
         assert "h5serve_load_seconds_count 2.0" in text and "h5serve_load_seconds_bucket" in text
-        for name in ("h5serve_evictions_total", "h5serve_refusals_total", "h5serve_memory_budget_bytes"):
+        for name in ("h5serve_evictions_total", "h5serve_refusals_total", "h5serve_memory_budget_bytes",
+                     "h5serve_load_errors_total", "h5serve_damaged_total", "h5serve_stalled_total"):
             assert name in text
         assert float(re.search(r"^h5serve_hits_total (\S+)$", text, re.M).group(1)) >= 2
         ds.close()
