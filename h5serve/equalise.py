@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["EpochSize", "equal_epoch_size", "check_batch_size"]
+__all__ = ["EpochSize", "check_batch_size", "equal_epoch_size"]
 
 
 @dataclass(frozen=True)

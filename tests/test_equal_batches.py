@@ -9,9 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+from itertools import chain
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,6 +28,10 @@ from .helpers import Daemon, make_h5
 pytestmark = pytest.mark.timeout(240)
 
 JOB = Path(__file__).with_name("equal_batches_job.py")
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return list(chain.from_iterable(batches))
 
 
 # --------------------------------------------------------------------------- the pure function
@@ -51,11 +55,33 @@ def test_equal_epoch_size_known_values(sizes: list[int], batch: int, drop_last: 
     assert equal_epoch_size(sizes, batch, drop_last) == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 60), min_size=1, max_size=8), batch=st.integers(1, 70),
+       drop_last=st.booleans(), seed=st.integers(0, 2**31))
+def test_any_shard_sizes_pad_with_their_own_order(sizes: list[int], batch: int, drop_last: bool, seed: int) -> None:
+    """Shards of any sizes (other sampling modes will have more than one row of difference):
+    a small shard wraps around its own order as often as it takes, every rank the same batches."""
+    if drop_last and min(sizes) < batch:
+        with pytest.raises(ConfigError, match="no batch"):
+            equal_epoch_size(sizes, batch, drop_last)
+        return
+    want = equal_epoch_size(sizes, batch, drop_last)
+    assert want.samples == (min(sizes) // batch * batch if drop_last else max(sizes))
+    assert want.batches == -(-want.samples // batch)
+    shapes = set()
+    for n in sizes:
+        got = list(EpochBatchSampler(EpochShuffleSampler(n, seed=seed), batch, drop_last, shard_sizes=sizes))
+        shapes.add(tuple(len(b) for b in got))
+        base = unpadded_order(n, seed, 0)
+        assert torch.equal(torch.cat(got), base[torch.arange(want.samples) % n])
+    assert len(shapes) == 1
+
+
 @pytest.mark.parametrize(
     "sizes, batch, drop_last, match",
     [
-        ([129, 128, 128, 128], 256, True, r"rank 1's shard has 128 rows, fewer than batch_size 256 .*"
-                                          r"4 ranks hold 128 to 129 rows.*at most 128, drop_last=False"),
+        ([129, 128, 128, 128], 256, True, (r"rank 1's shard has 128 rows, fewer than batch_size 256 .*"
+                                           r"4 ranks hold 128 to 129 rows.*at most 128, drop_last=False")),
         ([0, 0], 1, True, "rank 0's shard has 0 rows"),
         ([1, 1, 1, 0], 8, False, r"rank 3 has no rows.*other ranks' 1 batches.*fewer ranks"),
         ([], 8, False, "at least one"),
@@ -204,10 +230,10 @@ def test_make_loader_513_rows_two_ranks(rows513: Path, shared_daemon: Daemon, mo
             loader.batch_sampler.set_epoch(epoch)
             labels = [y.tolist() for _, y in loader]
             assert len(labels) == len(loader) == (1 if drop_last else 2)
-            assert set(sum(labels, [])) <= set(ds.indices.tolist())  # only the rank's own rows
+            assert set(flat(labels)) <= set(ds.indices.tolist())  # only the rank's own rows
             per_rank.append(labels)
         assert [len(b) for b in per_rank[0]] == [len(b) for b in per_rank[1]]
-        rows = [y for labels in per_rank for y in sum(labels, [])]
+        rows = [y for labels in per_rank for y in flat(labels)]
         if drop_last:
             assert [len(b) for b in per_rank[0]] == [256] and len(set(rows)) == 512
         else:  # every row once, and rank 1's first sample of the epoch once more at its end
@@ -296,7 +322,7 @@ def test_ddp_job_513_rows_finishes_every_epoch(tmp_path: Path, rows513: Path, sh
             batches = [r["runs"][config][epoch] for r in reports]
             assert [len(b) for b in batches[0]] == [len(b) for b in batches[1]] == ([256] if drop_last else [256, 1])
             for report, got in zip(reports, batches):
-                assert set(sum(got, [])) <= set(report["indices"][mode])
-            rows = sum(batches[0] + batches[1], [])
+                assert set(flat(got)) <= set(report["indices"][mode])
+            rows = flat(batches[0] + batches[1])
             assert len(set(rows)) == (512 if drop_last else 513)
         assert reports[0]["runs"][config][0] != reports[0]["runs"][config][1]  # reshuffled per epoch

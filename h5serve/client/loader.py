@@ -10,7 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import random
-from typing import Any, Callable, Sized
+from collections.abc import Sized
+from typing import Any, Callable
 
 import numpy as np
 import torch
