@@ -19,6 +19,7 @@ __all__ = [
     "balanced_contiguous_shard",
     "interleaved_indices",
     "shard_indices",
+    "shard_sizes",
     "validate_shard",
     "resolve_rank_world",
 ]
@@ -55,6 +56,10 @@ class Selection:
             start, end = balanced_contiguous_shard(total, self.world_size, self.rank)
             return end - start
         return len(range(self.rank, total, self.world_size))
+
+    def sizes(self, total: int) -> list[int]:
+        """Rows in the shard of every rank of this selection's world, rank 0 first."""
+        return shard_sizes(total, self.world_size, self.mode)
 
 
 def validate_shard(mode: str, world_size: int, rank: int) -> None:
@@ -103,6 +108,15 @@ def shard_indices(total: int, world_size: int, rank: int, mode: str = "contiguou
         start, end = balanced_contiguous_shard(total, world_size, rank)
         return np.arange(start, end, dtype=np.int64)
     return interleaved_indices(total, world_size, rank)
+
+
+def shard_sizes(total: int, world_size: int, mode: str = "contiguous") -> list[int]:
+    """Rows in every rank's shard, rank 0 first. Both modes give the same sizes: the first
+    ``total % world_size`` ranks hold one row more."""
+    validate_shard(mode, world_size, 0)
+    _check_total(total)
+    base, extra = divmod(int(total), int(world_size))
+    return [base + 1] * extra + [base] * (int(world_size) - extra)
 
 
 def _env_int(name: str) -> int | None:

@@ -206,6 +206,11 @@ class SharedH5Dataset(Dataset):
         """Rows in the whole dataset, across all ranks."""
         return self._backend.total_rows
 
+    def shard_sizes(self) -> list[int]:
+        """Rows in every rank's shard, rank 0 first: what make_loader gives every rank the
+        same number of batches from."""
+        return self.spec.selection.sizes(self.total_rows)
+
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.indices)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import random
+from collections.abc import Sized
 from typing import Any, Callable
 
 import numpy as np
@@ -55,6 +56,14 @@ def seed_worker(worker_id: int, user_init: Callable[[int], None] | None = None) 
         user_init(worker_id)
 
 
+def shard_sizes_of(dataset: Sized) -> list[int]:
+    """Every rank's shard size, from the dataset's ``shard_sizes()`` (SharedH5Dataset and its
+    subclasses have it). A dataset without one is taken as this rank's whole data, the same on
+    every rank (``[len(dataset)]``)."""
+    method = getattr(dataset, "shard_sizes", None)
+    return list(method()) if callable(method) else [len(dataset)]
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,
@@ -72,6 +81,13 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader over ``dataset`` (a rank's shard) in EpochShuffleSampler order.
 
+    - every rank gets the same number of batches per epoch, so DDP never waits for a rank
+      that ran out (h5serve/equalise.py): with ``drop_last=False`` a shard smaller than the
+      largest repeats samples of its own epoch order, from the start, up to the largest shard's
+      size, and every rank yields ``ceil(largest / batch_size)`` batches (the last one as short
+      on every rank); with ``drop_last=True`` every rank yields ``floor(smallest / batch_size)``
+      full batches. The shard sizes come from ``dataset.shard_sizes()``; a dataset without it
+      counts as unsharded. ``sampler``'s epoch length is set to match;
     - batches come as index tensors (arrays, with workers) from an EpochBatchSampler over ``sampler`` (default: a new
       ``EpochShuffleSampler(len(dataset), seed, shuffle)``); call
       ``loader.batch_sampler.set_epoch(epoch)`` each epoch, and checkpoint with
@@ -85,7 +101,8 @@ def make_loader(
 
     Other keyword arguments go to DataLoader as they are.
 
-    Raised for a bad batch size, worker count or sampler: ConfigError.
+    Raised for a bad batch size, worker count or sampler, or when some rank would get no
+    batch (``drop_last=True`` with a shard smaller than a batch; an empty shard): ConfigError.
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
@@ -98,7 +115,8 @@ def make_loader(
         raise ConfigError(f"sampler covers {sampler.data_len} samples but the dataset has {len(dataset)}")  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {
         # to workers, indices travel as arrays: a tensor would cost a shared-memory file per batch
-        "batch_sampler": EpochBatchSampler(sampler, batch_size, drop_last, arrays=num_workers > 0),
+        "batch_sampler": EpochBatchSampler(sampler, batch_size, drop_last, arrays=num_workers > 0,
+                                           shard_sizes=shard_sizes_of(dataset)),  # type: ignore[arg-type]
         "collate_fn": collate,
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
