@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError, DaemonUnavailable, UntrustedDaemon
-from .safeio import check_dir_stat, describe_owner, open_regular, read_small
+from .safeio import check_dir_stat, describe_owner, flocks, open_regular, read_small
 
 __all__ = [
     "RuntimeLocation",
@@ -289,24 +289,8 @@ def trusted_daemon_uids(daemon_user: str | int | None = None) -> frozenset[int]:
 
 
 def _lock_holders(dev: int, ino: int) -> set[int]:
-    """Pids holding an exclusive flock on the file (dev, ino), from /proc/locks."""
-    holders: set[int] = set()
-    try:
-        with open("/proc/locks") as f:
-            lines = f.readlines()
-    except OSError:
-        return holders
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "WRITE":
-            continue
-        try:
-            major, minor, inode = fields[5].split(":")
-            if (int(major, 16), int(minor, 16), int(inode)) == (os.major(dev), os.minor(dev), ino):
-                holders.add(int(fields[4]))
-        except ValueError:
-            continue
-    return holders
+    """Pids holding an exclusive flock on the file (dev, ino)."""
+    return {lock.pid for lock in flocks() if lock.exclusive and (lock.dev, lock.ino) == (dev, ino)}
 
 
 def _process_uids(pid: int) -> tuple[int, ...]:

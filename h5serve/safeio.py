@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Callable
 
 from .errors import H5ServeError
@@ -27,6 +28,8 @@ __all__ = [
     "open_regular",
     "read_small",
     "remove_if",
+    "FlockEntry",
+    "flocks",
 ]
 
 # Added to every open of a file someone else could have put there.
@@ -136,3 +139,36 @@ def remove_if(path: os.PathLike[str] | str, keep: Callable[[os.stat_result], boo
     except OSError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class FlockEntry:
+    """One ``flock`` lock from /proc/locks: who holds it (``pid``: the process that took it),
+    how (``exclusive``), on which file (``dev``, ``ino`` as ``os.stat`` gives them)."""
+
+    pid: int
+    exclusive: bool
+    dev: int
+    ino: int
+
+
+def flocks() -> list[FlockEntry]:
+    """Every ``flock`` lock on the machine, from /proc/locks ([] where it cannot be read: not
+    Linux, or /proc hidden)."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] not in ("READ", "WRITE"):
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            entries.append(FlockEntry(int(fields[4]), fields[3] == "WRITE",
+                                      os.makedev(int(major, 16), int(minor, 16)), int(inode)))
+        except ValueError:
+            continue
+    return entries

@@ -48,7 +48,7 @@ import msgpack
 import numpy as np
 
 from .errors import SegmentError, ShmFull
-from .safeio import NOFOLLOW_FLAGS, describe_owner, open_regular
+from .safeio import NOFOLLOW_FLAGS, describe_owner, flocks, open_regular
 
 __all__ = [
     "HEADER_SIZE",
@@ -708,7 +708,7 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
 def count_leases(paths: list[Path]) -> dict[Path, int]:
     """Shared leases held on each segment, from /proc/locks: one per attaching process
     (forked DataLoader workers share their parent's lease; spawned ones take their own)."""
-    wanted: dict[tuple[int, int, int], Path] = {}
+    wanted: dict[tuple[int, int], Path] = {}
     for path in paths:
         try:
             st = os.lstat(path)
@@ -716,24 +716,12 @@ def count_leases(paths: list[Path]) -> dict[Path, int]:
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
-        wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = path
+        wanted[(st.st_dev, st.st_ino)] = path
     counts = dict.fromkeys(paths, 0)
-    try:
-        with open("/proc/locks") as f:
-            lines = f.readlines()
-    except OSError:  # not Linux, or /proc hidden: report no holders rather than fail status
-        return counts
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "READ":
-            continue
-        try:
-            major, minor, inode = fields[5].split(":")
-            key = (int(major, 16), int(minor, 16), int(inode))
-        except ValueError:
-            continue
-        if key in wanted:
-            counts[wanted[key]] += 1
+    for lock in flocks():  # none where /proc/locks cannot be read: status reports no holders
+        path = wanted.get((lock.dev, lock.ino))
+        if path is not None and not lock.exclusive:
+            counts[path] += 1
     return counts
 
 

@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from .helpers import Daemon, make_h5, short_tmpdir
+from .users import PortablePython, portable_python
 
 
 @pytest.fixture
@@ -42,3 +43,22 @@ def no_daemon_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 @pytest.fixture
 def h5file(tmp_path: Path) -> Path:
     return make_h5(tmp_path / "data.h5")
+
+
+@pytest.fixture(scope="module")
+def py() -> Iterator[PortablePython]:
+    """h5serve as any user can run it (tests/users.py): for daemons and CLIs of other users."""
+    with portable_python() as p:
+        yield p
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory every user may enter, holding a world-readable HDF5 file ``data.h5``."""
+    d = short_tmpdir("h5s-pub-")
+    d.chmod(0o755)
+    make_h5(d / "data.h5").chmod(0o644)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -106,6 +106,20 @@ def make_h5(path: Path, rows: int = ROWS, row_shape: tuple[int, ...] = ROW_SHAPE
     return path
 
 
+def kill_daemon_of(runtime_dir: Path) -> None:
+    """SIGKILL whatever daemon ``runtime_dir``'s pidfile names (test cleanup, as root; the
+    tests' own daemons only)."""
+    try:
+        pid = int((runtime_dir / "h5serve.pid").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import struct
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -30,22 +28,10 @@ from h5serve.errors import SegmentError
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments import HEADER_SIZE, attach_segment
 
-from .helpers import Daemon, h5serve_cli, make_h5, short_tmpdir, wait_for
+from .helpers import Daemon, h5serve_cli, kill_daemon_of, wait_for
 from .users import as_user, portable_python, root_only, throwaway_user
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def data_dir() -> Iterator[Path]:
-    """A directory every user may enter, with a world-readable HDF5 file ``data.h5``."""
-    d = short_tmpdir("h5s-integ-")
-    d.chmod(0o755)
-    make_h5(d / "data.h5").chmod(0o644)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def acquire(client: DaemonClient, path: Path, key: str = "x") -> tuple[AcquireResult, Path]:
@@ -80,17 +66,17 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 @root_only
-def test_a_published_segment_cannot_be_opened_for_writing_by_its_own_user(data_dir: Path) -> None:
+def test_a_published_segment_cannot_be_opened_for_writing_by_its_own_user(public_dir: Path) -> None:
     """A buggy job of the daemon's own user can no longer pwrite into (or truncate) the
     segments every other job reads: they are 0400 from the moment their name exists."""
     with throwaway_user() as user, portable_python() as py:
-        runtime_dir = data_dir / "rt"
+        runtime_dir = public_dir / "rt"
         try:
             started = py.run("start", "--user", user.name, "--runtime-dir", str(runtime_dir))
             assert started.returncode == 0, started.stderr
 
             def write_into_segment() -> dict[str, object]:
-                ds = SharedH5Dataset(data_dir / "data.h5", "x", runtime_dir=runtime_dir, fallback="error")
+                ds = SharedH5Dataset(public_dir / "data.h5", "x", runtime_dir=runtime_dir, fallback="error")
                 path = ds._backend.segments[0].path
                 st = os.stat(path)
                 out: dict[str, object] = {"backend": ds.backend, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid}
@@ -116,23 +102,11 @@ def test_a_published_segment_cannot_be_opened_for_writing_by_its_own_user(data_d
             assert out["backend"] == "shm" and out["uid"] == user.uid and out["mode"] == 0o400, out
             for what in ("open_rdwr", "open_wronly", "open_r+", "truncate"):
                 assert out[what] == "PermissionError", (what, out)
-            assert out["rows"] == rows_of(data_dir / "data.h5").tobytes()
+            assert out["rows"] == rows_of(public_dir / "data.h5").tobytes()
             stopped = py.run("stop", "--runtime-dir", str(runtime_dir), user=user)
             assert stopped.returncode == 0, stopped.stderr
         finally:
-            _kill_daemon_of(runtime_dir)
-
-
-def _kill_daemon_of(runtime_dir: Path) -> None:
-    try:
-        pid = int((runtime_dir / "h5serve.pid").read_text().strip() or 0)
-    except (OSError, ValueError):
-        return
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            kill_daemon_of(runtime_dir)
 
 
 # --------------------------------------------------------------------------- damaged: reloaded
@@ -154,15 +128,15 @@ def _damage(path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["truncated", "header rewritten", "rows_total rewritten", "made writable", "removed"])
-def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, data_dir: Path, how: str) -> None:
-    expected = rows_of(data_dir / "data.h5")
+def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, public_dir: Path, how: str) -> None:
+    expected = rows_of(public_dir / "data.h5")
     with DaemonClient(daemon.runtime_dir, timeout=10) as client:
-        first, path = acquire(client, data_dir / "data.h5")
+        first, path = acquire(client, public_dir / "data.h5")
         old_ino = os.stat(path).st_ino
         reader = attach_segment(Path(first.shm_dir), first.name)  # a job that mapped it before the damage
         try:
             _damage(path, how)
-            second, path2 = acquire(client, data_dir / "data.h5")
+            second, path2 = acquire(client, public_dir / "data.h5")
             st = os.stat(path2, follow_symlinks=False)
             assert second.name == first.name and stat.S_ISREG(st.st_mode) and st.st_ino != old_ino, how
             assert stat.S_IMODE(st.st_mode) == 0o400
@@ -175,30 +149,30 @@ def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, d
                 np.testing.assert_array_equal(reader.data, expected)  # the reload did not touch their mapping
             status = client.status()
             assert status["counters"]["damaged"] == 1 and status["counters"]["loads"] == 2, status["counters"]
-            acquire(client, data_dir / "data.h5")  # now intact: a plain hit
+            acquire(client, public_dir / "data.h5")  # now intact: a plain hit
             assert client.status()["counters"]["loads"] == 2
         finally:
             reader.close()
     log = (daemon.runtime_dir / "h5serve.log").read_text()
-    assert f"loading {os.path.realpath(data_dir / 'data.h5')}[x] rank 0/1 again" in log
+    assert f"loading {os.path.realpath(public_dir / 'data.h5')}[x] rank 0/1 again" in log
 
 
-def test_a_fifo_at_a_ready_name_is_never_served_and_never_blocks(daemon: Daemon, data_dir: Path) -> None:
+def test_a_fifo_at_a_ready_name_is_never_served_and_never_blocks(daemon: Daemon, public_dir: Path) -> None:
     """A segment replaced by something that is not a regular file of the daemon's: the daemon
     does not hand it out, does not touch it (it is not its own file), and the load it tries
     instead cannot be published over it: a clear error, the client reads lazily."""
     with DaemonClient(daemon.runtime_dir, timeout=10) as client:
-        _, path = acquire(client, data_dir / "data.h5")
+        _, path = acquire(client, public_dir / "data.h5")
         os.unlink(path)
         os.mkfifo(path, 0o600)
         try:
             started = time.monotonic()
             with pytest.raises(SegmentError, match="a FIFO of uid 0 .* is in the way"):
-                acquire(client, data_dir / "data.h5")
+                acquire(client, public_dir / "data.h5")
             assert time.monotonic() - started < 10 and stat.S_ISFIFO(os.lstat(path).st_mode)
             assert client.status()["counters"]["damaged"] == 1
             with pytest.warns(RuntimeWarning, match="is in the way.*lazily"):
-                ds = SharedH5Dataset(data_dir / "data.h5", "x", runtime_dir=daemon.runtime_dir, timeout=10)
+                ds = SharedH5Dataset(public_dir / "data.h5", "x", runtime_dir=daemon.runtime_dir, timeout=10)
             assert ds.backend == "lazy"
             ds.close()
         finally:
@@ -208,13 +182,13 @@ def test_a_fifo_at_a_ready_name_is_never_served_and_never_blocks(daemon: Daemon,
 # --------------------------------------------------------------------------- content: status --verify
 
 
-def test_status_verify_names_a_segment_whose_rows_changed(daemon: Daemon, data_dir: Path) -> None:
+def test_status_verify_names_a_segment_whose_rows_changed(daemon: Daemon, public_dir: Path) -> None:
     with DaemonClient(daemon.runtime_dir, timeout=10) as client:
-        result, path = acquire(client, data_dir / "data.h5")
-        acquire(client, data_dir / "data.h5", "y")
+        result, path = acquire(client, public_dir / "data.h5")
+        acquire(client, public_dir / "data.h5", "y")
         (seg,) = [s for s in client.status()["segments"] if s["key"] == "x"]
     # the checksum is zlib's crc32 of the rows as loaded: anyone can recompute it
-    want = zlib.crc32(rows_of(data_dir / "data.h5").tobytes())
+    want = zlib.crc32(rows_of(public_dir / "data.h5").tobytes())
     assert seg["checksum"] == f"crc32:{want:08x}"
 
     clean = h5serve_cli("status", "--verify", env=daemon.env)
@@ -225,7 +199,7 @@ def test_status_verify_names_a_segment_whose_rows_changed(daemon: Daemon, data_d
     damaged = h5serve_cli("status", "--verify", env=daemon.env)
     assert damaged.returncode == 1, damaged.stdout + damaged.stderr
     assert "1 DAMAGED" in damaged.stdout and result.name in damaged.stdout
-    assert f"{os.path.realpath(data_dir / 'data.h5')}[x] rank 0/1" in damaged.stdout
+    assert f"{os.path.realpath(public_dir / 'data.h5')}[x] rank 0/1" in damaged.stdout
     assert f"rm {path}" in damaged.stdout and "loads them again" in damaged.stdout
     report = json.loads(h5serve_cli("status", "--verify", "--json", env=daemon.env).stdout)["verify"]
     assert [d["name"] for d in report["damaged"]] == [result.name] and report["checked"] == 2
@@ -233,19 +207,19 @@ def test_status_verify_names_a_segment_whose_rows_changed(daemon: Daemon, data_d
 
     os.unlink(path)  # what the message says to do: the next request loads it again
     with DaemonClient(daemon.runtime_dir, timeout=10) as client:
-        _, path = acquire(client, data_dir / "data.h5")
+        _, path = acquire(client, public_dir / "data.h5")
         np.testing.assert_array_equal(np.fromfile(path, dtype=np.uint8, offset=HEADER_SIZE),
-                                      rows_of(data_dir / "data.h5").ravel())
+                                      rows_of(public_dir / "data.h5").ravel())
     again = h5serve_cli("status", "--verify", env=daemon.env)
     assert again.returncode == 0, again.stdout
 
 
-def test_without_checksums_verify_says_so(data_dir: Path) -> None:
+def test_without_checksums_verify_says_so(public_dir: Path) -> None:
     d = Daemon("--no-checksum")
     try:
         d.start()
         with DaemonClient(d.runtime_dir, timeout=10) as client:
-            acquire(client, data_dir / "data.h5")
+            acquire(client, public_dir / "data.h5")
             assert [s["checksum"] for s in client.status()["segments"]] == [""]
         done = h5serve_cli("status", "--verify", env=d.env)
         assert done.returncode == 0 and "1 loaded without a checksum" in done.stdout, done.stdout
@@ -256,13 +230,13 @@ def test_without_checksums_verify_says_so(data_dir: Path) -> None:
 # --------------------------------------------------------------------------- restarts and old formats
 
 
-def test_restart_adopts_checksummed_segments_and_drops_old_formats(data_dir: Path) -> None:
+def test_restart_adopts_checksummed_segments_and_drops_old_formats(public_dir: Path) -> None:
     d = Daemon()
     try:
         d.start()
         with DaemonClient(d.runtime_dir, timeout=10) as client:
-            _, x_path = acquire(client, data_dir / "data.h5")
-            _, y_path = acquire(client, data_dir / "data.h5", "y")
+            _, x_path = acquire(client, public_dir / "data.h5")
+            _, y_path = acquire(client, public_dir / "data.h5", "y")
             before = {s["key"]: s["checksum"] for s in client.status()["segments"]}
         os.kill(d.pid, signal.SIGKILL)
         assert wait_for(lambda: not d.alive(), 10)
@@ -271,9 +245,9 @@ def test_restart_adopts_checksummed_segments_and_drops_old_formats(data_dir: Pat
         with DaemonClient(d.runtime_dir, timeout=10) as client:
             status = client.status()
             assert status["counters"]["adopted"] == 1 and not y_path.exists()
-            _, path = acquire(client, data_dir / "data.h5")  # a hit on the adopted segment
+            _, path = acquire(client, public_dir / "data.h5")  # a hit on the adopted segment
             assert path == x_path and client.status()["counters"]["loads"] == 0
-            acquire(client, data_dir / "data.h5", "y")  # loaded again, in the current format
+            acquire(client, public_dir / "data.h5", "y")  # loaded again, in the current format
             after = {s["key"]: s["checksum"] for s in client.status()["segments"]}
         assert after == before
         assert h5serve_cli("status", "--verify", env=d.env).returncode == 0

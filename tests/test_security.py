@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import pickle
 import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import pytest
@@ -19,6 +17,7 @@ from h5serve.errors import AccessDenied, DaemonUnavailable, SegmentError
 from h5serve.segments import attach_segment
 
 from .helpers import Daemon, h5serve_cli, make_h5, short_tmpdir
+from .users import as_ids as as_user
 
 NOBODY, NOGROUP = 65534, 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
@@ -26,44 +25,6 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs r
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
-
-
-def as_user(uid: int, gid: int, groups: list[int], fn: Callable[[], object], timeout: float = 60) -> object:
-    """Run ``fn`` in a forked child that has dropped to uid/gid (everything it needs is
-    already imported: the interpreter's own files are not readable by other users here)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        try:
-            os.close(read)
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            try:
-                result: object = ("ok", fn())
-            except BaseException as exc:  # report, the parent asserts
-                result = ("error", f"{type(exc).__name__}: {exc}")
-            os.write(write, pickle.dumps(result))
-        finally:
-            os._exit(0)
-    os.close(write)
-    try:
-        import select
-
-        chunks = []
-        while select.select([read], [], [], timeout)[0]:
-            chunk = os.read(read, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return pickle.loads(b"".join(chunks))
-    finally:
-        os.close(read)
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from h5serve.runtime import RuntimeLocation
 from h5serve.segments import HEADER_SIZE, SECRET_BYTES, read_meta, segment_name
 
 from .helpers import h5serve_cli, make_h5, short_tmpdir, wait_for
-from .users import PortablePython, User, as_user, portable_python, root_only, setpriv, throwaway_user
+from .users import PortablePython, User, as_user, root_only, setpriv, throwaway_user
 
 SHM = Path("/dev/shm")
 KINDS = ["root", "user"]  # the daemon's user: root (this interpreter), or a throwaway user
@@ -42,12 +42,6 @@ pytestmark = [root_only, pytest.mark.timeout(240)]
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def py() -> Iterator[PortablePython]:
-    with portable_python() as p:
-        yield p
 
 
 @pytest.fixture(scope="module")

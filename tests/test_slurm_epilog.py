@@ -25,7 +25,7 @@ import pytest
 from h5serve.client import SharedH5Dataset
 
 from .helpers import make_h5, short_workdir, wait_for
-from .users import PortablePython, User, as_user, portable_python, throwaway_user
+from .users import PortablePython, User, as_user, throwaway_user
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
 PROLOG, EPILOG = DEPLOY / "prolog.sh", DEPLOY / "epilog.sh"
@@ -40,12 +40,6 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def py() -> Iterator[PortablePython]:
-    with portable_python() as p:
-        yield p
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import subprocess
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -30,41 +29,10 @@ from h5serve.client.connection import DaemonClient
 from h5serve.errors import AccessDenied, DaemonUnavailable, SourceNotFound
 from h5serve.protocol import Acquire
 
-from .helpers import Daemon, make_h5, short_tmpdir, wait_for
-from .users import PortablePython, User, as_user, portable_python, root_only, run_as, throwaway_group, throwaway_user
+from .helpers import Daemon, kill_daemon_of, make_h5, wait_for
+from .users import PortablePython, User, as_user, root_only, run_as, throwaway_group, throwaway_user
 
 pytestmark = [root_only, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module")
-def py() -> Iterator[PortablePython]:
-    with portable_python() as p:
-        yield p
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory every user may enter, with a world-readable HDF5 file ``data.h5``."""
-    d = short_tmpdir("h5s-trust-")
-    d.chmod(0o755)
-    make_h5(d / "data.h5").chmod(0o644)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _kill_daemon_of(runtime_dir: Path) -> None:
-    """Stop whatever daemon holds ``runtime_dir``'s pidfile (test cleanup, as root)."""
-    try:
-        pid = int((runtime_dir / "h5serve.pid").read_text().strip() or 0)
-    except (OSError, ValueError):
-        return
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _uids(pid: int) -> list[int]:
@@ -93,7 +61,7 @@ def test_start_user_never_follows_a_log_symlink_planted_by_the_user(py: Portable
             st = victim.stat()
             assert (st.st_uid, st.st_mode & 0o777, victim.read_text()) == (0, 0o600, "root's\n")
         finally:
-            _kill_daemon_of(runtime_dir)
+            kill_daemon_of(runtime_dir)
 
 
 def test_start_user_refuses_a_symlinked_runtime_dir(py: PortablePython, public_dir: Path) -> None:
@@ -146,7 +114,7 @@ def test_start_user_serves_as_the_user_end_to_end(py: PortablePython, public_dir
             stopped = py.run("stop", "--runtime-dir", str(runtime_dir), user=user)
             assert stopped.returncode == 0, stopped.stderr
         finally:
-            _kill_daemon_of(runtime_dir)
+            kill_daemon_of(runtime_dir)
 
 
 # --------------------------------------------------------------------------- 2. clients trust
@@ -198,7 +166,7 @@ def test_client_ignores_another_users_daemon_at_its_default_runtime_dir(py: Port
             assert stop_done.returncode == 1 and "belongs to uid" in stop_done.stderr
             assert _uids(pid)[0] == attacker.uid  # still running
         finally:
-            _kill_daemon_of(squatted)
+            kill_daemon_of(squatted)
             shutil.rmtree(squatted, ignore_errors=True)
 
 
@@ -225,7 +193,7 @@ def test_shared_daemon_is_trusted_only_when_configured(py: PortablePython, publi
             status, out = as_user(member, lambda: read(None))
             assert status == "ok" and out[0] == "lazy" and "H5SERVE_DAEMON_USER" in out[1][0], out
         finally:
-            _kill_daemon_of(runtime_dir)
+            kill_daemon_of(runtime_dir)
 
 
 def test_stop_signals_only_the_daemon_never_the_pid_in_the_pidfile(daemon: Daemon, h5file: Path) -> None:
@@ -312,7 +280,7 @@ def test_service_account_daemon_checks_modes_for_other_users(py: PortablePython,
             status, out = as_user(member, lambda: ask(public_dir / "data.h5"))
             assert (status, out) == ("ok", "shm")
         finally:
-            _kill_daemon_of(runtime_dir)
+            kill_daemon_of(runtime_dir)
 
 
 def test_allow_root_checks_the_file_it_opened_while_a_symlink_flips(public_dir: Path) -> None:

@@ -107,6 +107,11 @@ def as_user(user: User, fn: Callable[[], object], timeout: float = 60) -> tuple[
     Returns ``("ok", result)`` or ``("error", "ExcType: message")``. Everything ``fn`` needs
     must already be imported: the parent interpreter's files may not be readable as ``user``.
     The child is killed when the deadline passes."""
+    return as_ids(user.uid, user.gid, supplementary_gids(user), fn, timeout)
+
+
+def as_ids(uid: int, gid: int, groups: list[int], fn: Callable[[], object], timeout: float = 60) -> tuple[str, object]:
+    """``as_user`` for ids that need not belong to an account (e.g. nobody's 65534)."""
     import importlib
 
     for name in _LAZY_IMPORTS:
@@ -116,9 +121,9 @@ def as_user(user: User, fn: Callable[[], object], timeout: float = 60) -> tuple[
     if pid == 0:  # child
         try:
             os.close(read)
-            os.setgroups(supplementary_gids(user))
-            os.setresgid(user.gid, user.gid, user.gid)
-            os.setresuid(user.uid, user.uid, user.uid)
+            os.setgroups(groups)
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
             try:
                 result: object = ("ok", fn())
             except BaseException as exc:  # noqa: BLE001 - reported, the parent asserts
@@ -135,7 +140,7 @@ def as_user(user: User, fn: Callable[[], object], timeout: float = 60) -> tuple[
                 break
             chunks.append(chunk)
         if not chunks:
-            return ("error", f"TimeoutError: the child acting as {user.name} reported nothing within {timeout}s")
+            return ("error", f"TimeoutError: the child acting as uid {uid} reported nothing within {timeout}s")
         return pickle.loads(b"".join(chunks))
     finally:
         os.close(read)
