@@ -244,11 +244,11 @@ def _node_index(env: Mapping[str, str], hostname: str | None, layout: _EnvLayout
             f"cannot find this node: neither SLURM_NODEID nor a node list (SLURM_JOB_NODELIST) is set; {_HINT}"
         )
     tried: list[str] = []
-    for what, name in (("SLURMD_NODENAME", node_name[1] if node_name else None), ("hostname", hostname)):
-        if not name:
+    for what, candidate in (("SLURMD_NODENAME", node_name[1] if node_name else None), ("hostname", hostname)):
+        if not candidate:
             continue
-        tried.append(f"{what} {name!r}")
-        found = _find_node(layout.nodelist, name, what, layout.nodelist_var or "")
+        tried.append(f"{what} {candidate!r}")
+        found = _find_node(layout.nodelist, candidate, what, layout.nodelist_var or "")
         if found is not None:
             return found
     shown = ",".join(layout.nodelist[:8]) + (",..." if len(layout.nodelist) > 8 else "")
