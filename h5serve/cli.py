@@ -334,7 +334,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
     if args.plan:
         if args.ranks:
             raise ConfigError("--plan and --ranks both choose ranks: pass one of them")
-        from .slurm import plan_from_args
+        from ._plan_cli import plan_from_args
 
         plan = plan_from_args(args)
         args.world_size, ranks = plan.world_size, list(plan.ranks)
@@ -382,7 +382,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .slurm import add_plan_arguments, run_plan
+    from ._plan_cli import add_plan_arguments, run_plan
 
     parser = argparse.ArgumentParser(
         prog="h5serve",

@@ -1,4 +1,5 @@
-"""Unit tests for h5serve.slurm: hostlists, task layouts, node plans, ``h5serve plan`` output.
+"""Unit tests for h5serve.topology.slurm and h5serve._plan_cli: hostlists, task layouts, node
+plans, ``h5serve plan`` output.
 
 The environment sets below are recorded from (or modelled exactly on) real SLURM jobs:
 ``env | grep SLURM`` in a batch script and inside ``srun`` tasks.
@@ -16,21 +17,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from h5serve._plan_cli import add_plan_arguments, plan_from_args, run_plan
 from h5serve.errors import ConfigError, H5ServeError
-from h5serve.slurm import (
+from h5serve.topology.slurm import (
     MAX_HOSTS,
     NodePlan,
-    add_plan_arguments,
     expand_nodelist,
     expand_tasks_per_node,
     format_ranks,
     parse_tasks_per_node,
     plan_explicit,
-    plan_from_args,
     plan_from_env,
     plan_from_layout,
     resolve_plan,
-    run_plan,
 )
 
 HINT = "run inside a SLURM allocation or pass --world-size/--tasks-per-node/--node-rank"

@@ -5,13 +5,13 @@ and rank lists (``0-3,5``). Pure functions; every error is a ConfigError that sa
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from itertools import product
-from typing import Sequence
 
-from .errors import ConfigError
-from .protocol import MAX_WORLD_SIZE
+from ..errors import ConfigError
+from ..protocol import MAX_WORLD_SIZE
 
-__all__ = ["MAX_HOSTS", "expand_nodelist", "parse_tasks_per_node", "expand_tasks_per_node", "format_ranks"]
+__all__ = ["MAX_HOSTS", "expand_nodelist", "expand_tasks_per_node", "format_ranks", "parse_tasks_per_node"]
 
 MAX_HOSTS = 1 << 20  # a hostlist that expands to more names than this is refused (no giant lists)
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")

@@ -1,7 +1,8 @@
 """Which global ranks run on this node: SLURM hostlists, task layouts and node plans.
 
-Pure functions, no I/O (the environment and the hostname are arguments), except
-``run_plan``, which prints. Every error is a ``ConfigError`` whose message says what to do.
+Pure functions, no I/O (the environment and the hostname are arguments); ``h5serve plan``'s
+arguments and printing live in ``h5serve._plan_cli``. Every error is a ``ConfigError`` whose
+message says what to do.
 
 A *node plan* names the global ranks one node runs: ``h5serve plan`` prints it, and a
 node-local daemon preloads exactly those ranks' shards. Ranks are laid out like SLURM's
@@ -9,47 +10,48 @@ default ``block`` distribution (and torchrun's static ``--node_rank``): node ``i
 consecutive ranks that follow the tasks of nodes ``0 .. i-1``. Inside an ``srun`` step the
 actual placement (``SLURM_GTIDS``) is used instead, so ``--distribution=cyclic`` is right too.
 
+``slurm_node`` is the one reading of "which ranks run on this node" from SLURM's variables:
+``h5serve plan`` uses it, and so does ``resolve_layout`` (``layout_from_slurm_env``).
+
 A wrong plan never gives wrong data: clients acquire their own rank's shard and the daemon
 loads whatever is asked for. A wrong plan only preloads shards nobody reads.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
-import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..protocol import MAX_WORLD_SIZE
 from .hostlist import MAX_HOSTS, expand_nodelist, expand_tasks_per_node, format_ranks, parse_tasks_per_node
-from .protocol import MAX_WORLD_SIZE
+from .layout import NodeLayout, is_int
 
 __all__ = [
     "MAX_HOSTS",
     "MAX_WORLD_SIZE",
     "NodePlan",
+    "SlurmNode",
     "expand_nodelist",
     "expand_tasks_per_node",
-    "parse_tasks_per_node",
     "format_ranks",
-    "plan_from_layout",
+    "layout_from_slurm_env",
+    "parse_tasks_per_node",
     "plan_explicit",
     "plan_from_env",
+    "plan_from_layout",
     "resolve_plan",
-    "plan_from_args",
-    "add_plan_arguments",
-    "run_plan",
+    "resolve_plan_and_node_count",
+    "slurm_node",
 ]
 
 
 _HINT = "run inside a SLURM allocation or pass --world-size/--tasks-per-node/--node-rank"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_LAYOUT_HINT = "pass local_world_size/node_rank (or launch with torchrun) to say which ranks share a node"
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,11 @@ class NodePlan:
     world_size: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.node_rank) or self.node_rank < 0:
+        if not is_int(self.node_rank) or self.node_rank < 0:
             raise ConfigError(f"node_rank must be a non-negative integer, got {self.node_rank!r}")
-        if not _is_int(self.world_size) or not 1 <= self.world_size <= MAX_WORLD_SIZE:
+        if not is_int(self.world_size) or not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise ConfigError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {self.world_size!r}")
-        if not isinstance(self.ranks, tuple) or not all(_is_int(r) for r in self.ranks):
+        if not isinstance(self.ranks, tuple) or not all(is_int(r) for r in self.ranks):
             raise ConfigError(f"ranks must be a tuple of integers, got {self.ranks!r}")
         if any(not 0 <= r < self.world_size for r in self.ranks):
             raise ConfigError(f"ranks {format_ranks(self.ranks)} must lie in [0, {self.world_size - 1}]")
@@ -102,12 +104,12 @@ def plan_from_layout(tasks_per_node: Sequence[int], node_rank: int) -> NodePlan:
     ``node_rank`` is not a node of it: ConfigError.
     """
     tasks = list(tasks_per_node)
-    if not tasks or not all(_is_int(t) and t >= 0 for t in tasks):
+    if not tasks or not all(is_int(t) and t >= 0 for t in tasks):
         raise ConfigError(f"tasks per node must be a non-empty list of non-negative integers, got {tasks!r}")
     world = sum(tasks)
     if not 1 <= world <= MAX_WORLD_SIZE:
         raise ConfigError(f"the layout {tasks!r} has {world} tasks; it needs between 1 and {MAX_WORLD_SIZE}")
-    if not _is_int(node_rank) or not 0 <= node_rank < len(tasks):
+    if not is_int(node_rank) or not 0 <= node_rank < len(tasks):
         raise ConfigError(
             f"node rank {node_rank!r} is out of range: the job has {len(tasks)} node(s), "
             f"so pass a --node-rank in 0-{len(tasks) - 1}"
@@ -123,12 +125,12 @@ def plan_explicit(world_size: int, tasks_per_node: int, node_rank: int) -> NodeP
     Raised when ``world_size`` is not in ``[1, MAX_WORLD_SIZE]``, ``tasks_per_node`` is not
     at least 1, or ``node_rank`` is not in ``[0, ceil(world_size / tasks_per_node))``: ConfigError.
     """
-    if not _is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+    if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ConfigError(f"--world-size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
-    if not _is_int(tasks_per_node) or tasks_per_node < 1:
+    if not is_int(tasks_per_node) or tasks_per_node < 1:
         raise ConfigError(f"--tasks-per-node must be an integer >= 1, got {tasks_per_node!r}")
     nodes = -(-world_size // tasks_per_node)
-    if not _is_int(node_rank) or not 0 <= node_rank < nodes:
+    if not is_int(node_rank) or not 0 <= node_rank < nodes:
         raise ConfigError(
             f"--node-rank {node_rank!r} is out of range: world size {world_size} with {tasks_per_node} "
             f"tasks per node is {nodes} node(s), so node ranks are 0-{nodes - 1}"
@@ -171,6 +173,9 @@ class _EnvLayout:
 def _layout_from_env(env: Mapping[str, str]) -> _EnvLayout:
     """Tasks per node (and the node list, if any) of the current step or job."""
     in_step = _get(env, "SLURM_STEP_TASKS_PER_NODE") is not None
+    tasks_names: tuple[str, ...]
+    list_names: tuple[str, ...]
+    count_names: tuple[str, ...]
     if in_step:
         tasks_names, list_names, count_names = (
             ("SLURM_STEP_TASKS_PER_NODE",), ("SLURM_STEP_NODELIST",), ("SLURM_STEP_NUM_TASKS",)
@@ -239,13 +244,13 @@ def _node_index(env: Mapping[str, str], hostname: str | None, layout: _EnvLayout
             f"cannot find this node: neither SLURM_NODEID nor a node list (SLURM_JOB_NODELIST) is set; {_HINT}"
         )
     tried: list[str] = []
-    for what, name in (("SLURMD_NODENAME", node_name[1] if node_name else None), ("hostname", hostname)):
-        if not name:
+    for what, candidate in (("SLURMD_NODENAME", node_name[1] if node_name else None), ("hostname", hostname)):
+        if not candidate:
             continue
-        tried.append(f"{what} {name!r}")
-        index = _find_node(layout.nodelist, name, what, layout.nodelist_var or "")
-        if index is not None:
-            return index
+        tried.append(f"{what} {candidate!r}")
+        found = _find_node(layout.nodelist, candidate, what, layout.nodelist_var or "")
+        if found is not None:
+            return found
     shown = ",".join(layout.nodelist[:8]) + (",..." if len(layout.nodelist) > 8 else "")
     raise ConfigError(
         f"this node ({' / '.join(tried) or 'no SLURMD_NODENAME and no hostname'}) is not in "
@@ -268,17 +273,90 @@ def _gtids(env: Mapping[str, str], world: int, expected: int) -> tuple[int, ...]
     return tuple(ranks)
 
 
-def _plan_from_env(
-    env: Mapping[str, str], hostname: str | None, node_rank: int | None = None
-) -> tuple[NodePlan, int]:
+@dataclass(frozen=True)
+class SlurmNode:
+    """This node as the SLURM environment describes it: the tasks on every node
+    (``tasks_per_node``, in node-list order, from ``tasks_var``), this node's index, the
+    global task ids it runs (ascending) and whether the variables are an ``srun`` step's.
+    """
+
+    tasks_per_node: tuple[int, ...]
+    tasks_var: str
+    node_rank: int
+    ranks: tuple[int, ...]
+    in_step: bool
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.tasks_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tasks_per_node)
+
+    def plan(self) -> NodePlan:
+        return NodePlan(self.node_rank, self.ranks, self.world_size)
+
+
+def slurm_node(env: Mapping[str, str], hostname: str | None) -> SlurmNode:
+    """Which global ranks run on this node, from SLURM's variables: the one implementation
+    behind both ``h5serve plan`` (``plan_from_env``) and ``resolve_layout``'s SLURM level
+    (``layout_from_slurm_env``). The variables read are listed in ``plan_from_env``.
+
+    Raised as ``plan_from_env`` is: ConfigError.
+    """
     layout = _layout_from_env(env)
-    if node_rank is not None:
-        return plan_from_layout(layout.tasks, node_rank), len(layout.tasks)
     index = _node_index(env, hostname, layout)
     world = sum(layout.tasks)
     if layout.in_step and _get(env, "SLURM_GTIDS") is not None:
-        return NodePlan(index, _gtids(env, world, layout.tasks[index]), world), len(layout.tasks)
-    return plan_from_layout(layout.tasks, index), len(layout.tasks)
+        ranks = _gtids(env, world, layout.tasks[index])
+    else:
+        ranks = plan_from_layout(layout.tasks, index).ranks
+    return SlurmNode(tuple(layout.tasks), layout.tasks_var, index, ranks, layout.in_step)
+
+
+def layout_from_slurm_env(env: Mapping[str, str], hostname: str | None) -> NodeLayout | None:
+    """This process's ``NodeLayout`` when it is a task of an ``srun`` step (a ``None``
+    elsewhere: a batch script or ``salloc`` shell is no task of the layout its variables
+    describe, and a lone process there is a single node).
+
+    The rank is ``SLURM_PROCID``; the node's ranks and the world size are ``slurm_node``'s
+    (``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_GTIDS``, ...), checked against ``SLURM_PROCID``
+    and ``SLURM_LOCALID``.
+
+    Raised when the step's variables are malformed or disagree (``SLURM_PROCID`` not among
+    this node's tasks, ``SLURM_LOCALID`` not below its task count): ConfigError.
+    """
+    if _get(env, "SLURM_STEP_TASKS_PER_NODE") is None:
+        return None
+    node = slurm_node(env, hostname)
+    procid = _env_int(env, "SLURM_PROCID")
+    if procid is None:
+        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE is set but SLURM_PROCID is not; {_LAYOUT_HINT}")
+    rank = procid[1]
+    where = "SLURM_GTIDS" if _get(env, "SLURM_GTIDS") is not None else f"{node.tasks_var} (block distribution)"
+    if rank not in node.ranks:
+        raise ConfigError(
+            f"SLURM_PROCID={rank} is not among this node's tasks {format_ranks(node.ranks)} (from {where}, "
+            f"node {node.node_rank}); the environment mixes two steps: {_LAYOUT_HINT}"
+        )
+    localid = _env_int(env, "SLURM_LOCALID")
+    if localid is not None and localid[1] >= len(node.ranks):
+        raise ConfigError(
+            f"SLURM_LOCALID={localid[1]} is not below this node's {len(node.ranks)} task(s) (from {where}); "
+            f"the environment mixes two steps: {_LAYOUT_HINT}"
+        )
+    return NodeLayout(rank, node.world_size, node.node_rank, node.num_nodes, node.ranks, "slurm")
+
+
+def _plan_from_env(
+    env: Mapping[str, str], hostname: str | None, node_rank: int | None = None
+) -> tuple[NodePlan, int]:
+    if node_rank is not None:
+        layout = _layout_from_env(env)
+        return plan_from_layout(layout.tasks, node_rank), len(layout.tasks)
+    node = slurm_node(env, hostname)
+    return node.plan(), node.num_nodes
 
 
 def plan_from_env(env: Mapping[str, str], hostname: str) -> NodePlan:
@@ -327,7 +405,7 @@ def _resolve(
     env: Mapping[str, str],
     hostname: str | None,
 ) -> tuple[NodePlan, int]:
-    if node_rank is not None and (not _is_int(node_rank) or node_rank < 0):
+    if node_rank is not None and (not is_int(node_rank) or node_rank < 0):
         raise ConfigError(f"--node-rank must be a non-negative integer, got {node_rank!r}")
     if tasks_per_node is None:
         plan, nodes = _plan_from_env(env, hostname, node_rank)
@@ -339,13 +417,13 @@ def _resolve(
         return plan, nodes
     if isinstance(tasks_per_node, str) and tasks_per_node.strip().isdigit():
         tasks_per_node = int(tasks_per_node.strip())
-    if _is_int(tasks_per_node):
+    if is_int(tasks_per_node):
         assert isinstance(tasks_per_node, int)
         if world_size is None:
             raise ConfigError("--tasks-per-node N needs --world-size (or pass a SLURM layout such as 4(x2))")
         if tasks_per_node < 1:
             raise ConfigError(f"--tasks-per-node must be an integer >= 1, got {tasks_per_node}")
-        if not _is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ConfigError(f"--world-size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
         nodes = -(-world_size // tasks_per_node)
         if node_rank is None:
@@ -416,61 +494,18 @@ def resolve_plan(
     return _resolve(world_size, tasks_per_node, node_rank, env, hostname)[0]
 
 
-def plan_from_args(
-    args: argparse.Namespace, env: Mapping[str, str] | None = None, hostname: str | None = None
-) -> NodePlan:
-    """``resolve_plan`` with ``args.world_size``, ``args.tasks_per_node`` and ``args.node_rank``
-    (each may be missing from ``args``), as added by ``add_plan_arguments``.
+def resolve_plan_and_node_count(
+    world_size: int | None = None,
+    tasks_per_node: int | str | None = None,
+    node_rank: int | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    hostname: str | None = None,
+) -> tuple[NodePlan, int]:
+    """``resolve_plan``'s plan and the number of nodes in the job (for ``NodePlan.describe``).
 
     Raised as ``resolve_plan`` is: ConfigError.
     """
-    return resolve_plan(
-        getattr(args, "world_size", None), getattr(args, "tasks_per_node", None), getattr(args, "node_rank", None),
-        env=env, hostname=hostname,
-    )
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_plan_arguments(
-    parser: argparse.ArgumentParser, *, include_world_size: bool = True, include_json: bool = True
-) -> None:
-    """Add ``--world-size``, ``--tasks-per-node``, ``--node-rank`` and ``--json`` to ``parser``.
-
-    Pass ``include_world_size=False`` for a parser that already has ``--world-size`` (such
-    as ``preload``) and ``include_json=False`` where ``--json`` makes no sense; the values
-    land in ``args.world_size``, ``args.tasks_per_node`` (a string: ``4`` or ``3(x2),2,1``),
-    ``args.node_rank`` and ``args.json``, all ``None``/``False`` when not given.
-    """
-    if include_world_size:
-        parser.add_argument("--world-size", type=int, metavar="W",
-                            help="ranks in the whole job (default: from the SLURM environment)")
-    parser.add_argument("--tasks-per-node", metavar="N|LAYOUT",
-                        help="ranks per node, e.g. 4, or a SLURM layout like 3(x2),2,1 "
-                             "(default: $SLURM_STEP_TASKS_PER_NODE / $SLURM_TASKS_PER_NODE)")
-    parser.add_argument("--node-rank", type=int, metavar="I",
-                        help="this node's 0-based index in the job (default: $SLURM_NODEID, else this host's "
-                             "position in $SLURM_JOB_NODELIST)")
-    if include_json:
-        parser.add_argument("--json", action="store_true",
-                            help='print {"node_rank": N, "ranks": [...], "world_size": W}')
-
-
-def run_plan(args: argparse.Namespace, env: Mapping[str, str] | None = None, hostname: str | None = None) -> int:
-    """Print this node's plan: ``node 1 of 4: ranks 4-7 (world size 16)``, or with ``--json``
-    ``{"node_rank": 1, "ranks": [4, 5, 6, 7], "world_size": 16}``. Returns 0.
-
-    ``env``/``hostname`` default to ``os.environ`` / ``socket.gethostname()``.
-
-    Raised when no plan can be made (see ``resolve_plan``): ConfigError, which ``h5serve``'s
-    ``main`` turns into exit code 1 with the message.
-    """
     env = os.environ if env is None else env
     hostname = socket.gethostname() if hostname is None else hostname
-    plan, nodes = _resolve(
-        getattr(args, "world_size", None), getattr(args, "tasks_per_node", None), getattr(args, "node_rank", None),
-        env, hostname,
-    )
-    print(plan.to_json() if getattr(args, "json", False) else plan.describe(nodes), file=sys.stdout)
-    return 0
+    return _resolve(world_size, tasks_per_node, node_rank, env, hostname)
