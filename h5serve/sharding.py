@@ -49,7 +49,7 @@ class RowRange:
     step: int = 1
 
     @classmethod
-    def of(cls, start: int, count: int, step: int = 1) -> "RowRange":
+    def of(cls, start: int, count: int, step: int = 1) -> RowRange:
         """The ``count`` rows ``start, start + step, ...`` in canonical form."""
         if count <= 0:
             return cls(0, 0, 1)
@@ -118,7 +118,7 @@ class Selection:
         return shard_sizes(total, self.world_size, self.mode)
 
 
-def as_rows(selection: "Selection | RowRange", total: int) -> RowRange:
+def as_rows(selection: Selection | RowRange, total: int) -> RowRange:
     """The RowRange of a Selection (of ``total`` rows), or a RowRange as it is."""
     return selection if isinstance(selection, RowRange) else selection.rows(total)
 

@@ -318,7 +318,8 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
             yield batch.numpy() if self.arrays else batch
 
     def __len__(self) -> int:
-        return -(-(self.epoch_size.samples - self._start) // self.batch_size)
+        left = max(self.epoch_size.samples - self._start, 0)
+        return (left + self.batch_size - 1) // self.batch_size
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """What to checkpoint next to the model. ``consumed``: samples of this epoch this rank
