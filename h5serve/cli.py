@@ -244,7 +244,8 @@ def _format_status(info: dict[str, Any]) -> str:
         return "\n".join(lines)
     header = ("file", "key", "ranks", "mode", "dtype", "size", "holders", "hits", "age", "state")
     rows = [
-        (s["file"], s["key"], f"{s['rank']}/{s['world_size']}", s["mode"], s["dtype"], format_bytes(s["bytes"]),
+        (s["file"], s["key"], "all" if s.get("whole_file") else f"{s['rank']}/{s['world_size']}",
+         "global" if s.get("whole_file") else s["mode"], s["dtype"], format_bytes(s["bytes"]),
          str(s.get("holders", 0)), str(s["hits"]), _format_age(s["age_s"]),
          s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
         for s in sorted(segments, key=lambda s: (s["file"], s["key"], s["world_size"], s["rank"]))
@@ -331,7 +332,13 @@ def cmd_preload(args: argparse.Namespace) -> int:
     from .protocol import Acquire, AcquireResult
     from .source import resolve_dtype
 
-    if args.plan:
+    if args.mode == "global":
+        if args.ranks or args.plan:
+            raise ConfigError("--mode global loads the whole file once for every rank: drop --ranks/--plan")
+        args.world_size, ranks = args.world_size or 1, [0]
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    elif args.plan:
         if args.ranks:
             raise ConfigError("--plan and --ranks both choose ranks: pass one of them")
         from ._plan_cli import plan_from_args
@@ -339,10 +346,10 @@ def cmd_preload(args: argparse.Namespace) -> int:
         plan = plan_from_args(args)
         args.world_size, ranks = plan.world_size, list(plan.ranks)
     elif args.world_size is None:
-        raise ConfigError("preload needs --world-size (or --plan inside a SLURM allocation)")
+        raise ConfigError("preload needs --world-size (or --plan inside a SLURM allocation; or --mode global)")
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
-    if not args.plan:
+    if not args.plan and args.mode != "global":
         ranks = parse_ranks(args.ranks, args.world_size) if args.ranks else list(range(args.world_size))
     path = os.path.abspath(args.file)
     dtypes = {args.x_key: resolve_dtype(args.dtype_x, "--dtype-x")}
@@ -443,8 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="ranks in the job (with --plan: default from SLURM)")
     p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
     p.add_argument("--plan", action="store_true", help="load exactly the ranks that run on this node (see `h5serve plan`)")
-    p.add_argument("--mode", choices=["contiguous", "interleave"], default="contiguous",
-                   help="the sharding the training job uses (default contiguous)")
+    p.add_argument("--mode", choices=["contiguous", "interleave", "global"], default="contiguous",
+                   help="the sharding the training job uses (default contiguous; global: the whole file, "
+                        "once per node, for every rank of any world size)")
     p.add_argument("--dtype-x", help="the dtype_x the training job asks for, e.g. float32")
     p.add_argument("--dtype-y", help="the dtype_y the training job asks for")
     add_plan_arguments(p, include_world_size=False, include_json=False)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 from .errors import H5ServeError, ProtocolError, error_from_code
-from .sharding import MODES
+from .sharding import ALL_MODES
 
 __all__ = [
     "VERSION",
@@ -68,7 +68,8 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Acquire:
-    """Load (or find) the segment holding ``rank``'s shard of ``path[key]`` as ``dtype``.
+    """Load (or find) the segment holding ``rank``'s shard of ``path[key]`` as ``dtype``
+    (``mode="global"``: the whole dataset, the same segment for every rank and world size).
 
     Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
     with progress (the client asks again), never blocked on the load itself.
@@ -87,8 +88,8 @@ class Acquire:
         _check_str("key", self.key, MAX_KEY_CHARS)
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("rank", self.rank, 0, self.world_size - 1)
-        if self.mode not in MODES:
-            raise ProtocolError(f"field 'mode' must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in ALL_MODES:
+            raise ProtocolError(f"field 'mode' must be one of {ALL_MODES}, got {self.mode!r}")
         if self.dtype is not None:
             _check_str("dtype", self.dtype, MAX_DTYPE_CHARS)
 

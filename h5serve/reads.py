@@ -1,4 +1,4 @@
-"""Reading a shard's rows out of HDF5: chunk-aligned blocks, straight into their destination.
+"""Reading a row selection (a shard, or the whole file: sharding.RowRange) out of HDF5: chunk-aligned blocks, straight into their destination.
 
 Shared by the daemon's loaders, the lazy client backend and the in-memory compat backend, so
 all of them read the same rows the same way and cast with the same numpy rule (never HDF5's
@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import DataError
 from .rawcopy import COPY_BUFFER_BYTES, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
-from .sharding import Selection
+from .sharding import RowRange, Selection, as_rows
 from .source import DatasetInfo
 
 __all__ = ["BLOCK_BYTES", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into", "read_rows"]
@@ -35,11 +35,9 @@ def row_bytes(info: DatasetInfo, dtype: np.dtype | None = None) -> int:
     return int(np.prod(info.row_shape, dtype=np.int64)) * (dtype or info.dtype).itemsize
 
 
-def shard_span(info: DatasetInfo, selection: Selection) -> tuple[int, int]:
-    """The global rows ``[first, last)`` that hold the shard (``(0, 0)`` when it is empty)."""
-    count = selection.count(info.rows)
-    first = selection.first(info.rows)
-    return (first, first + (count - 1) * selection.step + 1) if count else (0, 0)
+def shard_span(info: DatasetInfo, selection: Selection | RowRange) -> tuple[int, int]:
+    """The global rows ``[first, last)`` that hold the selection (``(0, 0)`` when it is empty)."""
+    return as_rows(selection, info.rows).span
 
 
 def _aligned_rows(info: DatasetInfo) -> int:
@@ -110,7 +108,7 @@ def _read_positions(dset: h5py.Dataset, info: DatasetInfo, first: int, step: int
 def read_block_into(
     dset: h5py.Dataset,
     info: DatasetInfo,
-    selection: Selection,
+    selection: Selection | RowRange,
     out: np.ndarray,
     a: int,
     b: int,
@@ -122,7 +120,8 @@ def read_block_into(
 
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter): DataError.
     """
-    first, step = selection.first(info.rows), selection.step
+    rows = as_rows(selection, info.rows)
+    first, step = rows.start, rows.step
     k0, k1 = _local_range(a, b, first, step, len(out))
     if k1 > k0:
         buffer = _read_positions(dset, info, first, step, k0, k1, out[k0:k1], buffer)
@@ -132,7 +131,7 @@ def read_block_into(
 def read_shard_into(
     dset: h5py.Dataset,
     info: DatasetInfo,
-    selection: Selection,
+    selection: Selection | RowRange,
     out: np.ndarray,
     progress: Callable[[int], None] | None = None,
     span: tuple[int, int] | None = None,
@@ -151,13 +150,14 @@ def read_shard_into(
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
     ends early: DataError.
     """
-    first, last = span if span is not None else shard_span(info, selection)
-    start, step = selection.first(info.rows), selection.step
+    rows = as_rows(selection, info.rows)
+    first, last = span if span is not None else rows.span
+    start, step = rows.start, rows.step
     done = copied = 0
     out_row = row_bytes(info, out.dtype)
     buffer: np.ndarray | None = None
     stage: np.ndarray | None = None
-    copy = _row_copier(dset, info, selection, out, dest) if dest is not None else None
+    copy = _row_copier(dset, info, rows, out, dest) if dest is not None else None
     for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
         k0, k1 = _local_range(a, b, start, step, len(out))
         if k1 <= k0:
@@ -177,15 +177,15 @@ def read_shard_into(
     return copied
 
 
-def _row_copier(dset: h5py.Dataset, info: DatasetInfo, selection: Selection, out: np.ndarray,
+def _row_copier(dset: h5py.Dataset, info: DatasetInfo, rows: RowRange, out: np.ndarray,
                 dest: tuple[int, int]) -> Callable[[int, int], bool] | None:
-    """``copy(k0, k1)``: copy the shard's rows at local positions ``[k0, k1)`` file to file into
-    ``dest``, False when they must go through h5py; None when no row can be copied."""
-    stored = stored_rows(dset, info, out.dtype) if selection.step == 1 else None
+    """``copy(k0, k1)``: copy the selection's rows at local positions ``[k0, k1)`` file to file
+    into ``dest``, False when they must go through h5py; None when no row can be copied."""
+    stored = stored_rows(dset, info, out.dtype) if rows.step == 1 else None
     if stored is None:
         return None
     buffer = memoryview(bytearray(COPY_BUFFER_BYTES))
-    first = selection.first(info.rows)
+    first = rows.start
     fd, offset = dest
 
     def copy(k0: int, k1: int) -> bool:

@@ -47,8 +47,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .errors import SegmentError, ShmFull
+from .errors import ConfigError, SegmentError, ShmFull
 from .safeio import NOFOLLOW_FLAGS, describe_owner, flocks, open_regular
+from .sharding import RowRange, Selection
 
 __all__ = [
     "HEADER_SIZE",
@@ -108,7 +109,10 @@ class SegmentMeta:
     """What a segment holds: which rows of which file's dataset, in which dtype and shape.
 
     The source identity (path, dev, inode, size, mtime) is part of the segment name, so an
-    edited file never maps to a segment of its old contents.
+    edited file never maps to a segment of its old contents. ``mode``, ``world_size`` and
+    ``rank`` are the selection the segment was loaded for; the name is keyed by the rows that
+    selection holds (``row_range``), so every selection of the same rows (global mode, any mode
+    with world size 1) maps to the same segment.
     """
 
     source_path: str
@@ -143,10 +147,20 @@ class SegmentMeta:
     def file_size(self) -> int:
         return HEADER_SIZE + self.nbytes
 
+    @property
+    def row_range(self) -> RowRange:
+        """The global rows this segment holds, in its order.
+
+        Raised when mode, world size and rank do not describe a selection: SegmentError.
+        """
+        try:
+            return Selection(self.mode, self.world_size, self.rank).rows(self.total_rows)
+        except ConfigError as exc:
+            raise SegmentError(f"segment metadata has a bad selection: {exc}") from exc
+
     def identity(self) -> tuple[Any, ...]:
-        return (
-            *self.source, self.key, self.mode, self.world_size, self.rank, self.dtype, *self.linked,
-        )
+        rows = self.row_range
+        return (*self.source, self.key, "rows", rows.start, rows.stop, rows.step, self.dtype, *self.linked)
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
@@ -171,6 +185,7 @@ class SegmentMeta:
         try:
             meta = cls(**{**data, "row_shape": tuple(data["row_shape"]), "linked": tuple(linked)})
             meta.np_dtype  # noqa: B018 - validates the dtype string
+            meta.row_range  # noqa: B018 - validates mode, world size and rank
         except (TypeError, ValueError) as exc:
             raise SegmentError(f"segment metadata is invalid: {exc}") from exc
         return meta

@@ -2,6 +2,11 @@
 
 ``balanced_contiguous_shard`` and ``interleaved_indices`` keep the predecessor's semantics
 (the first ``total % world_size`` ranks get one extra row in contiguous mode).
+
+Every mode's rows are one ``RowRange``, ``range(start, stop, step)`` over the global rows: a
+contiguous shard is ``range(a, b)``, an interleaved one ``range(r, total, W)``, the whole file
+(``mode="global"``) ``range(0, total)``. The range, not the mode, is what a segment holds, so
+selections with the same rows (world size 1 in any mode, and global) share one segment.
 """
 
 from __future__ import annotations
@@ -15,21 +20,65 @@ from .errors import ConfigError
 
 __all__ = [
     "MODES",
+    "GLOBAL",
+    "ALL_MODES",
+    "RowRange",
     "Selection",
     "balanced_contiguous_shard",
     "interleaved_indices",
     "shard_indices",
     "shard_sizes",
+    "as_rows",
     "validate_shard",
     "resolve_rank_world",
 ]
 
-MODES = ("contiguous", "interleave")
+MODES = ("contiguous", "interleave")  # the sharded modes: every rank its own rows
+GLOBAL = "global"  # every rank the whole file, one copy per node
+ALL_MODES = (*MODES, GLOBAL)
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Global rows ``range(start, stop, step)``, in canonical form: two ranges are equal
+    exactly when they hold the same rows in the same order (an empty range is ``(0, 0, 1)``,
+    one row has step 1, ``stop`` is one past the last row)."""
+
+    start: int
+    stop: int
+    step: int = 1
+
+    @classmethod
+    def of(cls, start: int, count: int, step: int = 1) -> RowRange:
+        """The ``count`` rows ``start, start + step, ...`` in canonical form."""
+        if count <= 0:
+            return cls(0, 0, 1)
+        step = 1 if count == 1 else int(step)
+        return cls(int(start), int(start) + (int(count) - 1) * step + 1, step)
+
+    def __len__(self) -> int:
+        return len(range(self.start, self.stop, self.step))
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The global rows ``[first, last)`` that hold the range (``(0, 0)`` when empty)."""
+        return (self.start, self.stop) if len(self) else (0, 0)
+
+    def indices(self) -> np.ndarray:
+        return np.arange(self.start, self.stop, self.step, dtype=np.int64)
+
+    def covers(self, total: int) -> bool:
+        """Whether the range is all ``total`` rows in file order (what global mode holds)."""
+        return self == RowRange.of(0, total)
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.stop}:{self.step}"
 
 
 @dataclass(frozen=True)
 class Selection:
-    """One rank's share of the rows: ``mode`` over ``world_size`` ranks, this ``rank``."""
+    """One rank's share of the rows: ``mode`` over ``world_size`` ranks, this ``rank``
+    (``mode="global"``: every rank has all rows)."""
 
     mode: str
     world_size: int
@@ -38,6 +87,16 @@ class Selection:
     def __post_init__(self) -> None:
         validate_shard(self.mode, self.world_size, self.rank)
 
+    def rows(self, total: int) -> RowRange:
+        """The global rows of this selection of ``total`` rows, in local order."""
+        _check_total(total)
+        if self.mode == GLOBAL:
+            return RowRange.of(0, total)
+        if self.mode == "contiguous":
+            start, end = balanced_contiguous_shard(total, self.world_size, self.rank)
+            return RowRange.of(start, end - start)
+        return RowRange.of(self.rank, len(range(self.rank, total, self.world_size)), self.world_size)
+
     def indices(self, total: int) -> np.ndarray:
         return shard_indices(total, self.world_size, self.rank, self.mode)
 
@@ -45,27 +104,29 @@ class Selection:
         """Global row of local position 0 (local ``k`` is global ``first + k * step``)."""
         if self.mode == "contiguous":
             return balanced_contiguous_shard(total, self.world_size, self.rank)[0]
-        return self.rank
+        return 0 if self.mode == GLOBAL else self.rank
 
     @property
     def step(self) -> int:
         return self.world_size if self.mode == "interleave" else 1
 
     def count(self, total: int) -> int:
-        if self.mode == "contiguous":
-            start, end = balanced_contiguous_shard(total, self.world_size, self.rank)
-            return end - start
-        return len(range(self.rank, total, self.world_size))
+        return len(self.rows(total))
 
     def sizes(self, total: int) -> list[int]:
-        """Rows in the shard of every rank of this selection's world, rank 0 first."""
+        """Rows in the dataset of every rank of this selection's world, rank 0 first."""
         return shard_sizes(total, self.world_size, self.mode)
 
 
+def as_rows(selection: Selection | RowRange, total: int) -> RowRange:
+    """The RowRange of a Selection (of ``total`` rows), or a RowRange as it is."""
+    return selection if isinstance(selection, RowRange) else selection.rows(total)
+
+
 def validate_shard(mode: str, world_size: int, rank: int) -> None:
-    """Raise ConfigError unless (mode, world_size, rank) describe a valid shard."""
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    """Raise ConfigError unless (mode, world_size, rank) describe a valid selection."""
+    if mode not in ALL_MODES:
+        raise ConfigError(f"mode must be one of {', '.join(map(repr, ALL_MODES))}, got {mode!r}")
     _check_rank_world(world_size, rank)
 
 
@@ -104,6 +165,9 @@ def interleaved_indices(total: int, world_size: int, rank: int) -> np.ndarray:
 def shard_indices(total: int, world_size: int, rank: int, mode: str = "contiguous") -> np.ndarray:
     """Global row numbers of ``rank``'s shard, in local order, as an int64 array."""
     validate_shard(mode, world_size, rank)
+    if mode == GLOBAL:
+        _check_total(total)
+        return np.arange(total, dtype=np.int64)
     if mode == "contiguous":
         start, end = balanced_contiguous_shard(total, world_size, rank)
         return np.arange(start, end, dtype=np.int64)
@@ -111,10 +175,12 @@ def shard_indices(total: int, world_size: int, rank: int, mode: str = "contiguou
 
 
 def shard_sizes(total: int, world_size: int, mode: str = "contiguous") -> list[int]:
-    """Rows in every rank's shard, rank 0 first. Both modes give the same sizes: the first
-    ``total % world_size`` ranks hold one row more."""
+    """Rows in every rank's shard, rank 0 first. Both sharded modes give the same sizes: the
+    first ``total % world_size`` ranks hold one row more. Global mode: every rank has all rows."""
     validate_shard(mode, world_size, 0)
     _check_total(total)
+    if mode == GLOBAL:
+        return [int(total)] * int(world_size)
     base, extra = divmod(int(total), int(world_size))
     return [base + 1] * extra + [base] * (int(world_size) - extra)
 

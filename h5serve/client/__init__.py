@@ -9,7 +9,7 @@ from .connection import DaemonClient
 from .dataset import Batch, SampleList, SharedH5Dataset, collate
 from .lazy import H5LazyDataset, h5_worker_init_fn
 from .loader import make_loader, seed_worker
-from .sampler import EpochBatchSampler, EpochShuffleSampler
+from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 from .stats import LoaderSnapshot, LoaderStats
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "make_loader",
     "EpochShuffleSampler",
     "EpochBatchSampler",
+    "DistributedShuffleSampler",
     "LoaderStats",
     "LoaderSnapshot",
     "seed_worker",

@@ -170,8 +170,9 @@ class MemoryBackend(ArrayBackend):
             infos = [inspect_dataset(f, key) for key in spec.keys]
             check_lengths(infos[0], infos[1] if len(infos) > 1 else None)
             for info, requested in zip(infos, spec.dtypes):
-                out = np.empty((spec.selection.count(info.rows), *info.row_shape), dtype=requested or info.dtype)
-                read_shard_into(f[info.key], info, spec.selection, out)
+                rows = spec.selection.rows(info.rows)
+                out = np.empty((len(rows), *info.row_shape), dtype=requested or info.dtype)
+                read_shard_into(f[info.key], info, rows, out)
                 arrays.append(out)
                 out_dtypes.append(out.dtype)
         return cls(arrays, out_dtypes, infos[0].rows)
@@ -281,9 +282,11 @@ class ShmBackend(ArrayBackend):
                 result = AcquireResult("loading", result.name, result.shm_dir)  # evicted meanwhile: ask again
                 continue
             m = segment.meta
-            if (m.key, m.mode, m.world_size, m.rank) != (request.key, request.mode, request.world_size, request.rank):
+            wanted = Selection(request.mode, request.world_size, request.rank).rows(m.total_rows)
+            if m.key != request.key or m.row_range != wanted:  # rows, not labels: selections share segments
                 segment.close()
-                raise SegmentError(f"segment {result.name} does not hold {request.key!r} rank {request.rank}")
+                raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "
+                                   f"({request.mode} rank {request.rank}/{request.world_size})")
             return segment
         raise AssertionError("unreachable")
 
@@ -323,7 +326,8 @@ class LazyBackend:
         self.total_rows = self.infos[0].rows
         self.indices = spec.selection.indices(self.total_rows)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
-        need = sum(ChunkCache.nbytes_for(info, spec.selection) for info in self.infos)
+        self.rows = spec.selection.rows(self.total_rows)
+        need = sum(ChunkCache.nbytes_for(info, self.rows) for info in self.infos)
         self.cached = need <= budget
         options = dict(spec.h5_options)
         if not self.cached:
@@ -335,7 +339,7 @@ class LazyBackend:
 
     def _chunk_caches(self) -> list[ChunkCache]:
         if self._caches is None:
-            self._caches = [ChunkCache(info, self.spec.selection, d) for info, d in zip(self.infos, self.out_dtypes)]
+            self._caches = [ChunkCache(info, self.rows, d) for info, d in zip(self.infos, self.out_dtypes)]
         return self._caches
 
     def gather(self, positions: torch.Tensor) -> list[torch.Tensor]:

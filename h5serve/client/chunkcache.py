@@ -22,7 +22,7 @@ import torch
 
 from ..errors import DataError
 from ..reads import read_block_into, read_rows, row_bytes
-from ..sharding import Selection
+from ..sharding import RowRange, Selection, as_rows
 from ..source import DatasetInfo
 from .gather import RowSource
 
@@ -68,11 +68,11 @@ def hdf5_cache_options(info: DatasetInfo, budget: int) -> dict[str, int]:
 class ChunkCache:
     """One array's shard, filled a block of whole chunks at a time on first touch; gathers like RowSource."""
 
-    def __init__(self, info: DatasetInfo, selection: Selection, out_dtype: np.dtype) -> None:
+    def __init__(self, info: DatasetInfo, selection: Selection | RowRange, out_dtype: np.dtype) -> None:
         self.info = info
-        self.selection = selection
-        count = selection.count(info.rows)
-        self.first, self.step = selection.first(info.rows), selection.step
+        self.selection = as_rows(selection, info.rows)
+        count = len(self.selection)
+        self.first, self.step = self.selection.start, self.selection.step
         last = self.first + (count - 1) * self.step + 1 if count else self.first
         self.block_rows = self._block_rows(info)
         self.block0 = self.first // self.block_rows
@@ -92,9 +92,9 @@ class ChunkCache:
         return info.chunk_rows * max(MIN_READ_BYTES // (per_row * info.chunk_rows), 1)
 
     @staticmethod
-    def nbytes_for(info: DatasetInfo, selection: Selection) -> int:
+    def nbytes_for(info: DatasetInfo, selection: Selection | RowRange) -> int:
         """What the cache holds once every row has been read."""
-        return selection.count(info.rows) * row_bytes(info)
+        return len(as_rows(selection, info.rows)) * row_bytes(info)
 
     def take(self, dataset: Callable[[str], h5py.Dataset], positions: torch.Tensor) -> torch.Tensor:
         """Rows at ``positions``, reading the chunks that hold them first if not yet read

@@ -1,4 +1,5 @@
-"""SharedH5Dataset: one rank's shard, served zero-copy from the daemon or read lazily.
+"""SharedH5Dataset: one rank's shard (or, in global mode, the whole file), served zero-copy
+from the daemon or read lazily.
 
 Both backends give the same ``indices`` and the same samples for the same local index, so a
 run without a daemon is the same run, only slower.
@@ -107,6 +108,13 @@ def _check_cache_bytes(value: Any) -> int | None:
 class SharedH5Dataset(Dataset):
     """This rank's shard of ``path[x_key]`` (and ``path[y_key]``).
 
+    ``mode``: ``"contiguous"`` (balanced slices), ``"interleave"`` (rows ``r, r+W, ...``) or
+    ``"global"``: every rank's dataset is the whole file (``len(ds)`` is every row,
+    ``ds.indices`` is ``arange(total)``), one segment set per node shared by every rank and
+    every job whatever its world size; use it with a distributed sampler
+    (``make_loader`` picks ``DistributedShuffleSampler``; ``torch.utils.data.DistributedSampler``
+    works too).
+
     Rank and world size come from the arguments, else an initialized torch.distributed
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served
     by the daemon, ``"lazy"`` when read through h5py (``fallback="lazy"``, the default, when
@@ -208,7 +216,7 @@ class SharedH5Dataset(Dataset):
 
     def shard_sizes(self) -> list[int]:
         """Rows in every rank's shard, rank 0 first: what make_loader gives every rank the
-        same number of batches from."""
+        same number of batches from (global mode: every rank has all rows)."""
         return self.spec.selection.sizes(self.total_rows)
 
     # ----- access ----------------------------------------------------------------------------

@@ -18,9 +18,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import ConfigError
+from ..sharding import GLOBAL
 from .dataset import collate
 from .lazy import h5_worker_init_fn
-from .sampler import EpochBatchSampler, EpochShuffleSampler
+from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 
 __all__ = ["make_loader", "seed_worker"]
 
@@ -64,6 +65,32 @@ def shard_sizes_of(dataset: Sized) -> list[int]:
     return list(method()) if callable(method) else [len(dataset)]
 
 
+def is_global(dataset: object) -> bool:
+    """Whether ``dataset`` is the whole file on every rank (``SharedH5Dataset(mode="global")``)."""
+    return getattr(dataset, "mode", None) == GLOBAL
+
+
+def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
+                   sampler: EpochShuffleSampler | DistributedShuffleSampler | None,
+                   arrays: bool) -> EpochBatchSampler | DistributedShuffleSampler:
+    """The batch sampler make_loader uses: DistributedShuffleSampler over a global dataset (or
+    the one passed), else an EpochBatchSampler over ``sampler`` equalised across the shards."""
+    if isinstance(sampler, DistributedShuffleSampler):
+        if sampler.data_len != len(dataset) or sampler.batch_size != batch_size:
+            raise ConfigError(f"sampler covers {sampler.data_len} samples in batches of {sampler.batch_size}, but "
+                              f"the dataset has {len(dataset)} and batch_size is {batch_size}")
+        sampler.arrays = arrays
+        return sampler
+    if sampler is None and is_global(dataset):
+        return DistributedShuffleSampler(len(dataset), batch_size, dataset.world_size, dataset.rank, shuffle=shuffle,
+                                         seed=seed, drop_last=drop_last, drop_last_batch=drop_last, arrays=arrays)
+    if sampler is None:
+        sampler = EpochShuffleSampler(len(dataset), seed=seed, shuffle=shuffle)
+    elif sampler.data_len != len(dataset):
+        raise ConfigError(f"sampler covers {sampler.data_len} samples but the dataset has {len(dataset)}")
+    return EpochBatchSampler(sampler, batch_size, drop_last, arrays=arrays, shard_sizes=shard_sizes_of(dataset))
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,
@@ -71,7 +98,7 @@ def make_loader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
-    sampler: EpochShuffleSampler | None = None,
+    sampler: EpochShuffleSampler | DistributedShuffleSampler | None = None,
     num_workers: int = 0,
     pin_memory: bool | None = None,
     persistent_workers: bool | None = None,
@@ -88,7 +115,11 @@ def make_loader(
       on every rank); with ``drop_last=True`` every rank yields ``floor(smallest / batch_size)``
       full batches. The shard sizes come from ``dataset.shard_sizes()``; a dataset without it
       counts as unsharded. ``sampler``'s epoch length is set to match;
-    - batches come as index tensors (arrays, with workers) from an EpochBatchSampler over ``sampler`` (default: a new
+    - a global dataset (``SharedH5Dataset(mode="global")``: all rows on every rank) gets a
+      ``DistributedShuffleSampler`` with the dataset's world size and rank: exactly the indices of
+      ``DataLoader(ds, batch_size, sampler=DistributedSampler(ds, shuffle=shuffle, seed=seed,
+      drop_last=drop_last), drop_last=drop_last)``, as index tensors; pass your own as ``sampler``;
+    - other datasets: batches come as index tensors (arrays, with workers) from an EpochBatchSampler over ``sampler`` (default: a new
       ``EpochShuffleSampler(len(dataset), seed, shuffle)``); call
       ``loader.batch_sampler.set_epoch(epoch)`` each epoch, and checkpoint with
       ``loader.batch_sampler.state_dict(consumed=...)``;
@@ -109,14 +140,9 @@ def make_loader(
     for name in ("batch_sampler", "collate_fn", "batch_size", "shuffle"):
         if name in dataloader_kwargs:
             raise ConfigError(f"make_loader sets {name} itself; build a DataLoader directly to choose your own")
-    if sampler is None:
-        sampler = EpochShuffleSampler(len(dataset), seed=seed, shuffle=shuffle)  # type: ignore[arg-type]
-    elif sampler.data_len != len(dataset):  # type: ignore[arg-type]
-        raise ConfigError(f"sampler covers {sampler.data_len} samples but the dataset has {len(dataset)}")  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {
         # to workers, indices travel as arrays: a tensor would cost a shared-memory file per batch
-        "batch_sampler": EpochBatchSampler(sampler, batch_size, drop_last, arrays=num_workers > 0,
-                                           shard_sizes=shard_sizes_of(dataset)),  # type: ignore[arg-type]
+        "batch_sampler": _batch_sampler(dataset, batch_size, shuffle, seed, drop_last, sampler, num_workers > 0),
         "collate_fn": collate,
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,

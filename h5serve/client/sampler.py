@@ -1,6 +1,8 @@
 """EpochShuffleSampler: the predecessor's per-epoch shuffling over a rank-local shard, plus
 checkpointable state for resuming mid-epoch; EpochBatchSampler: its order cut into index
-tensors, with the same number of batches on every rank (h5serve/equalise.py)."""
+tensors, with the same number of batches on every rank (h5serve/equalise.py);
+DistributedShuffleSampler: torch's DistributedSampler order over a whole (global-mode)
+dataset, as index tensors, checkpointable."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from torch.utils.data import Sampler
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
 
-__all__ = ["EpochShuffleSampler", "EpochBatchSampler"]
+__all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples"]
 
 _STATE_KEYS = ("data_len", "seed", "shuffle", "epoch", "consumed")
 
@@ -230,3 +232,140 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
+
+
+_DIST_STATE_KEYS = ("sampler", "mode", "data_len", "seed", "shuffle", "drop_last", "epoch", "world_size",
+                    "consumed", "consumed_global")
+
+
+def distributed_num_samples(data_len: int, world_size: int, drop_last: bool) -> int:
+    """Samples per rank per epoch, as ``torch.utils.data.DistributedSampler`` computes them:
+    ``ceil(n / W)`` (padded), or ``floor(n / W)`` with ``drop_last`` when ``W`` does not divide ``n``."""
+    return data_len // world_size if drop_last else -(-data_len // world_size)
+
+
+class DistributedShuffleSampler(Sampler[torch.Tensor]):
+    """Batches, as int64 index tensors, of exactly the indices that
+    ``torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+    shuffle=shuffle, seed=seed, drop_last=drop_last)`` yields each epoch: the same permutation
+    (``torch.randperm`` from ``seed + epoch``), the same padding (the permutation repeated from
+    its start up to ``ceil(n / W) * W``) or cut (``drop_last``), the same stride (rank ``r``
+    takes positions ``r, r + W, ...``). A job moving from DistributedSampler keeps its sample
+    order; the batches skip DataLoader's per-index Python ints (the fast path). For a dataset of
+    all rows on every rank: ``SharedH5Dataset(mode="global")``, where make_loader uses it.
+
+    Every rank yields the same number of samples (``DistributedSampler``'s ``num_samples``),
+    so the same number of batches (h5serve/equalise.py): ``ceil(num_samples / batch_size)``,
+    the last one as short on every rank, or with ``drop_last_batch`` only the full ones, as
+    ``DataLoader(..., drop_last=True)`` over DistributedSampler would.
+
+    ``set_epoch(epoch)`` before each epoch, as with DistributedSampler. ``state_dict(consumed=n)``
+    records the seed, epoch, world size, mode and the samples consumed (``n`` on this rank, the
+    same on every rank, and ``n * world_size`` of the epoch's global order); after
+    ``load_state_dict`` with the same world size the next iteration yields exactly the rest of
+    that epoch (whatever ``num_workers``). ``arrays=True``: numpy arrays (for DataLoader workers).
+
+    Raised for a bad size, rank, world size or batch size, or when ``drop_last_batch`` would
+    leave every rank without a batch: ConfigError.
+    """
+
+    mode = "global"
+
+    def __init__(self, data_len: int, batch_size: int, world_size: int | None = None, rank: int | None = None,
+                 *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False,
+                 arrays: bool = False) -> None:
+        from ..sharding import resolve_rank_world
+
+        self.data_len = _check_count("data_len", data_len)
+        check_batch_size(batch_size)
+        self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        self.batch_size = batch_size
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.drop_last, self.drop_last_batch, self.arrays = bool(drop_last), bool(drop_last_batch), bool(arrays)
+        self.num_samples = distributed_num_samples(self.data_len, self.world_size, self.drop_last)
+        self.epoch_size = equal_epoch_size([self.num_samples] * self.world_size, batch_size, self.drop_last_batch)
+        self.epoch = 0
+        self._start = 0  # where the next iteration begins (after load_state_dict)
+        self._yielded = 0  # samples handed out in the current epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if int(epoch) != self.epoch:
+            self._start = 0  # a pending resume applies to the epoch it was saved in only
+        self.epoch = int(epoch)
+
+    def global_order(self) -> torch.Tensor:
+        """This epoch's order of all ranks: the permutation padded (or cut) to
+        ``num_samples * world_size``, as DistributedSampler builds it before striding."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.data_len, generator=generator)
+        else:
+            order = torch.arange(self.data_len)
+        return wrap_order(order, self.num_samples * self.world_size)
+
+    def indices(self) -> torch.Tensor:
+        """This rank's indices for the epoch (``num_samples`` of them, before any batch is dropped)."""
+        return self.global_order()[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        start, self._start = self._start, 0
+        self._yielded = start
+        order = self.indices()[start : self.epoch_size.samples]
+        for i in range(0, len(order), self.batch_size):
+            batch = order[i : i + self.batch_size].clone()  # a copy: see EpochShuffleSampler.batches
+            self._yielded += len(batch)
+            yield batch.numpy() if self.arrays else batch
+
+    def __len__(self) -> int:
+        left = max(self.epoch_size.samples - self._start, 0)
+        return (left + self.batch_size - 1) // self.batch_size
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """What to checkpoint next to the model. ``consumed``: samples of this epoch this rank
+        has trained on (default: handed out so far; with workers pass
+        ``batches_done * batch_size``: they prefetch)."""
+        consumed = self._yielded if consumed is None else int(consumed)
+        if not 0 <= consumed <= self.epoch_size.samples:
+            raise ConfigError(f"consumed must be in [0, {self.epoch_size.samples}] (samples per rank per epoch), "
+                              f"got {consumed}")
+        return {"sampler": type(self).__name__, "mode": self.mode, "data_len": self.data_len, "seed": self.seed,
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "epoch": self.epoch,
+                "world_size": self.world_size, "consumed": consumed, "consumed_global": consumed * self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
+        """Resume from ``state_dict()``: the next iteration continues that epoch's order at the
+        sample it stopped at. ``next_epoch=True``: start at the beginning of the next epoch
+        instead (works with any world size).
+
+        Raised when the state is malformed, from another sampler kind, mode or dataset length,
+        or (without ``next_epoch``) from another world size or ``drop_last``: ConfigError.
+        """
+        if not isinstance(state, dict) or any(k not in state for k in _DIST_STATE_KEYS):
+            raise ConfigError(f"sampler state must be a dict with keys {_DIST_STATE_KEYS}, got {state!r:.200}")
+        if (state["sampler"], state["mode"]) != (type(self).__name__, self.mode):
+            raise ConfigError(f"sampler state is from a {state['sampler']} in mode {state['mode']!r}, this is a "
+                              f"{type(self).__name__} in mode {self.mode!r}: resume with the sampler it was saved from")
+        if state["data_len"] != self.data_len:
+            raise ConfigError(f"sampler state was saved for a dataset of {state['data_len']} rows, this one has "
+                              f"{self.data_len}: resume with the same file and key")
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        if next_epoch:
+            self.epoch, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0
+            return
+        self._check_same_epoch(state)
+        self.epoch, self._start = int(state["epoch"]), int(state["consumed"])
+        self._yielded = self._start
+
+    def _check_same_epoch(self, state: dict[str, Any]) -> None:
+        """Raised when ``state`` cannot continue mid-epoch here: ConfigError."""
+        if (state["world_size"], bool(state["drop_last"])) != (self.world_size, self.drop_last):
+            raise ConfigError(
+                f"sampler state was saved with world_size={state['world_size']}, drop_last={state['drop_last']} "
+                f"(this job: {self.world_size}, {self.drop_last}); a mid-epoch resume needs the same: resume with "
+                "those, or start at the next epoch with load_state_dict(state, next_epoch=True)"
+            )
+        if not 0 <= int(state["consumed"]) <= self.epoch_size.samples:
+            raise ConfigError(f"sampler state has consumed={state['consumed']!r} outside [0, "
+                              f"{self.epoch_size.samples}] (samples per rank per epoch): resume with the batch "
+                              "size and drop_last it was saved with")

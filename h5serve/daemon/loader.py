@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import SegmentError, SourceChanged, code_for
 from ..reads import read_shard_into, row_bytes, shard_span, split_span
 from ..segments import SegmentMeta, SegmentWriter, create_segment
-from ..sharding import Selection
+from ..sharding import RowRange, Selection
 from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
 
 __all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
@@ -132,7 +132,7 @@ def min_part_bytes() -> int:
     return value if value > 0 else MIN_PART_BYTES
 
 
-def plan_parts(info: DatasetInfo, selection: Selection, processes: int, min_part: int | None = None) -> list[tuple[int, int]]:
+def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: int, min_part: int | None = None) -> list[tuple[int, int]]:
     """The global row ranges one load is split into: at most ``processes``, each at least about
     ``min_part`` bytes of source rows, cut at chunk boundaries. One part: no split."""
     first, last = shard_span(info, selection)
@@ -290,29 +290,29 @@ class _Parts:
         self.children.clear()
 
 
-def _read_part(meta: SegmentMeta, selection: Selection, writer: SegmentWriter, span: tuple[int, int] | None,
+def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
                progress: Callable[[int], None]) -> int:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
     this process's own h5py handle. Returns the bytes copied file to file (``pwrite`` takes
     explicit offsets, so every part can write through the one inherited descriptor)."""
     with open_h5(meta.source_path) as f:
         info = inspect_dataset(f, meta.key)
-        return read_shard_into(f[meta.key], info, selection, writer.data, progress, span=span,
+        return read_shard_into(f[meta.key], info, rows, writer.data, progress, span=span,
                                dest=writer.data_target())
 
 
-def _spans(meta: SegmentMeta, selection: Selection, processes: int) -> list[tuple[int, int] | None]:
+def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int, int] | None]:
     """Parts for one load: ``[None]`` (one process reads the whole shard) unless it is worth
     splitting. Opens the file only when it may be (and closes it before anything forks)."""
     if processes <= 1 or meta.rows == 0:
         return [None]
-    span_rows = (meta.rows - 1) * selection.step + 1
+    span_rows = rows.stop - rows.start
     row = int(np.prod(meta.row_shape, dtype=np.int64)) * np.dtype(meta.source_dtype).itemsize
     if span_rows * row < 2 * min_part_bytes():
         return [None]
     with open_h5(meta.source_path) as f:
         info = inspect_dataset(f, meta.key)
-    spans = plan_parts(info, selection, processes)
+    spans = plan_parts(info, rows, processes)
     return [None] if len(spans) <= 1 else list(spans)
 
 
@@ -326,14 +326,14 @@ def _run(job: LoadJob, reply: Connection) -> None:
         t0 = time.monotonic_ns()
         writer = create_segment(job.shm_dir, job.tmp_name, meta, job.group)
         started = time.monotonic_ns()
-        selection = Selection(meta.mode, meta.world_size, meta.rank)
-        spans = _spans(meta, selection, job.load_processes)
+        rows = meta.row_range
+        spans = _spans(meta, rows, job.load_processes)
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
                          writer: SegmentWriter = writer) -> int:
-                    return _read_part(meta, selection, writer, span, progress)
+                    return _read_part(meta, rows, writer, span, progress)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
@@ -351,7 +351,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 writer.set_progress(total)
                 shown = total
 
-        copied = _read_part(meta, selection, writer, spans[0], progress)
+        copied = _read_part(meta, rows, writer, spans[0], progress)
         finished = [time.monotonic_ns()]
         while parts is not None and parts.children:
             if daemon_gone():

@@ -90,6 +90,12 @@ class Entry:
     checksum: str = ""  # "crc32:..." of the rows, as the loader computed it ("" when not computed)
     activity: tuple[int, int] = (0, 0)  # (rows done, activity counter) last read from the temporary
     active_at: float = 0.0  # when ``activity`` last moved (monotonic)
+    asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
+    modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
+
+    def label(self) -> tuple[str, int, int]:
+        """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
+        return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
 
 
 def _changed_sources(sources: dict[str, tuple[tuple, tuple]]) -> set[str]:
@@ -219,14 +225,16 @@ class SegmentStore:
             self.failures.pop(name, None)
             entry = self._start(name, meta)
         entry.last_used = time.monotonic()
+        entry.asked_as = (req.mode, req.world_size, req.rank)
+        entry.modes.add(req.mode)
         if entry.state == "stale":  # requested under the same identity again: the file is back
             entry.state = "ready"
         if entry.state == "ready":
             entry.hits += 1
             self.counters["hits"] += 1
-            return self._result("ready", name, meta.rows, meta)
+            return self._result("ready", name, entry.meta.rows, entry.meta)
         done = read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0
-        return self._result("loading", name, done, meta)
+        return self._result("loading", name, done, entry.meta)
 
     def _ready_ok(self, entry: Entry) -> bool:
         """Whether a published segment is still as published (fstat and its header: cheap). If
@@ -451,9 +459,12 @@ class SegmentStore:
             m = entry.meta
             done = m.rows if entry.state != "loading" else (
                 read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
+            mode, world_size, rank = entry.label()
             segments.append({
-                "name": entry.name, "file": m.source_path, "key": m.key, "rank": m.rank,
-                "world_size": m.world_size, "mode": m.mode, "dtype": str(m.np_dtype),
+                "name": entry.name, "file": m.source_path, "key": m.key, "rank": rank,
+                "world_size": world_size, "mode": mode, "modes": sorted(entry.modes or {m.mode}),
+                "selection": str(m.row_range), "whole_file": m.row_range.covers(m.total_rows),
+                "dtype": str(m.np_dtype),
                 "source_dtype": str(np.dtype(m.source_dtype)),
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
