@@ -69,7 +69,8 @@ class Shutdown:
 @dataclass(frozen=True)
 class Acquire:
     """Load (or find) the segment holding ``rank``'s shard of ``path[key]`` as ``dtype``
-    (``mode="global"``: the whole dataset, the same segment for every rank and world size).
+    (``mode="global"``: the whole dataset, the same segment for every rank and world size;
+    ``mode="node"``: the contiguous shards of ranks ``rank .. rank + span - 1``, one block).
 
     Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
     with progress (the client asks again), never blocked on the load itself.
@@ -82,6 +83,7 @@ class Acquire:
     rank: int
     mode: str = "contiguous"
     dtype: Union[str, None] = None
+    span: int = 1  # mode="node": the node's ranks are rank .. rank + span - 1
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
@@ -90,6 +92,9 @@ class Acquire:
         _check_int("rank", self.rank, 0, self.world_size - 1)
         if self.mode not in ALL_MODES:
             raise ProtocolError(f"field 'mode' must be one of {ALL_MODES}, got {self.mode!r}")
+        _check_int("span", self.span, 1, self.world_size - self.rank)
+        if self.span != 1 and self.mode != "node":
+            raise ProtocolError(f"field 'span' must be 1 outside mode 'node', got {self.span}")
         if self.dtype is not None:
             _check_str("dtype", self.dtype, MAX_DTYPE_CHARS)
 

@@ -130,6 +130,7 @@ class SegmentMeta:
     dtype: str  # stored dtype (numpy str, native byte order)
     source_dtype: str
     linked: tuple = ()  # (path, dev, ino, size, mtime_ns) of an externally linked file holding the data
+    span: int = 1  # mode="node": ranks rank .. rank + span - 1 (their contiguous shards)
 
     @property
     def source(self) -> tuple[str, int, int, int, int]:
@@ -154,7 +155,7 @@ class SegmentMeta:
         Raised when mode, world size and rank do not describe a selection: SegmentError.
         """
         try:
-            return Selection(self.mode, self.world_size, self.rank).rows(self.total_rows)
+            return Selection(self.mode, self.world_size, self.rank, self.span).rows(self.total_rows)
         except ConfigError as exc:
             raise SegmentError(f"segment metadata has a bad selection: {exc}") from exc
 
@@ -171,6 +172,8 @@ class SegmentMeta:
     @classmethod
     def from_wire(cls, data: object) -> "SegmentMeta":
         names = {f.name for f in fields(cls)}
+        if isinstance(data, dict) and "span" not in data:  # written before node mode: span 1
+            data = {**data, "span": 1}
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():

@@ -5,7 +5,9 @@
 
 Every mode's rows are one ``RowRange``, ``range(start, stop, step)`` over the global rows: a
 contiguous shard is ``range(a, b)``, an interleaved one ``range(r, total, W)``, the whole file
-(``mode="global"``) ``range(0, total)``. The range, not the mode, is what a segment holds, so
+(``mode="global"``) ``range(0, total)``, a node's block (``mode="node"``: the union of the
+contiguous shards of the consecutive ranks ``rank .. rank + span - 1`` on one node)
+``range(a, b)``. The range, not the mode, is what a segment holds, so
 selections with the same rows (world size 1 in any mode, and global) share one segment.
 """
 
@@ -21,6 +23,7 @@ from .errors import ConfigError
 __all__ = [
     "MODES",
     "GLOBAL",
+    "NODE",
     "ALL_MODES",
     "RowRange",
     "Selection",
@@ -30,12 +33,15 @@ __all__ = [
     "shard_sizes",
     "as_rows",
     "validate_shard",
+    "validate_span",
+    "node_selection",
     "resolve_rank_world",
 ]
 
 MODES = ("contiguous", "interleave")  # the sharded modes: every rank its own rows
 GLOBAL = "global"  # every rank the whole file, one copy per node
-ALL_MODES = (*MODES, GLOBAL)
+NODE = "node"  # every rank of a node the union of the node's contiguous shards, one copy per node
+ALL_MODES = (*MODES, GLOBAL, NODE)
 
 
 @dataclass(frozen=True)
@@ -78,31 +84,44 @@ class RowRange:
 @dataclass(frozen=True)
 class Selection:
     """One rank's share of the rows: ``mode`` over ``world_size`` ranks, this ``rank``
-    (``mode="global"``: every rank has all rows)."""
+    (``mode="global"``: every rank has all rows; ``mode="node"``: ``rank`` is the node's first
+    rank and ``span`` its number of consecutive ranks, whose contiguous shards the node holds).
+
+    Raised for a bad mode, rank or world size, or a ``span`` that is not 1 outside node mode
+    or reaches past the last rank: ConfigError.
+    """
 
     mode: str
     world_size: int
     rank: int
+    span: int = 1
 
     def __post_init__(self) -> None:
         validate_shard(self.mode, self.world_size, self.rank)
+        validate_span(self.mode, self.world_size, self.rank, self.span)
 
     def rows(self, total: int) -> RowRange:
         """The global rows of this selection of ``total`` rows, in local order."""
         _check_total(total)
         if self.mode == GLOBAL:
             return RowRange.of(0, total)
+        if self.mode == NODE:
+            start = balanced_contiguous_shard(total, self.world_size, self.rank)[0]
+            stop = balanced_contiguous_shard(total, self.world_size, self.rank + self.span - 1)[1]
+            return RowRange.of(start, stop - start)
         if self.mode == "contiguous":
             start, end = balanced_contiguous_shard(total, self.world_size, self.rank)
             return RowRange.of(start, end - start)
         return RowRange.of(self.rank, len(range(self.rank, total, self.world_size)), self.world_size)
 
     def indices(self, total: int) -> np.ndarray:
+        if self.mode == NODE:
+            return self.rows(total).indices()
         return shard_indices(total, self.world_size, self.rank, self.mode)
 
     def first(self, total: int) -> int:
         """Global row of local position 0 (local ``k`` is global ``first + k * step``)."""
-        if self.mode == "contiguous":
+        if self.mode in ("contiguous", NODE):
             return balanced_contiguous_shard(total, self.world_size, self.rank)[0]
         return 0 if self.mode == GLOBAL else self.rank
 
@@ -114,8 +133,9 @@ class Selection:
         return len(self.rows(total))
 
     def sizes(self, total: int) -> list[int]:
-        """Rows in the dataset of every rank of this selection's world, rank 0 first."""
-        return shard_sizes(total, self.world_size, self.mode)
+        """Rows in the dataset of every rank of this selection's world, rank 0 first (node
+        mode: every rank's contiguous shard, what it is dealt per epoch before equalising)."""
+        return shard_sizes(total, self.world_size, "contiguous" if self.mode == NODE else self.mode)
 
 
 def as_rows(selection: Selection | RowRange, total: int) -> RowRange:
@@ -128,6 +148,17 @@ def validate_shard(mode: str, world_size: int, rank: int) -> None:
     if mode not in ALL_MODES:
         raise ConfigError(f"mode must be one of {', '.join(map(repr, ALL_MODES))}, got {mode!r}")
     _check_rank_world(world_size, rank)
+
+
+def validate_span(mode: str, world_size: int, rank: int, span: int) -> None:
+    """Raised when ``span`` (ranks in a node's block) is not a positive integer, is not 1
+    outside node mode, or reaches past rank ``world_size - 1``: ConfigError."""
+    if isinstance(span, bool) or not isinstance(span, (int, np.integer)) or span < 1:
+        raise ConfigError(f"span must be a positive integer (ranks on the node), got {span!r}")
+    if span != 1 and mode != NODE:
+        raise ConfigError(f"span is the number of ranks on a node, for mode='node' only (mode={mode!r}, span={span})")
+    if rank + span > world_size:
+        raise ConfigError(f"a node of {span} ranks from rank {rank} reaches past the last rank {world_size - 1}")
 
 
 def _check_rank_world(world_size: int, rank: int) -> None:
@@ -215,3 +246,24 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
             rank = 0 if rank is None else rank
     _check_rank_world(world_size, rank)
     return int(rank), int(world_size)
+
+
+def node_selection(world_size: int, ranks: tuple[int, ...] | list[int]) -> Selection:
+    """The node-mode Selection of a node running global ``ranks`` (ascending) of ``world_size``:
+    the union of their contiguous shards, one block of rows.
+
+    Raised when the node's ranks are not consecutive (their shards would not be one block):
+    ConfigError, saying how to launch instead.
+    """
+    ranks = [int(r) for r in ranks]
+    if not ranks:
+        raise ConfigError("a node needs at least one rank")
+    if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+        shown = ",".join(map(str, ranks[:16])) + ("..." if len(ranks) > 16 else "")
+        raise ConfigError(
+            f"mode='node' needs the ranks on a node to be consecutive, this node runs ranks {shown}: launch "
+            "with consecutive ranks per node (torchrun does; with srun use --distribution=block), or pass "
+            "local_rank/local_world_size/node_rank/num_nodes explicitly, or use mode='global' (every row once "
+            "per node) or mode='contiguous'"
+        )
+    return Selection(NODE, int(world_size), ranks[0], len(ranks))

@@ -60,10 +60,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--collective-timeout", type=float, default=60)
+    parser.add_argument("--mode", default="global")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
-    ds = SharedH5Dataset(args.path, x_key="x", y_key="y", mode="global", fallback="error")
+    ds = SharedH5Dataset(args.path, x_key="x", y_key="y", mode=args.mode, fallback="error")
     report: dict = {"rank": dist.get_rank(), "backend": ds.backend, "len": len(ds),
                     "indices": ds.indices.tolist(), "runs": {}}
     for name in args.samplers.split(","):

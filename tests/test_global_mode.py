@@ -253,13 +253,14 @@ def test_make_loader_on_global_is_distributed_sampler(daemon: Daemon, data_file:
 # --------------------------------------------------------------------------- a real DDP job
 
 
-def run_job(path: Path, out: Path, runtime_dir: Path, deadline: float = 200) -> list[dict]:
+def run_job(path: Path, out: Path, runtime_dir: Path, deadline: float = 200,
+            extra: list[str] | None = None) -> list[dict]:
     """torchrun with 2 gloo ranks; killed (with everything it started) at ``deadline``."""
     out.mkdir()
     env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(JOB.parent.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB),
-           str(path), str(out)]
+           str(path), str(out), *(extra or [])]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:

@@ -9,10 +9,13 @@ from .connection import DaemonClient
 from .dataset import Batch, SampleList, SharedH5Dataset, collate
 from .lazy import H5LazyDataset, h5_worker_init_fn
 from .loader import make_loader, seed_worker
+from .node_sampler import NodePlace, NodeShuffleSampler
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 from .stats import LoaderSnapshot, LoaderStats
 
 __all__ = [
+    "NodePlace",
+    "NodeShuffleSampler",
     "SharedH5Dataset",
     "make_loader",
     "EpochShuffleSampler",

@@ -227,7 +227,7 @@ class ShmBackend(ArrayBackend):
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
-                    None if dtype is None else dtype.str)
+                    None if dtype is None else dtype.str, spec.selection.span)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
@@ -282,7 +282,7 @@ class ShmBackend(ArrayBackend):
                 result = AcquireResult("loading", result.name, result.shm_dir)  # evicted meanwhile: ask again
                 continue
             m = segment.meta
-            wanted = Selection(request.mode, request.world_size, request.rank).rows(m.total_rows)
+            wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
             if m.key != request.key or m.row_range != wanted:  # rows, not labels: selections share segments
                 segment.close()
                 raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "

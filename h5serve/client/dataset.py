@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..errors import ConfigError, H5ServeError, falls_back
-from ..sharding import Selection, resolve_rank_world
+from ..sharding import NODE, Selection, node_selection, resolve_rank_world
 from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
 from .gather import as_positions
@@ -153,6 +153,10 @@ class SharedH5Dataset(Dataset):
         timeout: float | None = None,
         cache_bytes: int | None = None,
         daemon_user: str | int | None = None,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        node_rank: int | None = None,
+        num_nodes: int | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -160,11 +164,20 @@ class SharedH5Dataset(Dataset):
             if key is not None and (not isinstance(key, str) or not key):
                 raise ConfigError(f"{name} must be a non-empty string naming a dataset, got {key!r}")
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        self.layout = None  # node mode: the NodeLayout this rank's node was resolved from
+        layout_args = (local_rank, local_world_size, node_rank, num_nodes)
+        if mode == NODE:
+            selection = self._node_selection(rank, world_size, *layout_args)
+        elif any(a is not None for a in layout_args):
+            raise ConfigError("local_rank, local_world_size, node_rank and num_nodes describe the node for "
+                              f"mode='node' only (mode={mode!r}): drop them, or use mode='node'")
+        else:
+            selection = Selection(mode, self.world_size, self.rank)
         self.spec = BackendSpec(
             path=os.path.abspath(os.fspath(path)),
             x_key=x_key,
             y_key=y_key,
-            selection=Selection(mode, self.world_size, self.rank),
+            selection=selection,
             dtype_x=resolve_dtype(dtype_x, "dtype_x"),
             dtype_y=resolve_dtype(dtype_y, "dtype_y"),
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
@@ -179,6 +192,19 @@ class SharedH5Dataset(Dataset):
         self.fallback = fallback
         self._backend: Backend = self._open_backend()
         self.indices: np.ndarray = self.spec.selection.indices(self._backend.total_rows)
+
+    def _node_selection(self, rank: int | None, world_size: int | None, local_rank: int | None,
+                        local_world_size: int | None, node_rank: int | None, num_nodes: int | None) -> Selection:
+        """Resolve which ranks share this node (h5serve.topology) and select their rows.
+
+        Raised when the layout is contradictory or the node's ranks are not consecutive: ConfigError.
+        """
+        from ..topology import resolve_layout
+
+        self.layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
+                                     local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
+        self.rank, self.world_size = self.layout.rank, self.layout.world_size
+        return node_selection(self.world_size, self.layout.ranks)
 
     # ----- backend choice --------------------------------------------------------------------
     def _h5_options(self) -> dict[str, Any]:

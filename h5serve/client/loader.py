@@ -15,12 +15,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..errors import ConfigError
-from ..sharding import GLOBAL
+from ..sharding import GLOBAL, NODE
 from .dataset import collate
 from .lazy import h5_worker_init_fn
+from .node_sampler import NodePlace, NodeShuffleSampler
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 
 __all__ = ["make_loader", "seed_worker"]
@@ -70,12 +71,39 @@ def is_global(dataset: object) -> bool:
     return getattr(dataset, "mode", None) == GLOBAL
 
 
+def is_node(dataset: object) -> bool:
+    """Whether ``dataset`` holds its node's rows (``SharedH5Dataset(mode="node")``)."""
+    return getattr(dataset, "mode", None) == NODE
+
+
+def node_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
+                 arrays: bool) -> NodeShuffleSampler:
+    """The NodeShuffleSampler of a node-mode dataset, placed by the dataset's layout."""
+    layout = dataset.layout
+    place = NodePlace(layout.local_rank, layout.local_world_size, layout.node_rank, layout.num_nodes)
+    return NodeShuffleSampler(len(dataset), batch_size, place, dataset.shard_sizes(), shuffle=shuffle, seed=seed,
+                              drop_last=drop_last, arrays=arrays)
+
+
+def _check_not_distributed(dataset: Any, sampler: Any) -> None:
+    """Raised when a node-mode dataset meets torch's DistributedSampler: ConfigError."""
+    if is_node(dataset) and isinstance(sampler, DistributedSampler):
+        raise ConfigError(
+            "a node-mode dataset holds only this node's rows and h5serve deals them to the node's ranks itself; "
+            "DistributedSampler would shard them a second time (and index past the node). Use "
+            "make_loader(ds, batch_size) without sampler= (it uses NodeShuffleSampler), or mode='global' with "
+            "DistributedSampler")
+
+
 def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
-                   sampler: EpochShuffleSampler | DistributedShuffleSampler | None,
-                   arrays: bool) -> EpochBatchSampler | DistributedShuffleSampler:
+                   sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | None,
+                   arrays: bool) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler:
     """The batch sampler make_loader uses: DistributedShuffleSampler over a global dataset (or
     the one passed), else an EpochBatchSampler over ``sampler`` equalised across the shards."""
-    if isinstance(sampler, DistributedShuffleSampler):
+    _check_not_distributed(dataset, sampler)
+    if sampler is None and is_node(dataset):
+        return node_sampler(dataset, batch_size, shuffle, seed, drop_last, arrays)
+    if isinstance(sampler, (DistributedShuffleSampler, NodeShuffleSampler)):
         if sampler.data_len != len(dataset) or sampler.batch_size != batch_size:
             raise ConfigError(f"sampler covers {sampler.data_len} samples in batches of {sampler.batch_size}, but "
                               f"the dataset has {len(dataset)} and batch_size is {batch_size}")
@@ -98,7 +126,7 @@ def make_loader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
-    sampler: EpochShuffleSampler | DistributedShuffleSampler | None = None,
+    sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | None = None,
     num_workers: int = 0,
     pin_memory: bool | None = None,
     persistent_workers: bool | None = None,
@@ -119,6 +147,9 @@ def make_loader(
       ``DistributedShuffleSampler`` with the dataset's world size and rank: exactly the indices of
       ``DataLoader(ds, batch_size, sampler=DistributedSampler(ds, shuffle=shuffle, seed=seed,
       drop_last=drop_last), drop_last=drop_last)``, as index tensors; pass your own as ``sampler``;
+    - a node dataset (``SharedH5Dataset(mode="node")``: the node's rows) gets a
+      ``NodeShuffleSampler``: the node's rows permuted per epoch and dealt to its ranks, equal
+      batches on every rank of every node; torch's ``DistributedSampler`` is refused for it;
     - other datasets: batches come as index tensors (arrays, with workers) from an EpochBatchSampler over ``sampler`` (default: a new
       ``EpochShuffleSampler(len(dataset), seed, shuffle)``); call
       ``loader.batch_sampler.set_epoch(epoch)`` each epoch, and checkpoint with

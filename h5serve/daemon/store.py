@@ -204,7 +204,7 @@ class SegmentStore:
             st = os.stat(self.shm_dir)
             return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
         ident, info = resolved.ident, resolved.info
-        selection = Selection(req.mode, req.world_size, req.rank)
+        selection = Selection(req.mode, req.world_size, req.rank, req.span)
         stored = storage_dtype(info.dtype, resolve_dtype(req.dtype, "dtype"))
         meta = SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
@@ -212,7 +212,7 @@ class SegmentStore:
             mode=req.mode, world_size=req.world_size, rank=req.rank,
             total_rows=info.rows, rows=selection.count(info.rows), row_shape=info.row_shape,
             dtype=stored.str, source_dtype=info.dtype.str,
-            linked=resolved.linked.as_tuple() if resolved.linked else (),
+            linked=resolved.linked.as_tuple() if resolved.linked else (), span=req.span,
         )
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
