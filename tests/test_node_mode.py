@@ -4,7 +4,6 @@ node's ranks with equal counts on every rank of every node; resume; a real 2-ran
 
 from __future__ import annotations
 
-import os
 from itertools import chain
 from pathlib import Path
 
