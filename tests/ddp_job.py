@@ -8,6 +8,7 @@ import argparse
 import gc
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,9 @@ def train(args: argparse.Namespace) -> dict:
     if args.node_runtime_dirs:  # what a real multi-node job gets from its node's task prolog
         dirs = args.node_runtime_dirs.split(",")
         os.environ["H5SERVE_RUNTIME_DIR"] = dirs[dist.get_rank() // args.ranks_per_node]
-    ds = SharedH5Dataset(args.path, x_key="x", y_key="y", mode=args.mode, dtype_x="float32")
+    with warnings.catch_warnings(record=True) as caught:  # why a rank read lazily, for the test's message
+        warnings.simplefilter("always")
+        ds = SharedH5Dataset(args.path, x_key="x", y_key="y", mode=args.mode, dtype_x="float32")
     sampler = EpochShuffleSampler(len(ds), seed=42)
     loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=args.workers,
                         timeout=120 if args.workers else 0)
@@ -37,7 +40,8 @@ def train(args: argparse.Namespace) -> dict:
             optimizer.step()
             seen.extend(y.tolist())
         epochs.append(seen)
-    return {"rank": dist.get_rank(), "backend": ds.backend, "epochs": epochs}
+    return {"rank": dist.get_rank(), "backend": ds.backend, "epochs": epochs,
+            "warnings": [str(w.message) for w in caught]}
 
 
 def main() -> None:

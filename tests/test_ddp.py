@@ -45,7 +45,7 @@ def test_ddp_two_ranks_shm_then_lazy(tmp_path: Path, mode: str) -> None:
         assert len(d.segment_files()) == 4  # x and y for 2 ranks, loaded once
     finally:
         d.stop()
-    assert [r["backend"] for r in shm] == ["shm", "shm"]
+    assert [r["backend"] for r in shm] == ["shm", "shm"], [r["warnings"] for r in shm]
     for epoch in range(2):
         seen = shm[0]["epochs"][epoch] + shm[1]["epochs"][epoch]
         assert sorted(seen) == list(range(rows))  # every row exactly once per epoch across ranks

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from 3.11 on
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -123,7 +124,7 @@ class Resolver:
         if not future.done():
             try:
                 future.exception(timeout=RESOLVE_WAIT_S)
-            except TimeoutError:
+            except FutureTimeout:
                 if time.monotonic() - started < RESOLVE_TIMEOUT_S:
                     return None
                 del self._pending[pending_key]
