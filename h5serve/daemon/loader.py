@@ -44,7 +44,7 @@ from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
 
-__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
 _PR_SET_PDEATHSIG = 1
 # A part is worth its own process only above this many bytes of source rows (forking, opening
@@ -80,6 +80,15 @@ class PartFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def start_forkserver() -> None:
+    """Start the loaders' forkserver now (it imports numpy and h5py: a second or more on a busy
+    node), so that the first load does not stall the control loop while it starts."""
+    from multiprocessing import forkserver
+
+    loader_context()
+    forkserver.ensure_running()
 
 
 def loader_context() -> multiprocessing.context.BaseContext:

@@ -49,6 +49,7 @@ from .config import (
     default_loaders,
 )
 from .access import Peer
+from .loader import start_forkserver
 from .metrics import Metrics
 from .notify import Notifier
 from .store import SegmentStore
@@ -262,6 +263,7 @@ class Server:
         ctx = zmq.Context()
         try:
             self.store.recover()
+            start_forkserver()  # before the socket: no request waits for it
             try:
                 os.unlink(SOCKET_NAME, dir_fd=dir_fd)  # stale: we hold the lock
             except FileNotFoundError:
