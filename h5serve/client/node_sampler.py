@@ -15,7 +15,7 @@ from torch.utils.data import Sampler
 
 from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
-from .sampler import wrap_order
+from .sampler import check_state_origin, wrap_order
 
 __all__ = ["NodeShuffleSampler", "NodePlace", "node_generator"]
 
@@ -175,14 +175,7 @@ class NodeShuffleSampler(Sampler[torch.Tensor]):
         Raised when the state is malformed, from another sampler kind, mode or file length, or
         (without ``next_epoch``) from another layout, ``drop_last`` or batch size: ConfigError.
         """
-        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
-            raise ConfigError(f"sampler state must be a dict with keys {_STATE_KEYS}, got {state!r:.200}")
-        if (state["sampler"], state["mode"]) != (type(self).__name__, self.mode):
-            raise ConfigError(f"sampler state is from a {state['sampler']} in mode {state['mode']!r}, this is a "
-                              f"{type(self).__name__} in mode {self.mode!r}: resume with the sampler it was saved from")
-        if state["total_rows"] != self.total_rows:
-            raise ConfigError(f"sampler state was saved for a dataset of {state['total_rows']} rows, this one has "
-                              f"{self.total_rows}: resume with the same file and key")
+        check_state_origin(self, state, _STATE_KEYS, "total_rows", self.total_rows)
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         if next_epoch:
             self.epoch, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0

@@ -244,6 +244,19 @@ def distributed_num_samples(data_len: int, world_size: int, drop_last: bool) -> 
     return data_len // world_size if drop_last else -(-data_len // world_size)
 
 
+def check_state_origin(sampler: Any, state: Any, keys: tuple[str, ...], length_key: str, length: int) -> None:
+    """Raised when ``state`` is not a dict with ``keys``, is from another sampler class or mode
+    than ``sampler``'s, or from a dataset of another length: ConfigError."""
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ConfigError(f"sampler state must be a dict with keys {keys}, got {state!r:.200}")
+    if (state["sampler"], state["mode"]) != (type(sampler).__name__, sampler.mode):
+        raise ConfigError(f"sampler state is from a {state['sampler']} in mode {state['mode']!r}, this is a "
+                          f"{type(sampler).__name__} in mode {sampler.mode!r}: resume with the sampler it was saved from")
+    if state[length_key] != length:
+        raise ConfigError(f"sampler state was saved for a dataset of {state[length_key]} rows, this one has "
+                          f"{length}: resume with the same file and key")
+
+
 class DistributedShuffleSampler(Sampler[torch.Tensor]):
     """Batches, as int64 index tensors, of exactly the indices that
     ``torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
@@ -341,14 +354,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
         Raised when the state is malformed, from another sampler kind, mode or dataset length,
         or (without ``next_epoch``) from another world size or ``drop_last``: ConfigError.
         """
-        if not isinstance(state, dict) or any(k not in state for k in _DIST_STATE_KEYS):
-            raise ConfigError(f"sampler state must be a dict with keys {_DIST_STATE_KEYS}, got {state!r:.200}")
-        if (state["sampler"], state["mode"]) != (type(self).__name__, self.mode):
-            raise ConfigError(f"sampler state is from a {state['sampler']} in mode {state['mode']!r}, this is a "
-                              f"{type(self).__name__} in mode {self.mode!r}: resume with the sampler it was saved from")
-        if state["data_len"] != self.data_len:
-            raise ConfigError(f"sampler state was saved for a dataset of {state['data_len']} rows, this one has "
-                              f"{self.data_len}: resume with the same file and key")
+        check_state_origin(self, state, _DIST_STATE_KEYS, "data_len", self.data_len)
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         if next_epoch:
             self.epoch, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0
