@@ -105,7 +105,8 @@ REQUEST_TYPES: dict[str, type] = {cls.OP: cls for cls in (Ping, Status, Shutdown
 
 @dataclass(frozen=True)
 class AcquireResult:
-    """Reply to Acquire: ``state`` is ``ready`` (``name`` can be attached) or ``loading``."""
+    """Reply to Acquire: ``state`` is ``ready`` (``name`` can be attached) or ``loading``
+    (``name`` is empty while the daemon is still resolving the file off its loop)."""
 
     state: str
     name: str
@@ -128,7 +129,8 @@ class AcquireResult:
             raise ProtocolError(f"malformed acquire result: {exc}") from exc
         if value.state not in ("ready", "loading"):
             raise ProtocolError(f"malformed acquire result: state {value.state!r}")
-        _check_str("name", value.name, MAX_PATH_CHARS)
+        if not (value.state == "loading" and value.name == ""):  # no name yet while the file is resolved
+            _check_str("name", value.name, MAX_PATH_CHARS)
         _check_str("shm_dir", value.shm_dir, MAX_PATH_CHARS)
         for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino"):
             _check_int(name, getattr(value, name), 0, 2**63 - 1)

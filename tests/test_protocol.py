@@ -536,6 +536,16 @@ def test_acquire_result_round_trip(state):
     assert got_id == 8 and AcquireResult.from_wire(result) == value
 
 
+def test_acquire_result_loading_before_resolution_has_no_name():
+    # regression: the daemon answers "loading" with no name while its resolver thread still
+    # opens the file; with 64 clients at once a client saw that reply and failed on it
+    value = AcquireResult.from_wire({**VALID_RESULT, "state": "loading", "name": ""})
+    assert value.state == "loading" and value.name == ""
+    for bad in (None, 5, "a\0b"):
+        with pytest.raises(ProtocolError):
+            AcquireResult.from_wire({**VALID_RESULT, "state": "loading", "name": bad})
+
+
 def test_acquire_result_defaults():
     value = AcquireResult.from_wire({"state": "loading", "name": "seg", "shm_dir": "/dev/shm"})
     assert (value.rows_done, value.rows_total, value.dataset_rows) == (0, 0, 0)
