@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from h5serve.client import DistributedShuffleSampler, SharedH5Dataset, make_loader
+from h5serve.client.sampler import distributed_num_samples
 from h5serve.errors import ConfigError
 from h5serve.sharding import ALL_MODES, GLOBAL, RowRange, Selection, shard_sizes
 
@@ -114,7 +115,9 @@ def test_resume_mid_epoch_same_world_size(n: int, world: int, batch: int, seed: 
         full = list(first)
         steps = int(cut * len(full))
         state = first.state_dict(consumed=sum(len(b) for b in full[:steps]))
-        assert state["consumed_global"] == state["consumed"] * world and state["mode"] == "global"
+        done = state["consumed"] == sum(len(b) for b in full)  # a finished epoch is all consumed
+        assert state["consumed_global"] == (n if done else min(state["consumed"] * world, n))
+        assert state["mode"] == "global"
         again = DistributedShuffleSampler(n, batch, world, rank, seed=0, drop_last=drop_last)
         again.load_state_dict(json.loads(json.dumps(state)))  # a checkpoint survives serialisation
         assert len(again) == len(full) - steps
@@ -122,10 +125,78 @@ def test_resume_mid_epoch_same_world_size(n: int, world: int, batch: int, seed: 
         assert [b.tolist() for b in again] == [b.tolist() for b in full]  # the resume applies once
 
 
+def _consume(samplers: list[DistributedShuffleSampler], batches: int) -> tuple[list[int], dict]:
+    """``batches`` batches from every rank (fewer if the epoch ends): the samples all ranks
+    trained on and rank 0's checkpoint."""
+    seen: list[int] = []
+    for sampler in samplers:
+        seen += flat([b.tolist() for b in islice(sampler, batches)])
+    states = [s.state_dict() for s in samplers]  # what each has handed out: the same on every rank
+    assert all(s == {**states[0], "consumed": s["consumed"]} for s in states)
+    assert len({s["consumed"] for s in states}) == 1
+    return seen, states[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 300), worlds=st.lists(st.integers(1, 6), min_size=2, max_size=3),
+       batch=st.integers(1, 20), seed=st.integers(0, 2**31), epoch=st.integers(0, 5),
+       cuts=st.lists(st.integers(0, 8), min_size=2, max_size=2), drop_last=st.booleans(),
+       drop_last_batch=st.booleans())
+def test_elastic_resume_sees_the_rest_of_the_epoch_once(n: int, worlds: list[int], batch: int, seed: int,
+                                                      epoch: int, cuts: list[int], drop_last: bool,
+                                                      drop_last_batch: bool) -> None:
+    """A job of W0 ranks stops after a few batches; jobs of other world sizes go on from its
+    checkpoint (twice over): together they see the epoch's samples once, padding aside."""
+    if drop_last_batch and any(distributed_num_samples(n, w, drop_last) < batch for w in worlds):
+        return  # such a job is refused: no full batch on any rank (tested elsewhere)
+    seen: list[int] = []
+    state = None
+    for i, world in enumerate(worlds):
+        samplers = [DistributedShuffleSampler(n, batch, world, r, seed=0 if state else seed, drop_last=drop_last,
+                                              drop_last_batch=drop_last_batch) for r in range(world)]
+        for sampler in samplers:
+            if state is None:
+                sampler.set_epoch(epoch)
+            else:
+                sampler.load_state_dict(json.loads(json.dumps(state)))
+        lengths = {len(s) for s in samplers}
+        assert len(lengths) == 1  # every rank the same number of batches, after a resume too
+        last = i == len(worlds) - 1
+        part, state = _consume(samplers, 10**6 if last else cuts[i])
+        seen += part
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    assert state["consumed_global"] == n and state["epoch"] == epoch
+    # a sample seen twice is padding: each pass pads at most world_size - 1 positions
+    assert len(seen) - len(set(seen)) <= (0 if drop_last else sum(w - 1 for w in worlds))
+    assert set(seen) <= set(perm)
+    missing = set(perm) - set(seen)
+    if not drop_last and not drop_last_batch:
+        assert not missing  # nothing of the epoch skipped
+    else:  # only the tails a drop cut, never more than a batch per rank per job, or a world's remainder
+        assert len(missing) < sum(w * batch + w for w in worlds)
+
+
+def test_elastic_resume_continues_the_permutation() -> None:
+    """Concretely: 2 ranks stop after 16 samples each (32 of the permutation); 3 ranks deal
+    the permutation from position 32 on, DistributedSampler style."""
+    state = DistributedShuffleSampler(100, 8, 2, 0, seed=1).state_dict(consumed=16)
+    assert state["consumed_global"] == 32
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(1)).tolist()
+    rest = perm[32:] + perm[32:33]  # 68 left, padded to 69 for 3 ranks, as DistributedSampler pads
+    for rank in range(3):
+        sampler = DistributedShuffleSampler(100, 8, 3, rank)
+        sampler.load_state_dict(state)
+        assert len(sampler) == 3 and flat([b.tolist() for b in sampler]) == rest[rank::3]
+        # the resume applies once: the epoch again is DistributedSampler's whole epoch for 3 ranks
+        assert len(sampler) == 5
+        assert flat([b.tolist() for b in sampler]) == torch_indices(100, 3, rank, 1, 0, False, True)
+
+
 def test_resume_refuses_what_it_cannot_continue() -> None:
     state = DistributedShuffleSampler(100, 8, 2, 0, seed=1).state_dict(consumed=16)
-    with pytest.raises(ConfigError, match="world_size=2.*next_epoch=True"):
-        DistributedShuffleSampler(100, 8, 4, 0).load_state_dict(state)
+    for bad in ({"consumed_global": 101}, {"consumed_global": -1}, {"offset": "3"}, {"consumed": 99}):
+        with pytest.raises(ConfigError, match="consumed|offset"):
+            DistributedShuffleSampler(100, 8, 2, 0).load_state_dict({**state, **bad})
     with pytest.raises(ConfigError, match="100 rows.*101"):
         DistributedShuffleSampler(101, 8, 2, 0).load_state_dict(state)
     with pytest.raises(ConfigError, match="keys"):

@@ -19,10 +19,11 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..errors import ConfigError, H5ServeError, falls_back
-from ..sharding import NODE, Selection, node_selection, resolve_rank_world
+from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
 from .gather import as_positions
+from .resharding import check_not_measured_by_distributed_sampler
 
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "collate"]
 
@@ -247,6 +248,8 @@ class SharedH5Dataset(Dataset):
 
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
+        if self.mode != GLOBAL and self.world_size > 1:
+            check_not_measured_by_distributed_sampler(self)
         return len(self.indices)
 
     def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from torch.utils.data import Sampler
 
 from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
+from .resharding import check_not_resharded
 from .sampler import check_state_origin, wrap_order
 
 __all__ = ["NodeShuffleSampler", "NodePlace", "node_generator"]
@@ -139,9 +140,12 @@ class NodeShuffleSampler(Sampler[torch.Tensor]):
         return self.node_order()[self.place.local_rank :: self.place.local_world_size]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        check_not_resharded(self)
         start, self._start = self._start, 0
         self._yielded = start
-        order = self.indices()[start:]
+        return self._batches(self.indices()[start:])
+
+    def _batches(self, order: torch.Tensor) -> Iterator[torch.Tensor]:
         for i in range(0, len(order), self.batch_size):
             batch = order[i : i + self.batch_size].clone()  # a copy: see EpochShuffleSampler.batches
             self._yielded += len(batch)

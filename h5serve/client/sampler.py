@@ -14,6 +14,7 @@ from torch.utils.data import Sampler
 
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
+from .resharding import check_not_resharded
 
 __all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples"]
 
@@ -116,6 +117,10 @@ class EpochShuffleSampler(Sampler[int]):
         return self.order()[start:]
 
     def __iter__(self) -> Iterator[int]:
+        check_not_resharded(self)
+        return self._indices()
+
+    def _indices(self) -> Iterator[int]:
         for index in self._remaining().tolist():
             self._yielded += 1
             yield index
@@ -217,6 +222,7 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
         self.sampler.set_epoch_length(size.samples)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        check_not_resharded(self)
         batches = self.sampler.batches(self.batch_size, self.drop_last)
         return (batch.numpy() for batch in batches) if self.arrays else batches
 
@@ -273,10 +279,17 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
     ``DataLoader(..., drop_last=True)`` over DistributedSampler would.
 
     ``set_epoch(epoch)`` before each epoch, as with DistributedSampler. ``state_dict(consumed=n)``
-    records the seed, epoch, world size, mode and the samples consumed (``n`` on this rank, the
-    same on every rank, and ``n * world_size`` of the epoch's global order); after
-    ``load_state_dict`` with the same world size the next iteration yields exactly the rest of
-    that epoch (whatever ``num_workers``). ``arrays=True``: numpy arrays (for DataLoader workers).
+    records the seed, epoch, world size, mode and the samples consumed: ``n`` on this rank (the
+    same on every rank) and ``consumed_global``, how far into the epoch's permutation all ranks
+    together are. ``load_state_dict`` resumes mid-epoch (whatever ``num_workers``):
+
+    - with the same world size and ``drop_last``: exactly the rest of this rank's order;
+    - with another world size (elastic): the rest of the epoch is the permutation from
+      ``consumed_global`` on, padded or cut to a multiple of the new world size as
+      DistributedSampler would pad the whole, and dealt with the same stride. No sample of the
+      epoch is seen twice (padding aside) or skipped; every rank again yields the same count.
+
+    ``arrays=True``: numpy arrays (for DataLoader workers).
 
     Raised for a bad size, rank, world size or batch size, or when ``drop_last_batch`` would
     leave every rank without a batch: ConfigError.
@@ -298,80 +311,117 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
         self.num_samples = distributed_num_samples(self.data_len, self.world_size, self.drop_last)
         self.epoch_size = equal_epoch_size([self.num_samples] * self.world_size, batch_size, self.drop_last_batch)
         self.epoch = 0
-        self._start = 0  # where the next iteration begins (after load_state_dict)
-        self._yielded = 0  # samples handed out in the current epoch
+        self._offset = 0  # where in the epoch's permutation this pass starts (> 0 after an elastic resume)
+        self._resuming = False  # a loaded state applies to the next iteration (offset and start)
+        self._start = 0  # where in this rank's order the next iteration begins (after load_state_dict)
+        self._yielded = 0  # samples handed out in the current pass
 
     def set_epoch(self, epoch: int) -> None:
-        if int(epoch) != self.epoch:
-            self._start = 0  # a pending resume applies to the epoch it was saved in only
+        if int(epoch) != self.epoch:  # a pending resume applies to the epoch it was saved in only
+            self._offset, self._start, self._resuming = 0, 0, False
         self.epoch = int(epoch)
 
+    def permutation(self) -> torch.Tensor:
+        """This epoch's permutation of ``0..data_len-1`` (``torch.randperm`` from ``seed + epoch``)."""
+        if not self.shuffle:
+            return torch.arange(self.data_len)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.data_len, generator=generator)
+
+    def _pass_samples(self) -> int:
+        """Samples per rank in the current pass: ``num_samples`` for a whole epoch; after an
+        elastic resume, DistributedSampler's count for the rest of the permutation."""
+        return distributed_num_samples(self.data_len - self._offset, self.world_size, self.drop_last)
+
+    def samples_per_rank(self, offset: int | None = None) -> int:
+        """Samples each rank yields in the pass starting at ``offset`` of the permutation
+        (default: the current pass), all ranks alike."""
+        offset = self._offset if offset is None else offset
+        if offset == 0:
+            return self.epoch_size.samples
+        samples = distributed_num_samples(self.data_len - offset, self.world_size, self.drop_last)
+        return samples - samples % self.batch_size if self.drop_last_batch else samples  # < a batch: none
+
     def global_order(self) -> torch.Tensor:
-        """This epoch's order of all ranks: the permutation padded (or cut) to
-        ``num_samples * world_size``, as DistributedSampler builds it before striding."""
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.data_len, generator=generator)
-        else:
-            order = torch.arange(self.data_len)
-        return wrap_order(order, self.num_samples * self.world_size)
+        """The order all ranks take their samples from, rank ``r`` positions ``r, r + W, ...``:
+        the epoch's permutation (from an elastic resume point on) padded or cut to
+        ``samples * world_size``, as DistributedSampler builds it before striding."""
+        return wrap_order(self.permutation()[self._offset :], self._pass_samples() * self.world_size)
 
     def indices(self) -> torch.Tensor:
-        """This rank's indices for the epoch (``num_samples`` of them, before any batch is dropped)."""
+        """This rank's indices for the epoch (before any batch is dropped)."""
         return self.global_order()[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        start, self._start = self._start, 0
+        check_not_resharded(self)
+        if not self._resuming:
+            self._offset = 0
+        start, self._start, self._resuming = self._start, 0, False
         self._yielded = start
-        order = self.indices()[start : self.epoch_size.samples]
+        return self._batches(self.indices()[start : self.samples_per_rank()])
+
+    def _batches(self, order: torch.Tensor) -> Iterator[torch.Tensor]:
         for i in range(0, len(order), self.batch_size):
             batch = order[i : i + self.batch_size].clone()  # a copy: see EpochShuffleSampler.batches
             self._yielded += len(batch)
             yield batch.numpy() if self.arrays else batch
 
     def __len__(self) -> int:
-        left = max(self.epoch_size.samples - self._start, 0)
+        left = max(self.samples_per_rank(self._offset if self._resuming else 0) - self._start, 0)
         return (left + self.batch_size - 1) // self.batch_size
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """What to checkpoint next to the model. ``consumed``: samples of this epoch this rank
         has trained on (default: handed out so far; with workers pass
-        ``batches_done * batch_size``: they prefetch)."""
+        ``batches_done * batch_size``: they prefetch). ``consumed_global`` in the result is how
+        many positions of the epoch's permutation all ranks together have consumed
+        (``data_len`` once the epoch is over)."""
+        done = self.samples_per_rank()
         consumed = self._yielded if consumed is None else int(consumed)
-        if not 0 <= consumed <= self.epoch_size.samples:
-            raise ConfigError(f"consumed must be in [0, {self.epoch_size.samples}] (samples per rank per epoch), "
-                              f"got {consumed}")
+        if not 0 <= consumed <= done:
+            raise ConfigError(f"consumed must be in [0, {done}] (samples per rank in this epoch), got {consumed}")
+        # positions past the rest of the permutation are padding; a finished epoch is all consumed
+        consumed_global = self.data_len if consumed == done else min(
+            self._offset + consumed * self.world_size, self.data_len)
         return {"sampler": type(self).__name__, "mode": self.mode, "data_len": self.data_len, "seed": self.seed,
                 "shuffle": self.shuffle, "drop_last": self.drop_last, "epoch": self.epoch,
-                "world_size": self.world_size, "consumed": consumed, "consumed_global": consumed * self.world_size}
+                "world_size": self.world_size, "offset": self._offset, "consumed": consumed,
+                "consumed_global": consumed_global}
 
     def load_state_dict(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
-        """Resume from ``state_dict()``: the next iteration continues that epoch's order at the
-        sample it stopped at. ``next_epoch=True``: start at the beginning of the next epoch
-        instead (works with any world size).
+        """Resume from ``state_dict()``: the next iteration continues that epoch where it
+        stopped, with the same or another world size (see the class). ``next_epoch=True``:
+        start at the beginning of the next epoch instead.
 
         Raised when the state is malformed, from another sampler kind, mode or dataset length,
-        or (without ``next_epoch``) from another world size or ``drop_last``: ConfigError.
+        or resumes past the end of its epoch: ConfigError.
         """
         check_state_origin(self, state, _DIST_STATE_KEYS, "data_len", self.data_len)
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         if next_epoch:
-            self.epoch, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0
+            self.epoch, self._offset, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0, 0
+            self._resuming = False
             return
-        self._check_same_epoch(state)
-        self.epoch, self._start = int(state["epoch"]), int(state["consumed"])
+        self.epoch, self._resuming = int(state["epoch"]), True
+        offset = _state_count(state, "offset", self.data_len, default=0)
+        consumed_global = _state_count(state, "consumed_global", self.data_len)
+        if (state["world_size"], bool(state["drop_last"])) == (self.world_size, self.drop_last):
+            self._offset, self._start = offset, 0  # this rank's order continues where it stopped
+            done = self.samples_per_rank()
+            if not 0 <= int(state["consumed"]) <= done:
+                raise ConfigError(f"sampler state has consumed={state['consumed']!r} outside [0, {done}] (samples "
+                                  "per rank in that epoch): resume with the batch size it was saved with")
+            self._start = int(state["consumed"])
+        else:  # elastic: deal the rest of the permutation to this world
+            self._offset, self._start = consumed_global, 0
         self._yielded = self._start
 
-    def _check_same_epoch(self, state: dict[str, Any]) -> None:
-        """Raised when ``state`` cannot continue mid-epoch here: ConfigError."""
-        if (state["world_size"], bool(state["drop_last"])) != (self.world_size, self.drop_last):
-            raise ConfigError(
-                f"sampler state was saved with world_size={state['world_size']}, drop_last={state['drop_last']} "
-                f"(this job: {self.world_size}, {self.drop_last}); a mid-epoch resume needs the same: resume with "
-                "those, or start at the next epoch with load_state_dict(state, next_epoch=True)"
-            )
-        if not 0 <= int(state["consumed"]) <= self.epoch_size.samples:
-            raise ConfigError(f"sampler state has consumed={state['consumed']!r} outside [0, "
-                              f"{self.epoch_size.samples}] (samples per rank per epoch): resume with the batch "
-                              "size and drop_last it was saved with")
+
+def _state_count(state: dict[str, Any], key: str, high: int, default: int | None = None) -> int:
+    """``state[key]`` as an int in [0, high]. Raised when it is not: ConfigError."""
+    value = state.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise ConfigError(f"sampler state has {key}={value!r}, not an integer in [0, {high}] (the dataset's rows): "
+                          "resume with the state the sampler saved")
+    return value
