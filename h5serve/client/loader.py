@@ -132,6 +132,7 @@ def make_loader(
     persistent_workers: bool | None = None,
     prefetch_factor: int | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
+    loader_class: type[DataLoader] = DataLoader,
     **dataloader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` (a rank's shard) in EpochShuffleSampler order.
@@ -161,11 +162,18 @@ def make_loader(
       yours). With no CPU-heavy transform, ``num_workers=0`` is fastest: workers copy every
       batch once more through shared memory (docs/performance.md).
 
-    Other keyword arguments go to DataLoader as they are.
+    ``loader_class``: a DataLoader subclass to build instead, e.g. torchdata's
+    ``StatefulDataLoader``, whose ``state_dict()`` then holds the batch sampler's state as of
+    the last batch it returned (workers' prefetching accounted for) and resumes mid-epoch.
+
+    Other keyword arguments go to ``loader_class`` as they are.
 
     Raised for a bad batch size, worker count or sampler, or when some rank would get no
     batch (``drop_last=True`` with a shard smaller than a batch; an empty shard): ConfigError.
     """
+    if not (isinstance(loader_class, type) and issubclass(loader_class, DataLoader)):
+        raise ConfigError(f"loader_class must be DataLoader or a subclass (e.g. torchdata's StatefulDataLoader), "
+                          f"got {loader_class!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
     for name in ("batch_sampler", "collate_fn", "batch_size", "shuffle"):
@@ -185,4 +193,4 @@ def make_loader(
     elif worker_init_fn is not None or persistent_workers or prefetch_factor is not None:
         raise ConfigError("worker_init_fn, persistent_workers and prefetch_factor need num_workers > 0")
     kwargs.update(dataloader_kwargs)
-    return DataLoader(dataset, **kwargs)
+    return loader_class(dataset, **kwargs)
