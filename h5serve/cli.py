@@ -355,9 +355,16 @@ def cmd_preload(args: argparse.Namespace) -> int:
     dtypes = {args.x_key: resolve_dtype(args.dtype_x, "--dtype-x")}
     if args.y_key:
         dtypes[args.y_key] = resolve_dtype(args.dtype_y, "--dtype-y")
+    if args.mode == "node":  # the node's ranks share one block: the union of their contiguous shards
+        from .sharding import node_selection
+
+        block = node_selection(args.world_size, sorted(ranks))
+        places = [(block.rank, block.span)]
+    else:
+        places = [(rank, 1) for rank in ranks]
     requests = [
-        Acquire(path, key, args.world_size, rank, args.mode, None if dtype is None else dtype.str)
-        for rank in ranks for key, dtype in dtypes.items()
+        Acquire(path, key, args.world_size, rank, args.mode, None if dtype is None else dtype.str, span)
+        for rank, span in places for key, dtype in dtypes.items()
     ]
     start = time.monotonic()
     with _client(args.runtime_dir) as client:
@@ -450,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="ranks in the job (with --plan: default from SLURM)")
     p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
     p.add_argument("--plan", action="store_true", help="load exactly the ranks that run on this node (see `h5serve plan`)")
-    p.add_argument("--mode", choices=["contiguous", "interleave", "global"], default="contiguous",
-                   help="the sharding the training job uses (default contiguous; global: the whole file, "
+    p.add_argument("--mode", choices=["contiguous", "interleave", "node", "global"], default="contiguous",
+                   help="the sharding the training job uses (default contiguous; node: one block of the rows of "
+                        "this node's ranks, from --plan or --ranks (default every rank); global: the whole file, "
                         "once per node, for every rank of any world size)")
     p.add_argument("--dtype-x", help="the dtype_x the training job asks for, e.g. float32")
     p.add_argument("--dtype-y", help="the dtype_y the training job asks for")

@@ -186,6 +186,27 @@ def test_preload_plan_loads_exactly_this_nodes_ranks(daemon: Daemon, h5file: Pat
     assert alone.returncode == 1 and "needs --world-size" in alone.stderr
 
 
+def test_preload_node_mode_loads_the_nodes_block_once(daemon: Daemon, h5file: Path) -> None:
+    """`preload --mode node --plan` in a SLURM prolog loads one block, the union of this node's
+    ranks' shards; the job's node-mode datasets on that node then attach without a load."""
+    env = {**daemon.env, "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)",
+           "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_NTASKS": "4"}
+    done = h5serve_cli("preload", str(h5file), "--x-key", "x", "--y-key", "y", "--plan", "--mode", "node", env=env)
+    assert done.returncode == 0, done.stderr
+    segments = daemon.status()["segments"]
+    assert len(segments) == 2 and {(s["rank"], s["world_size"]) for s in segments} == {(2, 4)}
+    loads = daemon.status()["counters"]["loads"]
+    for local in range(2):
+        ds = SharedH5Dataset(h5file, "x", "y", mode="node", rank=2 + local, world_size=4, local_rank=local,
+                             local_world_size=2, node_rank=1, num_nodes=2, runtime_dir=daemon.runtime_dir)
+        assert ds.backend == "shm" and len(ds) == sum(ds.shard_sizes()[2:])  # ranks 2 and 3's rows
+        ds.close()
+    assert daemon.status()["counters"]["loads"] == loads
+    gap = h5serve_cli("preload", str(h5file), "--x-key", "x", "--world-size", "4", "--ranks", "0,2", "--mode",
+                      "node", env=daemon.env)
+    assert gap.returncode == 1 and "consecutive" in gap.stderr
+
+
 @pytest.mark.timeout(240)
 def test_demo_runs_three_real_jobs() -> None:
     """The README's first command: a 2-rank torchrun job from the daemon, a second one that
