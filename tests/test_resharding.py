@@ -79,3 +79,39 @@ def test_lightning_sampler_wrapper_is_refused(index: int) -> None:
     wrapper = distributed.DistributedSamplerWrapper(_samplers()[index], num_replicas=2, rank=0, shuffle=False)
     with pytest.raises(ConfigError, match=r"Trainer\(use_distributed_sampler=False\)"):
         list(wrapper)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_rebuilding_a_batch_sampler_around_its_sampler_is_refused(h5: Path) -> None:
+    """Lightning (use_distributed_sampler=True) rebuilds a custom batch sampler as
+    ``type(bs)(DistributedSampler(ds), batch_size=..., drop_last=...)``."""
+    ds = _lazy(h5, mode="global", rank=0, world_size=2)
+    for cls in (EpochBatchSampler, DistributedShuffleSampler, NodeShuffleSampler):
+        with pytest.raises(ConfigError, match=r"use_distributed_sampler=False"):
+            cls(DistributedSampler(ds, 2, 0), batch_size=8, drop_last=False)
+
+
+def test_lightning_reaches_set_epoch_through_batch_sampler_sampler() -> None:
+    """Lightning sets the epoch on ``loader.sampler`` and ``loader.batch_sampler.sampler``."""
+    for sampler in _samplers()[1:]:
+        first = [b.tolist() for b in sampler]
+        sampler.sampler.set_epoch(1)
+        assert [b.tolist() for b in sampler] != first
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", ["contiguous", "interleave"])
+def test_accelerate_sharding_a_plain_loader_over_a_shard_is_refused(h5: Path, mode: str) -> None:
+    """prepare(DataLoader(ds, shuffle=True)) wraps torch's BatchSampler(RandomSampler(ds)): no
+    h5serve sampler is iterated, the dataset is measured from inside Accelerate's wrapper."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    data_loader = pytest.importorskip("accelerate.data_loader", reason="accelerate is not installed")
+    ds = _lazy(h5, mode=mode, rank=0, world_size=2)
+    shard = data_loader.BatchSamplerShard(BatchSampler(RandomSampler(ds), 8, False), num_processes=2,
+                                          process_index=0)
+    with pytest.raises(ConfigError, match=r"only rank 0's shard.*prepare"):
+        list(shard)
+    whole = _lazy(h5, mode="global", rank=0, world_size=2)  # what prepare is for: nothing refused
+    assert len(list(data_loader.BatchSamplerShard(BatchSampler(RandomSampler(whole), 8, False), num_processes=2,
+                                                  process_index=0))) == 7

@@ -96,6 +96,16 @@ def test_process_group_beats_torchrun_and_slurm() -> None:
     assert resolve_layout(env={}, hostname="c", group=group(hosts, 4)) == NodeLayout(4, 5, 2, 3, (4,), "process group")
 
 
+def test_process_group_beats_another_launchers_partial_variables() -> None:
+    # Lightning's own DDP launcher sets LOCAL_RANK, NODE_RANK and WORLD_SIZE, not RANK or
+    # LOCAL_WORLD_SIZE: with a process group those describe nothing to check against
+    env = {"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}
+    assert resolve_layout(env=env, hostname="a", group=group(["a", "a"], 1)) == NodeLayout(1, 2, 0, 1, (0, 1),
+                                                                                          "process group")
+    with pytest.raises(ConfigError, match="LOCAL_RANK set but RANK"):  # without one they are an error
+        resolve_layout(env=env, hostname="a", group=None)
+
+
 def test_process_group_agreeing_with_torchrun() -> None:
     hosts = ["n1"] * 4 + ["n2"] * 4
     layout = resolve_layout(env=torchrun_env(6, 2, 4), hostname="n2", group=group(hosts, 6))

@@ -15,7 +15,7 @@ from torch.utils.data import Sampler
 
 from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
-from .resharding import check_not_resharded
+from .resharding import check_not_rebuilt, check_not_resharded
 from .sampler import check_state_origin, wrap_order
 
 __all__ = ["NodeShuffleSampler", "NodePlace", "node_generator"]
@@ -85,10 +85,14 @@ class NodeShuffleSampler(Sampler[torch.Tensor]):
 
     mode = "node"
 
-    def __init__(self, data_len: int, batch_size: int, place: NodePlace, shard_sizes: Sequence[int], *,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, arrays: bool = False) -> None:
+    def __init__(self, data_len: int, batch_size: int, place: NodePlace | None = None,
+                 shard_sizes: Sequence[int] | None = None, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, arrays: bool = False) -> None:
+        check_not_rebuilt(type(self), data_len)
         self.data_len = _count("data_len", data_len)
         check_batch_size(batch_size)
+        if shard_sizes is None:
+            raise ConfigError("NodeShuffleSampler needs shard_sizes, every rank's shard size (ds.shard_sizes())")
         if not isinstance(place, NodePlace):
             raise ConfigError(f"place must be a NodePlace, got {type(place).__name__}")
         self.place, self.batch_size = place, batch_size
@@ -125,6 +129,11 @@ class NodeShuffleSampler(Sampler[torch.Tensor]):
         if int(epoch) != self.epoch:
             self._start = 0  # a pending resume applies to the epoch it was saved in only
         self.epoch = int(epoch)
+
+    @property
+    def sampler(self) -> "NodeShuffleSampler":
+        """Itself: Lightning sets each epoch through ``loader.batch_sampler.sampler.set_epoch``."""
+        return self
 
     def node_order(self) -> torch.Tensor:
         """This epoch's order of the whole node, padded or cut to ``samples * local_world_size``."""

@@ -26,7 +26,7 @@ from torch.utils.data import DistributedSampler
 
 from ..errors import ConfigError
 
-__all__ = ["check_not_measured_by_distributed_sampler", "check_not_resharded"]
+__all__ = ["check_not_measured_by_distributed_sampler", "check_not_rebuilt", "check_not_resharded"]
 
 # module of the wrapper -> what to tell the user
 _WRAPPERS = {
@@ -34,7 +34,7 @@ _WRAPPERS = {
     "lightning_fabric.utilities.distributed": "lightning",
     "accelerate.data_loader": "accelerate",
 }
-_FRAMES_TO_LOOK = 4  # the wrapper's frame is the caller's, or a few generator frames above
+_FRAMES_TO_LOOK = 6  # the wrapper's frame is the caller's, or a few sampler/generator frames above
 
 _FIXES = {
     "lightning": (
@@ -45,9 +45,9 @@ _FIXES = {
     ),
     "accelerate": (
         "accelerator.prepare(loader) shards the loader's batches across processes a second time: each process "
-        "would train on 1/num_processes of its share. Do not pass make_loader's loader to prepare (prepare the "
-        "model and optimizer only); or, to let Accelerate shard, use SharedH5Dataset(mode='global') with a "
-        "plain DataLoader(ds, batch_size, shuffle=True) through prepare"
+        "would train on 1/num_processes of its share. Do not pass this loader to prepare (build it with "
+        "make_loader and prepare the model and optimizer only); or, to let Accelerate shard, use "
+        "SharedH5Dataset(mode='global') with a plain DataLoader(ds, batch_size, shuffle=True) through prepare"
     ),
 }
 
@@ -77,21 +77,41 @@ def check_not_resharded(sampler: Any) -> None:
         raise ConfigError(f"{type(sampler).__name__} already gives each rank its own batches; {_FIXES[kind]}")
 
 
+def check_not_rebuilt(sampler_class: type, argument: object) -> None:
+    """Call first thing in an h5serve batch sampler's ``__init__`` with its first argument.
+    Lightning (``use_distributed_sampler=True``) rebuilds a DataLoader's batch sampler as
+    ``type(batch_sampler)(DistributedSampler(dataset), batch_size=..., drop_last=...)``.
+
+    Raised when ``argument`` is a torch Sampler where h5serve takes a length or its own
+    sampler: ConfigError naming the fix.
+    """
+    from torch.utils.data import Sampler
+
+    if isinstance(argument, Sampler) and not type(argument).__module__.startswith("h5serve."):
+        raise ConfigError(f"{sampler_class.__name__} got a {type(argument).__name__} to wrap: {_FIXES['lightning']}")
+
+
 def check_not_measured_by_distributed_sampler(dataset: Any) -> None:
     """Call in a rank-sharded dataset's ``__len__``: torch's DistributedSampler measures its
-    dataset in ``__init__`` and ``__iter__``.
+    dataset in ``__init__`` and ``__iter__``, the samplers under Accelerate's
+    ``BatchSamplerShard`` in ``__iter__``.
 
-    Raised when a DistributedSampler over more than one replica is measuring ``dataset``:
-    ConfigError naming the fix.
+    Raised when a DistributedSampler over more than one replica, or Accelerate's wrapper, is
+    measuring ``dataset``: ConfigError naming the fix.
     """
     caller = sys._getframe(2)
     owner = caller.f_locals.get("self") if caller is not None else None
     if not isinstance(owner, DistributedSampler) or owner.num_replicas <= 1:
+        if _wrapper_in(caller) == "accelerate":
+            raise ConfigError(f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}; {_FIXES['accelerate']}")
         return
-    held = "this node's rows" if dataset.mode == "node" else f"only rank {dataset.rank}'s shard"
     raise ConfigError(
-        f"SharedH5Dataset(mode={dataset.mode!r}) holds {held}, and a DistributedSampler over "
+        f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}, and a DistributedSampler over "
         f"{owner.num_replicas} replicas would shard it a second time (each rank would train on 1/"
         f"{owner.num_replicas} of its share). Use make_loader(ds, batch_size) without a sampler (with Lightning: "
         "Trainer(use_distributed_sampler=False)); or use mode='global' if you want DistributedSampler"
     )
+
+
+def _held(dataset: Any) -> str:
+    return "this node's rows" if dataset.mode == "node" else f"only rank {dataset.rank}'s shard"

@@ -14,7 +14,7 @@ from torch.utils.data import Sampler
 
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
-from .resharding import check_not_resharded
+from .resharding import check_not_rebuilt, check_not_resharded
 
 __all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples"]
 
@@ -195,6 +195,7 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
                  arrays: bool = False, *, shard_sizes: Sequence[int] | None = None) -> None:
         """Raised for a bad batch size, a sampler of another kind, or shard sizes that leave
         some rank no batch or do not include the sampler's shard: ConfigError."""
+        check_not_rebuilt(type(self), sampler)
         if not isinstance(sampler, EpochShuffleSampler):
             raise ConfigError(f"EpochBatchSampler wraps an EpochShuffleSampler, got {type(sampler).__name__}")
         check_batch_size(batch_size)
@@ -302,6 +303,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
                  arrays: bool = False) -> None:
         from ..sharding import resolve_rank_world
 
+        check_not_rebuilt(type(self), data_len)
         self.data_len = _check_count("data_len", data_len)
         check_batch_size(batch_size)
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
@@ -320,6 +322,11 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
         if int(epoch) != self.epoch:  # a pending resume applies to the epoch it was saved in only
             self._offset, self._start, self._resuming = 0, 0, False
         self.epoch = int(epoch)
+
+    @property
+    def sampler(self) -> "DistributedShuffleSampler":
+        """Itself: Lightning sets each epoch through ``loader.batch_sampler.sampler.set_epoch``."""
+        return self
 
     def permutation(self) -> torch.Tensor:
         """This epoch's permutation of ``0..data_len-1`` (``torch.randperm`` from ``seed + epoch``)."""

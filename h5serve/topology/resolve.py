@@ -113,7 +113,13 @@ def _check_arguments(**values: int | None) -> None:
 def _automatic(env: Mapping[str, str], hostname: str, group: GroupView | None) -> NodeLayout | None:
     """The first of process group, torchrun and SLURM that describes a layout, checked
     against the lower levels that describe the same processes; None when none does."""
-    torchrun = layout_from_torchrun_env(env)
+    if group is not None:
+        try:
+            torchrun = layout_from_torchrun_env(env)
+        except ConfigError:  # another launcher's partial variables (Lightning's sets LOCAL_RANK, not
+            torchrun = None  # LOCAL_WORLD_SIZE or RANK): the process group decides, nothing to compare
+    else:
+        torchrun = layout_from_torchrun_env(env)
     if group is not None:
         layout = layout_from_hostnames(group.all_gather(hostname), group.rank)
         evidence = (f"the process group's host names (rank {layout.rank} of {layout.world_size} on "
