@@ -28,15 +28,14 @@ import argparse
 import gc
 import json
 import logging
-import os
 import warnings
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning as L
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.errors import H5ServeError
 
@@ -51,8 +50,8 @@ class Data(L.LightningDataModule):
         layout = {}
         if self.mode == "node":  # Lightning's launcher sets LOCAL_RANK but not torchrun's other variables
             t = self.trainer
-            layout = dict(local_rank=t.local_rank, local_world_size=t.num_devices, node_rank=t.node_rank,
-                          num_nodes=t.num_nodes)
+            layout = {"local_rank": t.local_rank, "local_world_size": t.num_devices, "node_rank": t.node_rank,
+                      "num_nodes": t.num_nodes}
         self.ds = SharedH5Dataset(self.path, "x", "y", mode=self.mode, **self.where, **layout)
 
     def train_dataloader(self) -> DataLoader:
@@ -120,7 +119,6 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")  # "few workers" and the like: not what is tested
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     results, rank = {}, None
     for case in args.cases.split(","):
