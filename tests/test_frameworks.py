@@ -3,9 +3,10 @@
 Hugging Face Accelerate (``accelerate launch``, 2 processes), both gloo on CPU, against a real
 daemon and once without one (lazy h5py reads of the same rows).
 
-Each framework runs once per module (start-up is slow: Lightning's import alone takes ~10 s
-here); its job script (tests/lightning_job.py, tests/accelerate_job.py) trains a tiny model
-for 2 epochs per case and writes the labels (= row ids) every rank saw in every batch.
+Each framework's job runs once per module, both at the same time (start-up is slow: Lightning's
+import alone takes ~10 s here); its script (tests/lightning_job.py, tests/accelerate_job.py)
+trains a tiny model for 2 epochs per case and writes the labels (= row ids) every rank saw in
+every batch.
 
 255 rows in batches of 32 make every correct setup yield 128 samples per rank per epoch: one
 row repeated (DistributedSampler's, make_loader's and Accelerate's padding alike), four full
@@ -15,6 +16,7 @@ sampler that keeps every other batch of an already sharded epoch ends without er
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,34 +54,44 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def empty_runtime_dir() -> Path:
+def empty_runtime_dir() -> Iterator[Path]:
     """A runtime dir where no daemon runs: the jobs' ``lazy`` cases read through h5py."""
     empty = short_tmpdir("h5s-none-")
     yield empty
     shutil.rmtree(empty, ignore_errors=True)
 
 
-def run_job(cmd: list[str], out: Path, runtime_dir: Path, deadline: float) -> dict[str, list[dict]]:
-    """Run ``cmd`` (it starts both ranks) in its own session, killed with everything it started
-    at ``deadline``; per case, the two ranks' results (rank 0 first)."""
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")}
-    env.update(H5SERVE_RUNTIME_DIR=str(runtime_dir), OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        output = f"killed after {deadline} s (a rank waiting in a collective?)"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 0, output[-6000:]
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return {case: [reports[0][case], reports[1][case]] for case in reports[0]}
+class Job:
+    """One framework's job (its command starts both ranks), in its own session, output to a
+    file; ``results`` waits for it, and ``kill`` ends it with everything it started."""
+
+    def __init__(self, cmd: list[str], out: Path, runtime_dir: Path) -> None:
+        out.mkdir()
+        self.out = out
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                            "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")}
+        env.update(H5SERVE_RUNTIME_DIR=str(runtime_dir), OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+        with open(out / "output.txt", "w") as log:
+            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def results(self, deadline: float) -> dict[str, list[dict]]:
+        """Per case, the two ranks' results (rank 0 first)."""
+        try:
+            self.process.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"killed after {deadline} s (a rank waiting in a collective?): "
+                        f"{(self.out / 'output.txt').read_text()[-6000:]}")
+        assert self.process.returncode == 0, (self.out / "output.txt").read_text()[-6000:]
+        reports = [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(2)]
+        return {case: [reports[0][case], reports[1][case]] for case in reports[0]}
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
 
 LIGHTNING_CASES = [
@@ -88,18 +101,6 @@ LIGHTNING_CASES = [
     *(f"{mode}:plain:lightning" for mode in SHARDED),  # the default, a plain DataLoader over a shard
     "global:plain:lightning:lazy", "interleave:make:own:lazy", "node:make:own:lazy",
 ]
-
-
-@pytest.fixture(scope="module")
-def lightning(shared_daemon: Daemon, data_file: Path, empty_runtime_dir: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    pytest.importorskip("lightning")
-    out = tmp_path_factory.mktemp("lightning") / "out"
-    cmd = [sys.executable, str(HERE / "lightning_job.py"), str(data_file), str(out),
-           "--cases", ",".join(LIGHTNING_CASES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-           "--lazy-runtime-dir", str(empty_runtime_dir)]
-    return run_job(cmd, out, shared_daemon.runtime_dir, deadline=180)
-
 
 ACCELERATE_CASES = [
     "global:plain:prepare",  # a plain DataLoader through accelerator.prepare
@@ -111,18 +112,44 @@ ACCELERATE_CASES = [
 
 
 @pytest.fixture(scope="module")
-def accelerate(shared_daemon: Daemon, data_file: Path, empty_runtime_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    pytest.importorskip("accelerate")
-    out = tmp_path_factory.mktemp("accelerate") / "out"
-    # --multi_gpu is accelerate's torchrun launcher (the job asks for Accelerator(cpu=True));
-    # "--cpu --num_processes 2" starts a single process unless MPI is set up.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(HERE / "accelerate_job.py"), str(data_file), str(out),
-           "--cases", ",".join(ACCELERATE_CASES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-           "--lazy-runtime-dir", str(empty_runtime_dir), "--collective-timeout", "60"]
-    return run_job(cmd, out, shared_daemon.runtime_dir, deadline=180)
+def jobs(shared_daemon: Daemon, data_file: Path, empty_runtime_dir: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+    """Both frameworks' jobs, started together: Lightning's first rank imports alone for
+    seconds before it starts the second, time the Accelerate job uses."""
+    common = ["--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--lazy-runtime-dir", str(empty_runtime_dir)]
+    started: dict[str, Job] = {}
+    try:
+        if importlib.util.find_spec("lightning") is not None:
+            out = tmp_path_factory.mktemp("lightning") / "out"
+            started["lightning"] = Job([sys.executable, str(HERE / "lightning_job.py"), str(data_file), str(out),
+                                        "--cases", ",".join(LIGHTNING_CASES), *common], out, shared_daemon.runtime_dir)
+        if importlib.util.find_spec("accelerate") is not None:
+            out = tmp_path_factory.mktemp("accelerate") / "out"
+            # --multi_gpu is accelerate's torchrun launcher (the job asks for Accelerator(cpu=True));
+            # "--cpu --num_processes 2" starts a single process unless MPI is set up.
+            started["accelerate"] = Job(
+                [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                 str(HERE / "accelerate_job.py"), str(data_file), str(out), "--cases", ",".join(ACCELERATE_CASES),
+                 "--collective-timeout", "60", *common], out, shared_daemon.runtime_dir)
+        yield started
+    finally:
+        for job in started.values():
+            job.kill()
+
+
+@pytest.fixture(scope="module")
+def lightning(jobs: dict[str, Job]) -> dict[str, list[dict]]:
+    if "lightning" not in jobs:
+        pytest.importorskip("lightning")
+    return jobs["lightning"].results(deadline=200)
+
+
+@pytest.fixture(scope="module")
+def accelerate(jobs: dict[str, Job]) -> dict[str, list[dict]]:
+    if "accelerate" not in jobs:
+        pytest.importorskip("accelerate")
+    return jobs["accelerate"].results(deadline=200)
 
 
 # --------------------------------------------------------------------------- what a run must show
