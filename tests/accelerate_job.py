@@ -4,8 +4,9 @@
 A case is ``MODE:LOADER:PREPARE[:lazy]``:
 
 - ``MODE``: the SharedH5Dataset mode (global, contiguous, interleave, node);
-- ``LOADER``: ``plain`` is ``DataLoader(ds, batch_size, shuffle=True)``, ``make`` is
-  ``make_loader(ds, batch_size, seed=42)``;
+- ``LOADER``: ``plain`` is ``DataLoader(ds, batch_size, shuffle=True)``, ``epoch`` is
+  ``DataLoader(ds, batch_size, sampler=EpochShuffleSampler(len(ds), seed=42))`` (the
+  predecessor's way), ``make`` is ``make_loader(ds, batch_size, seed=42)``;
 - ``PREPARE``: ``prepare`` passes the loader to ``accelerator.prepare`` with the model and
   optimizer, ``own`` prepares only the model and optimizer (a ``make`` loader then gets
   ``batch_sampler.set_epoch(epoch)`` every epoch);
@@ -28,7 +29,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
-from h5serve.client import SharedH5Dataset, make_loader
+from h5serve.client import EpochShuffleSampler, SharedH5Dataset, make_loader
 from h5serve.errors import H5ServeError
 
 
@@ -38,6 +39,8 @@ def run_case(accelerator: Accelerator, case: str, args: argparse.Namespace) -> d
     ds = SharedH5Dataset(args.path, "x", "y", mode=mode, **where)
     if loader_kind == "plain":
         loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True)
+    elif loader_kind == "epoch":
+        loader = DataLoader(ds, batch_size=args.batch_size, sampler=EpochShuffleSampler(len(ds), seed=42))
     else:
         loader = make_loader(ds, args.batch_size, seed=42)
     model = nn.Sequential(nn.Flatten(), nn.Linear(48, 2))

@@ -7,8 +7,9 @@ run it), and both ranks fit a tiny model once per case, in one process group.
 A case is ``MODE:LOADER:SAMPLER[:FLAG...]``:
 
 - ``MODE``: the SharedH5Dataset mode (global, contiguous, interleave, node);
-- ``LOADER``: ``plain`` is ``DataLoader(ds, batch_size, shuffle=True)``, ``make`` is
-  ``make_loader(ds, batch_size, seed=42)``;
+- ``LOADER``: ``plain`` is ``DataLoader(ds, batch_size, shuffle=True)``, ``epoch`` is
+  ``DataLoader(ds, batch_size, sampler=EpochShuffleSampler(len(ds), seed=42))`` (the
+  predecessor's way), ``make`` is ``make_loader(ds, batch_size, seed=42)``;
 - ``SAMPLER``: ``lightning`` keeps ``use_distributed_sampler=True`` (the default), ``own`` sets
   ``Trainer(use_distributed_sampler=False)``;
 - ``lazy``: the dataset is opened with ``--lazy-runtime-dir`` (no daemon there: h5py reads);
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from h5serve.client import SharedH5Dataset, make_loader
+from h5serve.client import EpochShuffleSampler, SharedH5Dataset, make_loader
 from h5serve.errors import H5ServeError
 
 
@@ -57,6 +58,8 @@ class Data(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.loader == "plain":
             return DataLoader(self.ds, batch_size=self.batch_size, shuffle=True)
+        if self.loader == "epoch":
+            return DataLoader(self.ds, batch_size=self.batch_size, sampler=EpochShuffleSampler(len(self.ds), seed=42))
         return make_loader(self.ds, self.batch_size, seed=42)
 
     def teardown(self, stage: str) -> None:
