@@ -13,9 +13,9 @@ A case is ``MODE:LOADER:SAMPLER[:FLAG...]``:
 - ``SAMPLER``: ``lightning`` keeps ``use_distributed_sampler=True`` (the default), ``own`` sets
   ``Trainer(use_distributed_sampler=False)``;
 - ``lazy``: the dataset is opened with ``--lazy-runtime-dir`` (no daemon there: h5py reads);
-- ``noset``: the module does not call the batch sampler's ``set_epoch`` (to see what Lightning
-  itself does); by default a ``make`` loader's ``batch_sampler.set_epoch(current_epoch)`` is
-  called in ``on_train_epoch_start``, as docs/frameworks-recipes.md says.
+Nothing in the module calls ``set_epoch``: Lightning does, on ``loader.sampler`` and
+``loader.batch_sampler.sampler`` (h5serve's batch samplers answer to both), and the test
+checks the second epoch is reshuffled.
 
 The dataset is opened in ``LightningDataModule.setup()``: under Lightning's launcher only then
 does the process group exist to give it its rank and world size.
@@ -48,12 +48,9 @@ class Data(L.LightningDataModule):
         self.ds: SharedH5Dataset | None = None
 
     def setup(self, stage: str) -> None:
-        layout = {}
-        if self.mode == "node":  # Lightning's launcher sets LOCAL_RANK but not torchrun's other variables
-            t = self.trainer
-            layout = {"local_rank": t.local_rank, "local_world_size": t.num_devices, "node_rank": t.node_rank,
-                      "num_nodes": t.num_nodes}
-        self.ds = SharedH5Dataset(self.path, "x", "y", mode=self.mode, **self.where, **layout)
+        # node mode: the layout comes from the process group (Lightning's launcher sets LOCAL_RANK
+        # but not torchrun's other variables, which the process group outranks)
+        self.ds = SharedH5Dataset(self.path, "x", "y", mode=self.mode, **self.where)
 
     def train_dataloader(self) -> DataLoader:
         if self.loader == "plain":
@@ -68,15 +65,12 @@ class Data(L.LightningDataModule):
 
 
 class Model(L.LightningModule):
-    def __init__(self, set_epoch: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(48, 2))
-        self.set_epoch = set_epoch
         self.seen: list[list[list[int]]] = []  # per epoch, per batch: the labels
 
     def on_train_epoch_start(self) -> None:
-        if self.set_epoch:
-            self.trainer.train_dataloader.batch_sampler.set_epoch(self.current_epoch)
         self.seen.append([])
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
@@ -92,7 +86,7 @@ def run_case(case: str, args: argparse.Namespace) -> tuple[int, dict]:
     mode, loader, sampler, *flags = case.split(":")
     where = {"runtime_dir": args.lazy_runtime_dir, "fallback": "lazy"} if "lazy" in flags else {"fallback": "error"}
     data = Data(args.path, mode, loader, args.batch_size, where)
-    model = Model(set_epoch=loader == "make" and "noset" not in flags)
+    model = Model()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
                         use_distributed_sampler=sampler == "lightning", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)

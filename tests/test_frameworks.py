@@ -40,11 +40,6 @@ SHARDED = ("contiguous", "interleave", "node")
 MODES = ("global", *SHARDED)
 LENGTHS = {"global": [ROWS, ROWS], "contiguous": [128, 127], "interleave": [128, 127], "node": [ROWS, ROWS]}
 
-# PENDING(lead, issue 10): the tests marked "PENDING" below fail until the detection lands
-# (sampler __iter__ / constructors and SharedH5Dataset.__len__ raising ConfigError); see the
-# comment on each for what the frameworks do today.
-
-
 # --------------------------------------------------------------------------- running the jobs
 
 
@@ -208,7 +203,7 @@ def test_lightning_global_mode_with_lightnings_sampler_covers_every_row_once(lig
 @pytest.mark.parametrize("mode", MODES)
 def test_lightning_make_loader_without_lightnings_sampler_covers_every_row_once(lightning: dict, mode: str) -> None:
     """Trainer(use_distributed_sampler=False), make_loader, the dataset opened in the
-    DataModule's setup(), batch_sampler.set_epoch in on_train_epoch_start: each rank its shard
+    DataModule's setup(), no set_epoch of our own (Lightning reaches it): each rank its shard
     (node: the node's rows dealt), every row once per epoch, equal batches on both ranks."""
     run = lightning[f"{mode}:make:own"]
     assert_every_row_once(run)
@@ -216,22 +211,18 @@ def test_lightning_make_loader_without_lightnings_sampler_covers_every_row_once(
     assert [(rank["rank"], rank["world_size"]) for rank in run] == [(0, 2), (1, 2)]
 
 
-# PENDING(lead): fails until the detection lands. Today, with use_distributed_sampler=True,
-# Lightning rebuilds make_loader's batch sampler as type(bs)(DistributedSampler(ds),
-# batch_size=..., drop_last=...) (lightning/pytorch/utilities/data.py,
-# _dataloader_init_kwargs_resolve_sampler): EpochBatchSampler -> ConfigError "EpochBatchSampler
-# wraps an EpochShuffleSampler, got DistributedSampler", DistributedShuffleSampler -> ConfigError
-# "data_len must be a non-negative integer, got <DistributedSampler>", NodeShuffleSampler ->
-# builtins TypeError "missing 2 required positional arguments". Loud, but no message names the fix.
+# With use_distributed_sampler=True Lightning rebuilds make_loader's batch sampler as
+# type(bs)(DistributedSampler(ds), batch_size=..., drop_last=...) (lightning/fabric/utilities/
+# data.py, _dataloader_init_kwargs_resolve_sampler). Before h5serve checked for it the three
+# samplers failed with messages that did not name the fix (one a builtins TypeError).
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", MODES)
 def test_lightning_default_sampler_with_make_loader_never_double_shards(lightning: dict, mode: str) -> None:
     assert_correct_or_refused(lightning[f"{mode}:make:lightning"], fix="use_distributed_sampler=False")
 
 
-# PENDING(lead): fails until the detection lands. Today, with the defaults, Lightning shards a
-# DataLoader of your own over a contiguous or interleave shard a second time, silently: each
-# rank sees half of its shard. "plain" (shuffle=True) gets DistributedSampler(ds): caught by
+# With the defaults Lightning would shard a DataLoader of your own over a contiguous or
+# interleave shard a second time, silently: each rank would see half of its shard. "plain" (shuffle=True) gets DistributedSampler(ds): caught by
 # SharedH5Dataset.__len__ refusing DistributedSampler. "epoch" (sampler=EpochShuffleSampler)
 # gets DistributedSamplerWrapper, whose _DatasetSamplerWrapper iterates the EpochShuffleSampler:
 # caught by the sampler's __iter__. (node on one node holds every row, so there it works.)
@@ -273,10 +264,9 @@ def test_accelerate_make_loader_not_prepared_covers_every_row_once(accelerate: d
     assert [rank["len"] for rank in run] == LENGTHS[mode]
 
 
-# PENDING(lead): fails until the samplers refuse BatchSamplerShard. Today accelerator.prepare
-# wraps make_loader's batch sampler in BatchSamplerShard, which keeps every other batch of the
-# rank's already sharded epoch: with these sizes (4 full batches per rank) each rank trains on
-# 2, half the rows per epoch, silently in every mode. With a short last batch it fails instead,
+# accelerator.prepare wraps make_loader's batch sampler in BatchSamplerShard, which keeps every other batch of the
+# rank's already sharded epoch: with these sizes (4 full batches per rank) each rank would
+# train on 2, half the rows per epoch, silently in every mode. With a short last batch it failed,
 # at the end of the first epoch, with builtins errors (RuntimeError "Boolean value of Tensor
 # with more than one value is ambiguous" on one rank, TypeError "unsupported operand type(s)
 # for +=: 'Tensor' and 'list'" on the other).
@@ -286,12 +276,11 @@ def test_accelerate_make_loader_through_prepare_never_double_shards(accelerate: 
     assert_correct_or_refused(accelerate[f"{mode}:make:prepare"], fix="prepare")
 
 
-# PENDING(lead). Today a DataLoader of your own over a contiguous/interleave shard, prepared,
-# is sharded again by BatchSamplerShard, silently: each rank sees about half of its shard.
-# "epoch" (sampler=EpochShuffleSampler) is caught by the sampler's __iter__ under
-# BatchSamplerShard. "plain" (torch's BatchSampler over a RandomSampler) is NOT covered by the
-# detection planned so far: no h5serve sampler is iterated and no DistributedSampler measures
-# the dataset.
+# A DataLoader of your own over a contiguous/interleave shard, prepared, would be sharded again
+# by BatchSamplerShard, silently: each rank would see about half of its shard. "epoch"
+# (sampler=EpochShuffleSampler) is caught by the sampler's __iter__ under BatchSamplerShard;
+# "plain" (torch's BatchSampler over a RandomSampler) by the dataset's len() measured from
+# inside Accelerate's wrapper.
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", ["contiguous:plain", "interleave:plain", "contiguous:epoch"])
 def test_accelerate_own_loader_on_a_shard_through_prepare_never_double_shards(accelerate: dict,
