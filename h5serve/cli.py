@@ -159,6 +159,8 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
     if args.no_checksum:
         cmd.append("--no-checksum")
+    if args.keep_page_cache:
+        cmd.append("--keep-page-cache")
     for root in args.allow_root or ():
         cmd += ["--allow-root", root]
     log = _open_log(dir_fd)
@@ -198,6 +200,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         metrics_textfile=Path(os.path.abspath(args.metrics_textfile)) if args.metrics_textfile else None,
         stall_timeout=args.stall_timeout if args.stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S,
         checksum=not args.no_checksum,
+        drop_page_cache=not args.keep_page_cache,
     )
     try:
         serve(config)
@@ -438,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checksum", action="store_true",
                    help="do not store a crc32 of each segment's rows (saves ~0.1 s per 300 MiB loaded; "
                    "`status --verify` then cannot check content)")
+    p.add_argument("--keep-page-cache", action="store_true",
+                   help="leave the source files' pages a load read in the page cache (default: drop them once the "
+                   "segment is ready, so the node holds the data once)")
     p.set_defaults(func=cmd_start)
 
     p = with_runtime(sub.add_parser("stop", help="stop the daemon and unlink its segments"))

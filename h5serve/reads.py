@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from .errors import DataError
-from .rawcopy import COPY_BUFFER_BYTES, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
+from .rawcopy import FileCopier, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
 from .sharding import RowRange, Selection, as_rows
 from .source import DatasetInfo
 
@@ -157,40 +157,44 @@ def read_shard_into(
     out_row = row_bytes(info, out.dtype)
     buffer: np.ndarray | None = None
     stage: np.ndarray | None = None
-    copy = _row_copier(dset, info, rows, out, dest) if dest is not None else None
-    for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
-        k0, k1 = _local_range(a, b, start, step, len(out))
-        if k1 <= k0:
-            continue
-        if copy is not None and copy(k0, k1):
-            copied += (k1 - k0) * out_row
-        elif dest is not None:
-            if stage is None or len(stage) < k1 - k0:
-                stage = np.empty((k1 - k0, *out.shape[1:]), dtype=out.dtype)
-            buffer = _read_positions(dset, info, start, step, k0, k1, stage[: k1 - k0], buffer)
-            write_all(dest[0], memoryview(stage[: k1 - k0].reshape(-1).view(np.uint8)), dest[1] + k0 * out_row)
-        else:
-            buffer = _read_positions(dset, info, start, step, k0, k1, out[k0:k1], buffer)
-        done += k1 - k0
-        if progress is not None:
-            progress(done)
+    copier = FileCopier() if dest is not None else None
+    try:
+        copy = _row_copier(dset, info, rows, out.dtype, dest, copier) if copier is not None and dest is not None else None
+        for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
+            k0, k1 = _local_range(a, b, start, step, len(out))
+            if k1 <= k0:
+                continue
+            if copy is not None and copy(k0, k1):
+                copied += (k1 - k0) * out_row
+            elif dest is not None:
+                if stage is None or len(stage) < k1 - k0:
+                    stage = np.empty((k1 - k0, *out.shape[1:]), dtype=out.dtype)
+                buffer = _read_positions(dset, info, start, step, k0, k1, stage[: k1 - k0], buffer)
+                write_all(dest[0], memoryview(stage[: k1 - k0].reshape(-1).view(np.uint8)), dest[1] + k0 * out_row)
+            else:
+                buffer = _read_positions(dset, info, start, step, k0, k1, out[k0:k1], buffer)
+            done += k1 - k0
+            if progress is not None:
+                progress(done)
+    finally:
+        if copier is not None:
+            copier.close()
     return copied
 
 
-def _row_copier(dset: h5py.Dataset, info: DatasetInfo, rows: RowRange, out: np.ndarray,
-                dest: tuple[int, int]) -> Callable[[int, int], bool] | None:
+def _row_copier(dset: h5py.Dataset, info: DatasetInfo, rows: RowRange, out_dtype: np.dtype,
+                dest: tuple[int, int], copier: FileCopier) -> Callable[[int, int], bool] | None:
     """``copy(k0, k1)``: copy the selection's rows at local positions ``[k0, k1)`` file to file
-    into ``dest``, False when they must go through h5py; None when no row can be copied."""
-    stored = stored_rows(dset, info, out.dtype) if rows.step == 1 else None
+    into ``dest`` with ``copier``, False when they must go through h5py; None when no row can be copied."""
+    stored = stored_rows(dset, info, out_dtype) if rows.step == 1 else None
     if stored is None:
         return None
-    buffer = memoryview(bytearray(COPY_BUFFER_BYTES))
     first = rows.start
     fd, offset = dest
 
     def copy(k0: int, k1: int) -> bool:
         try:
-            return copy_rows(stored, first + k0, first + k1, fd, offset + k0 * stored.row_bytes, buffer)
+            return copy_rows(stored, first + k0, first + k1, fd, offset + k0 * stored.row_bytes, copier)
         except OSError as exc:
             raise read_error(exc, dset, info, first + k0, first + k1) from exc
 

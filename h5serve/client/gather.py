@@ -1,39 +1,42 @@
 """Gathering a batch of rows out of an array that holds a shard, in the output dtype.
 
 The hot path of every backend that keeps rows in memory (a read-only shm mapping, the lazy
-backend's chunk cache, the compat preload): one ``torch.index_select`` per array per batch
-(a memcpy per row on torch's thread pool, no Python per row), then the cast on the gathered
-batch only. Casts that are not exact ("safe" in NumPy's terms) and dtypes torch lacks go
-through NumPy, so every cast follows NumPy's rules.
+backend's chunk cache, the compat preload): per array and batch, one single-threaded
+``np.take`` (a memcpy per row, no Python per row) into a freshly allocated array, handed
+over as a tensor (``torch.from_numpy``: no copy), and, when another dtype was asked for, one
+``astype`` of the gathered batch only, so every cast follows NumPy's rules. The source array (a read-only mapping) is only ever read; every batch is new
+memory, so in-place transforms of a batch are safe and reach nothing else.
 
-Fork safety, and why this module touches torch's thread count: once a process has used
-torch's OpenMP pool, a child it ``fork()``s hangs in its first parallel torch op (GNU OpenMP
-is not fork-safe). DataLoader escapes this by giving its workers one thread; a process that
-gathered here does the same for every child it forks afterwards (``os.register_at_fork``),
-so using a dataset never makes a later ``fork`` hang.
+Why single-threaded, and why not torch: ``torch.index_select`` (and ``.to`` for the cast)
+run on torch's intra-op OpenMP pool once a batch is over ~32k elements. On a quiet machine
+two threads gather a little faster than one; on a real training node something else always
+holds a core (another rank, DataLoader workers, the model, another job), and the pool's
+threads then wait for each other at the end of every batch: beside one busy process on two
+cores, the old gather ran ~10x slower than one thread (docs/performance.md has the figures).
+A batch of a few hundred rows is a few hundred microseconds of memcpy; one thread does it
+at memory speed without ever waiting for another.
+
+Threads and fork safety: the gather never sets torch's thread count and never runs on its
+OpenMP pool; index handling (``as_positions``) is NumPy too, since torch's ``where``, ``to``
+and ``clone`` go parallel past ~32k elements. One fork guard stays, for what h5serve does not
+control here: the samplers' per-epoch ``torch.randperm`` (kept for DistributedSampler's exact
+order) runs on the pool for shards of 32k rows or more, and once the pool has started, a child
+that the process ``fork()``s hangs in its first parallel torch op (GNU OpenMP is not
+fork-safe; measured with this torch build). So a process that gathered gives every child it
+forks afterwards one torch thread (``os.register_at_fork``), exactly as DataLoader does for its
+workers. That touches only children, never the process itself: ``torch.get_num_threads()`` is
+what the user set. A child that knows its OpenMP runtime is fork-safe may raise it again.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
 import numpy as np
 import torch
 
 __all__ = ["RowSource", "as_positions"]
 
-_TORCH_DTYPES = {
-    np.dtype(np.bool_): torch.bool,
-    np.dtype(np.uint8): torch.uint8,
-    np.dtype(np.int8): torch.int8,
-    np.dtype(np.int16): torch.int16,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.float16): torch.float16,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.float64): torch.float64,
-}
 _fork_guard_registered = False
 
 
@@ -48,67 +51,90 @@ def _guard_forks() -> None:
         _fork_guard_registered = True
 
 
-def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory, which may be a read-only mapping. Only ever read
-    (index_select copies out): writing through it would fault, and it never reaches users."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
-        return torch.from_numpy(array)
-
-
 class RowSource:
     """Rows of one array, gathered by local position into fresh tensors of ``out_dtype``.
 
-    ``array`` is kept alive by this object (for a mapping: the mapping and its lease).
+    ``array`` is kept alive by this object (for a mapping: the mapping and its lease), and
+    only ever read: it may be a read-only mapping.
     """
 
     def __init__(self, array: np.ndarray, out_dtype: np.dtype) -> None:
         self.array = array
         self.out_dtype = np.dtype(out_dtype)
-        torch_in, torch_out = _TORCH_DTYPES.get(array.dtype), _TORCH_DTYPES.get(self.out_dtype)
-        self._tensor = _readonly_tensor(array) if torch_in is not None and array.flags.c_contiguous else None
-        same = array.dtype == self.out_dtype
-        exact = np.can_cast(array.dtype, self.out_dtype, "safe")
-        self._torch_cast = torch_out if not same and exact and torch_out is not None else None
-        self._numpy_cast = not same and self._torch_cast is None
+        self._same = array.dtype == self.out_dtype
 
     def take(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rows at ``positions`` (an int64 tensor of valid, non-negative positions)."""
-        if self._tensor is None:
-            rows = np.take(self.array, positions.numpy(), axis=0)
-            return torch.from_numpy(rows if rows.dtype == self.out_dtype else rows.astype(self.out_dtype))
-        _guard_forks()
-        gathered = torch.index_select(self._tensor, 0, positions)
-        if self._torch_cast is not None:
-            return gathered.to(self._torch_cast)
-        if self._numpy_cast:
-            return torch.from_numpy(gathered.numpy().astype(self.out_dtype))
-        return gathered
+        """Rows at ``positions`` (an int64 tensor of valid, non-negative positions, as
+        ``as_positions`` returns) as a new tensor of ``out_dtype``."""
+        if not _fork_guard_registered:
+            _guard_forks()
+        # mode="clip": positions are checked already (as_positions). The array's own take (not
+        # np.take's Python wrapper) allocates the batch: measured ~10% faster than gathering into
+        # a torch.empty tensor's buffer (out=), and with mode="raise" out= would gather into a
+        # temporary and copy it again.
+        rows = self.array.take(_as_array(positions), axis=0, mode="clip")
+        return torch.from_numpy(rows if self._same else rows.astype(self.out_dtype))
+
+
+# The last positions as_positions returned and their NumPy view: each array of a batch gathers
+# with the same positions, and tensor.numpy() costs ~1.5 us a call (one tuple, swapped whole,
+# so a reader always sees a tensor with its own view, whatever the threads).
+_last: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
+
+
+def _as_array(positions: torch.Tensor) -> np.ndarray:
+    last = _last
+    return last[1] if last[0] is positions else positions.numpy()
+
+
+def _remember(positions: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+    global _last
+    _last = (positions, array)
+    return positions
 
 
 def as_positions(indices: object, length: int) -> torch.Tensor:
     """Local indices (a list of ints, an array or a tensor; negatives count from the end) as a
-    flat int64 tensor of positions in ``[0, length)``.
+    flat int64 CPU tensor of positions in ``[0, length)``, never a view of a bigger tensor.
 
-    Raised when an index is out of range: IndexError (as for a list).
+    All in NumPy: torch's own ops on large index tensors would start its thread pool (see the
+    module docstring). The int64 tensors h5serve's samplers hand over cost one reduction
+    (~5 us in all) and are returned as they are.
+
+    Raised when an index is out of range, or not an integer: IndexError (as for a list).
     """
     if isinstance(indices, torch.Tensor):
-        positions = indices.reshape(-1)
-        if positions.storage_offset() or positions.untyped_storage().nbytes() > positions.nbytes:
-            positions = positions.clone()  # a view of a bigger tensor slows index_select in proportion to it
-        if positions.dtype != torch.int64:
-            if positions.dtype.is_floating_point or positions.dtype == torch.bool:
-                raise IndexError(f"indices must be integers, got a tensor of {positions.dtype}")
-            positions = positions.to(torch.int64)
+        if (indices.dtype is torch.int64 and indices.is_cpu and indices.dim() == 1 and not indices.storage_offset()
+                and indices.untyped_storage().nbytes() == indices.nbytes):
+            array = indices.numpy()  # shares its memory
+            # one pass: negatives are huge as unsigned, so this is "all in [0, length)"
+            if not array.size or np.maximum.reduce(array.view(np.uint64)) < length:
+                return _remember(indices, array)
+            return _remember(*_checked(indices, array, length))
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise IndexError(f"indices must be integers, got a tensor of {indices.dtype}")
+        # another integer dtype, another device, more dimensions or a view of a bigger tensor
+        # (e.g. of a whole epoch's order): a compact int64 copy, so that what the backends get
+        # never keeps the rest alive
+        array = indices.numpy(force=True).astype(np.int64).reshape(-1)
     else:
         array = np.asarray(indices)
         if array.dtype.kind not in "iu" and array.size:
             raise IndexError(f"indices must be integers, got {array.dtype} values")
-        positions = torch.from_numpy(array.astype(np.int64, copy=False).reshape(-1))
-    if positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
+        array = array.astype(np.int64, copy=False).reshape(-1)
+    return _remember(*_checked(None, array, length))
+
+
+def _checked(positions: torch.Tensor | None, array: np.ndarray, length: int) -> tuple[torch.Tensor, np.ndarray]:
+    """``positions`` (None: ``array`` as a tensor) with negatives counted from the end.
+
+    Raised when an index is out of range: IndexError.
+    """
+    if array.size:
+        lo, hi = int(np.minimum.reduce(array)), int(np.maximum.reduce(array))
         if lo < -length or hi >= length:
             raise IndexError(f"index out of range for {length} rows")
         if lo < 0:
-            positions = torch.where(positions < 0, positions + length, positions)
-    return positions
+            array = np.where(array < 0, array + length, array)
+            positions = None
+    return (torch.from_numpy(array) if positions is None else positions), array

@@ -69,6 +69,7 @@ class DaemonConfig:
     metrics_textfile: Path | None = None  # write h5serve.prom there for node_exporter
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a load without progress this long is killed and fails
     checksum: bool = True  # loaders store a crc32 of the rows in the header (status --verify checks it)
+    drop_page_cache: bool = True  # loaders drop the source file's cached pages of the rows they read
 
     def __post_init__(self) -> None:
         for name in ("loaders", "load_processes"):

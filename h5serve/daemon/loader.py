@@ -19,6 +19,19 @@ inherited: the writer, the reply pipe). The loader
 alone holds the temporary's ``flock`` (the children's inherited fds share its open file
 description, so a child exiting releases nothing), aborts the temporary if any part fails
 and publishes only when every part succeeded.
+
+Page cache (``LoadJob.drop_page_cache``, on unless ``h5serve start --keep-page-cache``): reading
+the rows leaves the source file's pages in the page cache, a second copy of the data next to
+the segment. Once the segment is published and the daemon told, the loader drops those pages
+with ``posix_fadvise(POSIX_FADV_DONTNEED)``, over exactly the bytes of the file that reading
+the load's rows reads (``rawcopy.data_extents``: the rows of uncompressed data, the whole
+stored chunks of filtered data) and through the descriptor it read them with, so never pages
+of another file, nor of another dataset of the same file (a concurrent load of ``y`` next to
+``x`` keeps its pages), nor HDF5's metadata. Pages of those bytes that other processes had
+cached go too (the page cache is shared); pages mapped by a process stay. The store leaves
+the pages in place when a load still waiting for a loader will read some of the same rows
+(interleaved shards of more ranks than ``--loaders``: every rank's load reads every row), so
+that the last of them drops them.
 """
 
 from __future__ import annotations
@@ -36,9 +49,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
+import h5py
 import numpy as np
 
 from ..errors import SegmentError, SourceChanged, code_for
+from ..rawcopy import data_extents, drop_cached
 from ..reads import read_shard_into, row_bytes, shard_span, split_span
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
@@ -67,6 +82,7 @@ class LoadJob:
     daemon_pid: int = 0
     load_processes: int = 1  # processes one load may be split across (the loader and its children)
     checksum: bool = True  # crc32 of the rows into the header, for `h5serve status --verify`
+    drop_page_cache: bool = True  # drop the source file's cached pages of the rows read, once published
 
 
 class DaemonGone(Exception):
@@ -300,14 +316,27 @@ class _Parts:
 
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-               progress: Callable[[int], None]) -> int:
+               progress: Callable[[int], None], f: h5py.File | None = None) -> int:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
-    this process's own h5py handle. Returns the bytes copied file to file (``pwrite`` takes
-    explicit offsets, so every part can write through the one inherited descriptor)."""
-    with open_h5(meta.source_path) as f:
-        info = inspect_dataset(f, meta.key)
-        return read_shard_into(f[meta.key], info, rows, writer.data, progress, span=span,
-                               dest=writer.data_target())
+    this process's own h5py handle (``f``, or the file opened here). Returns the bytes copied
+    file to file (``pwrite`` and ``splice`` take explicit offsets, so every part can write
+    through the one inherited descriptor)."""
+    if f is None:
+        with open_h5(meta.source_path) as f:
+            return _read_part(meta, rows, writer, span, progress, f)
+    info = inspect_dataset(f, meta.key)
+    return read_shard_into(f[meta.key], info, rows, writer.data, progress, span=span, dest=writer.data_target())
+
+
+def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int, list[tuple[int, int]]]:
+    """The descriptor of the file that holds ``meta.key``'s rows (an external link's target
+    included) and the byte ranges of it that this load read; ``(-1, [])`` when not known."""
+    try:
+        dset = f[meta.key]
+        extents = data_extents(dset, *rows.span)
+        return (dset.file.id.get_vfd_handle(), extents) if extents else (-1, [])
+    except Exception:  # noqa: BLE001 - an optimisation: a dataset it cannot describe keeps its pages
+        return -1, []
 
 
 def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int, int] | None]:
@@ -360,29 +389,34 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 writer.set_progress(total)
                 shown = total
 
-        copied = _read_part(meta, rows, writer, spans[0], progress)
-        finished = [time.monotonic_ns()]
-        while parts is not None and parts.children:
+        with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
+            copied = _read_part(meta, rows, writer, spans[0], progress, source)
+            finished = [time.monotonic_ns()]
+            while parts is not None and parts.children:
+                if daemon_gone():
+                    raise DaemonGone()
+                parts.check(_WAIT_S)
+                progress(int(parts.counters[0]))
+            if parts is not None:
+                finished += parts.finished[1:].tolist()
+                copied += int(parts.copied[1:].sum())
+            read_done = time.monotonic_ns()
+            # every part is reaped: nothing writes into the rows any more
+            checksum = writer.compute_checksum(job.load_processes) if job.checksum else ""
+            fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache else (-1, [])
+            stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
+                     "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
+                     "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9,
+                     "page_cache_drop_bytes": sum(size for _, size in extents)}
+            if not sources_unchanged(meta.source, meta.linked):
+                raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
             if daemon_gone():
                 raise DaemonGone()
-            parts.check(_WAIT_S)
-            progress(int(parts.counters[0]))
-        if parts is not None:
-            finished += parts.finished[1:].tolist()
-            copied += int(parts.copied[1:].sum())
-        read_done = time.monotonic_ns()
-        # every part is reaped: nothing writes into the rows any more
-        checksum = writer.compute_checksum(job.load_processes) if job.checksum else ""
-        stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
-                 "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
-                 "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9}
-        if not sources_unchanged(meta.source, meta.linked):
-            raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
-        if daemon_gone():
-            raise DaemonGone()
-        writer.publish(job.final_name)
-        writer = None
-        reply.send(("ok", "", "", stats))
+            writer.publish(job.final_name)
+            writer = None
+            reply.send(("ok", "", "", stats))
+            # after the reply: the segment is ready for its jobs while the pages go
+            drop_cached(fd, extents)
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
         if parts is not None:
             parts.kill_all()  # before the temporary goes: nothing writes into it any more

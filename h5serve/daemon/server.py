@@ -199,6 +199,7 @@ class Server:
             group=config.group, allow_roots=config.allow_roots, budget_rule=rule,
             load_processes=config.load_processes or default_load_processes(),
             stall_timeout=config.stall_timeout, checksum=config.checksum,
+            drop_page_cache=config.drop_page_cache,
         )
         self._stopping = False
         self.started = time.time()

@@ -115,10 +115,12 @@ class SegmentStore:
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
         load_processes: int = 1, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, checksum: bool = True,
+        drop_page_cache: bool = True,
     ) -> None:
         self.budget_rule = budget_rule
         self.stall_timeout = stall_timeout  # a load without progress for this long is stopped
         self.checksum = checksum  # loaders store a crc32 of the rows (status --verify compares it)
+        self.drop_page_cache = drop_page_cache  # loaders drop the source's cached pages of the rows they read
         self._last_stall_check = time.monotonic()
         self._reaping: list[Process] = []  # loaders that finished or were killed, not yet reaped
         self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
@@ -274,12 +276,29 @@ class SegmentStore:
                 return
             if entry.state == "loading" and entry.process is None:
                 job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
-                              self.load_processes, self.checksum)
+                              self.load_processes, self.checksum,
+                              self.drop_page_cache and not self._read_again_soon(entry))
                 entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = entry.active_at = time.monotonic()
                 running += 1
                 log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
                          entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
+
+    def _read_again_soon(self, entry: Entry) -> bool:
+        """Whether a load still waiting for a loader reads some of the same rows of the same
+        dataset as ``entry``'s (interleaved shards: every rank's load reads every row). Then
+        ``entry``'s loader keeps the source's pages cached for it; the last such load drops them."""
+        meta = entry.meta
+        first, last = meta.row_range.span
+        for other in self.entries.values():
+            if other is entry or other.state != "loading" or other.process is not None:
+                continue
+            o = other.meta
+            if (o.source, o.key, o.linked) == (meta.source, meta.key, meta.linked):
+                a, b = o.row_range.span
+                if a < last and first < b:
+                    return True
+        return False
 
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())
@@ -408,12 +427,14 @@ class SegmentStore:
         read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
         entry.load_read_seconds = read_s
         log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
-                  "(parts done after %s s): %.0f rows/s, %.1f MB/s; checksum %s in %.2fs",
+                  "(parts done after %s s): %.0f rows/s, %.1f MB/s; checksum %s in %.2fs; page cache dropped over "
+                  "%s of the source",
                   entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
                   float(stats.get("create_s", 0.0)), read_s,
                   "/".join(f"{t:.2f}" for t in stats.get("part_s", ())) or "?",
                   entry.meta.rows / read_s, entry.meta.nbytes / read_s / 1e6,
-                  entry.checksum or "not computed", float(stats.get("checksum_s", 0.0)))
+                  entry.checksum or "not computed", float(stats.get("checksum_s", 0.0)),
+                  format_bytes(int(stats.get("page_cache_drop_bytes", 0))))
         if self.on_loaded is not None:
             self.on_loaded(entry.load_seconds)
 
