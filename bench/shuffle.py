@@ -195,5 +195,39 @@ def shuffle_chart(qualities: list[Quality], out: Path) -> bool:
     return True
 
 
+def shuffle_section(qualities: list[Quality], png: bool) -> str:
+    if not qualities:
+        return "(the shuffle group was not run)"
+    return f"""Which rows and classes rank 0 of a 2-rank job on one node sees over {EPOCHS} epochs, on a
+class-sorted file ({ROWS:,} rows, {CLASSES} classes in blocks of {ROWS // CLASSES:,}, as a file written class by
+class is), batch {BATCH}. Each rank's `SharedH5Dataset` is served by a daemon and iterated with
+`make_loader(ds, batch_size={BATCH}, seed={SEED})` and `set_epoch` per epoch: the rows a job sees
+(x is each row's number, y its label). Deterministic: no timing, the same on every machine.
+
+{shuffle_table(qualities)}
+
+{"![shuffle quality](shuffle.png)" if png else "(no chart: matplotlib was not installed)"}
+
+- *share seen*: distinct rows rank 0 saw over the {EPOCHS} epochs, of all rows; *overlap*: Jaccard
+  index of rank 0's rows in consecutive epochs (mean of the {EPOCHS - 1} pairs; 1.0: the same rows every
+  epoch); *classes per batch*: mean distinct labels in rank 0's batches; *rows per epoch, all
+  ranks*: share of the rows the job's ranks saw together in an epoch (mean); *DistributedSampler's
+  batches*: rank 0's batches are, row for row, those of `DataLoader(batch_size={BATCH},
+  sampler=DistributedSampler(shuffle=True, seed={SEED}))` with the same world size.
+- `global` is DistributedSampler's order exactly; `node` on one node permutes the same rows
+  from its own generator, so the same figures, not the same batches. Two random halves of the
+  data in consecutive epochs overlap by 1/3 (Jaccard), and 1 - 0.5^{EPOCHS} = {1 - 0.5**EPOCHS:.2f} of the rows
+  are seen in {EPOCHS} epochs.
+- `contiguous` holds rank 0 to half the file, and on class-sorted data to half the classes,
+  forever: `make_loader` shuffles within the shard, so batches mix the {CLASSES // 2} classes the shard has
+  (never {CLASSES}). `interleave` gives every class to every rank but the same rows every epoch.
+  Under DDP the gradient of a step averages both ranks (all {CLASSES} classes); what stays per rank is
+  BatchNorm's batch statistics and anything else computed from one rank's batch.
+- `node, 2 nodes x 2 ranks` (explicit layout, rank 0 on node 0): each node shuffles its own
+  half of the file, so rank 0 never sees the other node's rows or classes: node mode across
+  nodes is a node-level shard, reshuffled every epoch.
+"""
+
+
 def as_dicts(qualities: list[Quality]) -> list[dict]:
     return [asdict(q) for q in qualities]

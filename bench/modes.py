@@ -1,0 +1,146 @@
+"""The ``modes`` group: what global and node mode cost next to per-rank contiguous shards.
+
+One daemon, the plain bench file. A first job of world size 2 attaches the global dataset on
+both ranks (rank 0 loads it); then the node's /dev/shm use is measured; a second job with
+another world size attaches the same rows; and rank 0 of 2 iterates in global, node (one node
+of 2 ranks) and contiguous mode, epochs interleaved so that load from other processes on the
+machine falls on every mode alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from h5serve.client import SharedH5Dataset, make_loader
+
+from .baselines import SeedRankMemCachedDataset
+from .common import BenchDaemon, Row, clock, log, median_time
+
+BATCH = 256
+WORLD, OTHER_WORLD = 2, 4
+MODES = ("contiguous", "global", "node")
+
+
+def _dataset(path: Path, daemon: BenchDaemon, mode: str, rank: int = 0, world: int = WORLD,
+             **kwargs: object) -> SharedH5Dataset:
+    layout = {"local_rank": rank, "local_world_size": world, "node_rank": 0, "num_nodes": 1} if mode == "node" else {}
+    return SharedH5Dataset(path, "x", "y", mode=mode, rank=rank, world_size=world, runtime_dir=daemon.runtime_dir,
+                           fallback="error", timeout=600, **layout, **kwargs)
+
+
+def _segment_bytes(daemon: BenchDaemon, mode: str) -> tuple[int, int]:
+    """(bytes /dev/shm holds for the daemon's segments serving ``mode``, as tmpfs allocates
+    them; the segments' size as the daemon reports it) from ``h5serve status --json``."""
+    status = json.loads(daemon.cli("status", "--json").stdout)
+    segments = [s for s in status["segments"] if mode in s["modes"]]
+    held = sum(os.stat(Path(status["shm_dir"]) / s["name"]).st_blocks * 512 for s in segments)
+    return held, sum(s["bytes"] for s in segments)
+
+
+def _epoch_rate(loader, epoch: int) -> float:
+    loader.batch_sampler.set_epoch(epoch)
+    n, t = 0, clock()
+    for x, _ in loader:
+        n += len(x)
+    return n / (clock() - t)
+
+
+def _memcpy_time(path: Path, repeat: int) -> float:
+    """Seconds to copy x once into already-touched memory: the least any private preload pays."""
+    with h5py.File(path, "r") as f:
+        x = f["x"][...]
+    dst = np.empty_like(x)
+    dst[:] = 0
+    return median_time(lambda: np.copyto(dst, x), repeat)
+
+
+def memory_and_attach(path: Path, daemon: BenchDaemon, repeat: int) -> list[Row]:
+    """Node memory of a world-size-2 job in global mode; a world-size-4 job attaching it."""
+    with h5py.File(path, "r") as f:
+        native = sum(f[k].size * f[k].dtype.itemsize for k in ("x", "y"))
+    first_job = [_dataset(path, daemon, "global", rank) for rank in range(WORLD)]
+    held, reported = _segment_bytes(daemon, "global")
+    shards = [_dataset(path, daemon, "contiguous", rank) for rank in range(WORLD)]
+    shards_held, _ = _segment_bytes(daemon, "contiguous")
+    for ds in shards:
+        ds.close()
+    mib = 1024**2
+    rows = [Row(f"memory: a {WORLD}-rank job in global mode on one node, /dev/shm (x of the data's native size)",
+                "x native", held / native, shards_held / native, 1.0, higher_is_better=False,
+                target="<= 1.1x native", target_vs_limit=1 / 1.1,
+                note=f"native {native / mib:,.1f} MiB; segments {held / mib:,.1f} MiB held in /dev/shm "
+                     f"({reported / mib:,.1f} MiB by status); baseline: the same job's per-rank contiguous "
+                     f"shards ({shards_held / mib:,.1f} MiB)")]
+
+    def attach(world: int) -> None:
+        _dataset(path, daemon, "global", 0, world, dtype_x=np.float32).close()
+
+    h5 = median_time(lambda: attach(OTHER_WORLD), repeat * 3)
+    alone = median_time(lambda: attach(1), repeat * 3)
+    seed = median_time(lambda: SeedRankMemCachedDataset(str(path), "x", "y", rank=0, world_size=1), repeat)
+    memcpy = _memcpy_time(path, repeat)
+    rows.append(Row(f"ready: a world-size-{OTHER_WORLD} job attaching the global dataset a world-size-{WORLD} job "
+                    "loaded, vs seed preload of all rows (float32 out)", "ms", h5 * 1e3, seed * 1e3, memcpy * 1e3,
+                    higher_is_better=False, target=">= 50x faster", target_ratio=50,
+                    note=f"world size 1: {alone * 1e3:.2f} ms; seed: RankMemCachedH5Dataset of every row (rank 0 "
+                         "of 1, its float32 cast); limit: memcpy of x"))
+    for ds in first_job:
+        ds.close()
+    return rows
+
+
+def _best_rates(loaders: dict, rounds: int, threads: int) -> dict[str, float]:
+    """Best epoch of each mode over ``rounds`` rounds of one epoch per mode, with ``threads``
+    torch threads (the gather's)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = dict.fromkeys(loaders, 0.0)
+    try:
+        for epoch in range(rounds):
+            for mode, loader in loaders.items():
+                best[mode] = max(best[mode], _epoch_rate(loader, epoch))
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
+def iteration(path: Path, daemon: BenchDaemon, epochs: int) -> list[Row]:
+    """Rank 0 of 2: global and node mode against contiguous mode, best epoch of each, with
+    this process's torch threads (as the iterate group) and with one (as torchrun gives each
+    of 2 ranks on a node: OMP_NUM_THREADS=1)."""
+    datasets = {mode: _dataset(path, daemon, mode) for mode in MODES}
+    loaders = {mode: make_loader(ds, BATCH, seed=0) for mode, ds in datasets.items()}
+    threads = torch.get_num_threads()
+    best = _best_rates(loaders, max(epochs, 5), threads)
+    one = _best_rates(loaders, max(epochs, 5), 1) if threads > 1 else best
+    batches = {mode: len(loaders[mode].batch_sampler) for mode in MODES}
+    rows = []
+    for mode, what in (("global", "DistributedShuffleSampler over every row"),
+                       ("node", "NodeShuffleSampler over the node's rows (one node)")):
+        rows.append(Row(f"iterate shm, workers=0: {mode} mode vs contiguous mode (rank 0 of {WORLD})", "samples/s",
+                        best[mode], best["contiguous"], target=">= 0.9x contiguous", target_ratio=0.9,
+                        note=f"{what}; {batches[mode]} batches of {BATCH} per epoch (contiguous: "
+                             f"{batches['contiguous']}); baseline: make_loader over rank 0's contiguous shard, "
+                             f"epochs interleaved; {threads} torch threads; with 1: {one[mode]:,.0f} vs "
+                             f"{one['contiguous']:,.0f} samples/s ({one[mode] / one['contiguous']:.2f}x)",
+                        extra={"threads": threads, "one_thread": one[mode],
+                               "one_thread_contiguous": one["contiguous"]}))
+    for ds in datasets.values():
+        ds.close()
+    return rows
+
+
+def run_modes(files: dict[str, Path], repeat: int, epochs: int) -> list[Row]:
+    path = files["plain"]
+    with BenchDaemon() as daemon:
+        log("modes: global-mode memory and a second job attaching it")
+        rows = memory_and_attach(path, daemon, repeat)
+        log("modes: iteration in global, node and contiguous mode")
+        rows += iteration(path, daemon, epochs)
+    return rows
