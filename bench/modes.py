@@ -3,8 +3,8 @@
 One daemon, the plain bench file. A first job of world size 2 attaches the global dataset on
 both ranks (rank 0 loads it); then the node's /dev/shm use is measured; a second job with
 another world size attaches the same rows; and rank 0 of 2 iterates in global, node (one node
-of 2 ranks) and contiguous mode, epochs interleaved so that load from other processes on the
-machine falls on every mode alike.
+of 2 ranks) and contiguous mode in lockstep, a batch of each in turn, so that load from other
+processes on the machine falls on every mode alike.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from h5serve.client import SharedH5Dataset, make_loader
 
@@ -41,14 +42,6 @@ def _segment_bytes(daemon: BenchDaemon, mode: str) -> tuple[int, int]:
     segments = [s for s in status["segments"] if mode in s["modes"]]
     held = sum(os.stat(Path(status["shm_dir"]) / s["name"]).st_blocks * 512 for s in segments)
     return held, sum(s["bytes"] for s in segments)
-
-
-def _epoch_rate(loader, epoch: int) -> float:
-    loader.batch_sampler.set_epoch(epoch)
-    n, t = 0, clock()
-    for x, _ in loader:
-        n += len(x)
-    return n / (clock() - t)
 
 
 def _memcpy_time(path: Path, repeat: int) -> float:
@@ -95,31 +88,44 @@ def memory_and_attach(path: Path, daemon: BenchDaemon, repeat: int) -> list[Row]
     return rows
 
 
-def _best_rates(loaders: dict, rounds: int, threads: int) -> dict[str, float]:
-    """Best epoch of each mode over ``rounds`` rounds of one epoch per mode, with ``threads``
-    torch threads (the gather's)."""
+def _lockstep_rates(loaders: dict[str, DataLoader], epochs: int, threads: int) -> dict[str, float]:
+    """Samples/s of each loader over ``epochs`` epochs run in lockstep, one batch of each in
+    turn, each batch timed alone, with ``threads`` torch threads (the gather's): whatever else
+    the machine runs meanwhile falls on every loader alike, within milliseconds."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    best = dict.fromkeys(loaders, 0.0)
+    seconds, samples = dict.fromkeys(loaders, 0.0), dict.fromkeys(loaders, 0)
     try:
-        for epoch in range(rounds):
+        for epoch in range(epochs):
+            iterators = {}
             for mode, loader in loaders.items():
-                best[mode] = max(best[mode], _epoch_rate(loader, epoch))
+                loader.batch_sampler.set_epoch(epoch)
+                iterators[mode] = iter(loader)
+            done = False
+            while not done:
+                for mode, it in iterators.items():
+                    t = clock()
+                    batch = next(it, None)
+                    seconds[mode] += clock() - t
+                    if batch is None:
+                        done = True
+                    else:
+                        samples[mode] += len(batch[0])
     finally:
         torch.set_num_threads(before)
-    return best
+    return {mode: samples[mode] / seconds[mode] for mode in loaders}
 
 
 def iteration(path: Path, daemon: BenchDaemon, epochs: int) -> list[Row]:
-    """Rank 0 of 2: global and node mode against contiguous mode, best epoch of each, with one
+    """Rank 0 of 2: global and node mode against contiguous mode, in lockstep, with one
     torch thread (what torchrun gives each of 2 ranks on a node, OMP_NUM_THREADS=1, and far
     less bent by other load on the machine) and with this process's threads (as the iterate
     group; in the note)."""
     datasets = {mode: _dataset(path, daemon, mode) for mode in MODES}
     loaders = {mode: make_loader(ds, BATCH, seed=0) for mode, ds in datasets.items()}
     threads = torch.get_num_threads()
-    one = _best_rates(loaders, max(epochs, 5), 1)
-    many = _best_rates(loaders, max(epochs, 5), threads) if threads > 1 else one
+    one = _lockstep_rates(loaders, max(epochs, 5), 1)
+    many = _lockstep_rates(loaders, max(epochs, 5), threads) if threads > 1 else one
     batches = {mode: len(loaders[mode].batch_sampler) for mode in MODES}
     rows = []
     for mode, what in (("global", "DistributedShuffleSampler over every row"),
@@ -128,7 +134,7 @@ def iteration(path: Path, daemon: BenchDaemon, epochs: int) -> list[Row]:
                         "samples/s", one[mode], one["contiguous"], target=">= 0.9x contiguous", target_ratio=0.9,
                         note=f"{what}; {batches[mode]} batches of {BATCH} per epoch (contiguous: "
                              f"{batches['contiguous']}); baseline: make_loader over rank 0's contiguous shard, "
-                             f"epochs interleaved; with {threads} torch threads: {many[mode]:,.0f} vs "
+                             f"batches of the three modes in turn; with {threads} torch threads: {many[mode]:,.0f} vs "
                              f"{many['contiguous']:,.0f} samples/s ({many[mode] / many['contiguous']:.2f}x)",
                         extra={"threads": threads, "many_threads": many[mode],
                                "many_threads_contiguous": many["contiguous"]}))

@@ -152,8 +152,8 @@ def under_load(rows: list[Row]) -> str:
 When other processes keep the cores busy, every parallel gather waits for its slowest thread to
 be scheduled again, so on a busy machine the iteration rows lose far more speed than the load
 alone explains. A DDP job with several ranks per node does not see this: torchrun sets
-`OMP_NUM_THREADS=1` in each rank. So the mode rows measure with one torch thread, epochs of the
-three modes interleaved so that the load falls on each alike, and give the default threads'
+`OMP_NUM_THREADS=1` in each rank. So the mode rows measure with one torch thread, batches of the
+three modes in turn so that the load falls on each alike, and give the default threads'
 figures in their notes; the other rows use torch's default, and the load rows (MB/s) and ratios
 against the seed, measured back to back rather than interleaved, move with the load too."""
     mode_row = next((r for r in rows if "many_threads_contiguous" in r.extra), None)
@@ -218,8 +218,9 @@ asserted in tests.
   (DistributedShuffleSampler over all 200,000 rows: 100,000 samples per epoch), in node mode
   (one node of 2 ranks: NodeShuffleSampler over the node's rows, the whole file) and in
   contiguous mode (rank 0's 100,000-row shard), on the same file and daemon, batch 256, one
-  torch thread (as torchrun runs each of 2 ranks on a node; see *Under load*); one epoch of each
-  in turn, best epoch of each. The note gives the same with torch's default threads.
+  torch thread (as torchrun runs each of 2 ranks on a node; see *Under load*); the three loaders
+  in lockstep, a batch of each in turn, each batch timed alone, over 5 epochs. The note gives
+  the same with torch's default threads.
 
 ## Shuffle quality per mode
 
