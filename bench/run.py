@@ -219,8 +219,10 @@ asserted in tests.
   (one node of 2 ranks: NodeShuffleSampler over the node's rows, the whole file) and in
   contiguous mode (rank 0's 100,000-row shard), on the same file and daemon, batch 256, one
   torch thread (as torchrun runs each of 2 ranks on a node; see *Under load*); the three loaders
-  in lockstep, a batch of each in turn, each batch timed alone, over 5 epochs. The note gives
-  the same with torch's default threads.
+  in lockstep, a batch of each in turn, each batch timed alone, over 5 epochs; samples/s of a
+  typical batch (256 / the median batch time: a batch another process preempted is left out
+  rather than charged to whichever mode it hit). The note gives the mean-based ratio and the
+  same with torch's default threads.
 
 ## Shuffle quality per mode
 
