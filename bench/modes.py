@@ -88,15 +88,24 @@ def memory_and_attach(path: Path, daemon: BenchDaemon, repeat: int) -> list[Row]
     return rows
 
 
-def _lockstep(loaders: dict[str, DataLoader], epochs: int, threads: int) -> dict[str, np.ndarray]:
-    """Every full batch's seconds, per loader, over ``epochs`` epochs run in lockstep (a batch
-    of each in turn, the order rotated every epoch), with ``threads`` torch threads (the
+def _first_epoch(loader: DataLoader) -> float:
+    """Seconds of epoch 0 right after the dataset attached: it faults the mapping's pages in."""
+    loader.batch_sampler.set_epoch(0)
+    t = clock()
+    for _ in loader:
+        pass
+    return clock() - t
+
+
+def _lockstep(loaders: dict[str, DataLoader], epochs: range, threads: int) -> dict[str, np.ndarray]:
+    """Every full batch's seconds, per loader, over ``epochs`` run in lockstep (a batch of
+    each in turn, the order rotated every epoch), with ``threads`` torch threads (the
     gather's): whatever else the machine runs meanwhile falls on every loader alike."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     times: dict[str, list[float]] = {mode: [] for mode in loaders}
     try:
-        for epoch in range(epochs):
+        for epoch in epochs:
             modes = list(loaders)[epoch % len(loaders):] + list(loaders)[:epoch % len(loaders)]
             iterators = {}
             for mode in modes:
@@ -121,15 +130,18 @@ def _lockstep(loaders: dict[str, DataLoader], epochs: int, threads: int) -> dict
 def iteration(path: Path, daemon: BenchDaemon, epochs: int) -> list[Row]:
     """Rank 0 of 2: global and node mode against contiguous mode, in lockstep, with one torch
     thread (what torchrun gives each of 2 ranks on a node, OMP_NUM_THREADS=1) and with this
-    process's threads (as the iterate group; in the note). The figure is a typical batch's,
+    process's threads (as the iterate group; in the note), after a first epoch of each that
+    faults its mapping in (timed alone, in the note). The figure is a typical batch's,
     ``BATCH / median batch time``: a batch that another process preempted is an outlier the
     median leaves out, where a mean takes it on whichever mode it hit (0.71x-1.16x for two
     modes reading the same segment, under load). The means are in the note."""
     datasets = {mode: _dataset(path, daemon, mode) for mode in MODES}
     loaders = {mode: make_loader(ds, BATCH, seed=0) for mode, ds in datasets.items()}
     threads = torch.get_num_threads()
-    one = _lockstep(loaders, max(epochs, 5), 1)
-    many = _lockstep(loaders, max(epochs, 5), threads) if threads > 1 else one
+    first = {mode: _first_epoch(loader) for mode, loader in loaders.items()}
+    epochs_timed = range(1, 1 + max(epochs, 5))
+    one = _lockstep(loaders, epochs_timed, 1)
+    many = _lockstep(loaders, epochs_timed, threads) if threads > 1 else one
     batches = {mode: len(loaders[mode].batch_sampler) for mode in MODES}
 
     def median(t: dict[str, np.ndarray], mode: str) -> float:
@@ -149,7 +161,8 @@ def iteration(path: Path, daemon: BenchDaemon, epochs: int) -> list[Row]:
                  f"BATCH / median batch time; mean: {mean(one, mode) / mean(one, 'contiguous'):.2f}x; with "
                  f"{threads} torch threads: {median(many, mode):,.0f} vs {median(many, 'contiguous'):,.0f} "
                  f"samples/s ({median(many, mode) / median(many, 'contiguous'):.2f}x; mean "
-                 f"{mean(many, mode) / mean(many, 'contiguous'):.2f}x)",
+                 f"{mean(many, mode) / mean(many, 'contiguous'):.2f}x); first epoch after attaching (page faults "
+                 f"of the mapping, {threads} threads): {first[mode] * 1e3:.0f} ms vs {first['contiguous'] * 1e3:.0f} ms",
             extra={"threads": threads, "many_threads": median(many, mode),
                    "many_threads_contiguous": median(many, "contiguous")}))
     for ds in datasets.values():

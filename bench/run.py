@@ -218,11 +218,14 @@ asserted in tests.
   (DistributedShuffleSampler over all 200,000 rows: 100,000 samples per epoch), in node mode
   (one node of 2 ranks: NodeShuffleSampler over the node's rows, the whole file) and in
   contiguous mode (rank 0's 100,000-row shard), on the same file and daemon, batch 256, one
-  torch thread (as torchrun runs each of 2 ranks on a node; see *Under load*); the three loaders
-  in lockstep, a batch of each in turn, each batch timed alone, over 5 epochs; samples/s of a
-  typical batch (256 / the median batch time: a batch another process preempted is left out
-  rather than charged to whichever mode it hit). The note gives the mean-based ratio and the
-  same with torch's default threads.
+  torch thread (as torchrun runs each of 2 ranks on a node; see *Under load*); after a first
+  epoch of each, the three loaders in lockstep, a batch of each in turn, each batch timed alone,
+  over 5 epochs; samples/s of a typical batch (256 / the median batch time: a batch another
+  process preempted is left out rather than charged to whichever mode it hit). The note gives
+  the mean-based ratio, the same with torch's default threads, and the first epoch: it faults
+  in the pages of the segment it touches, and a global or node dataset maps the whole file
+  where a contiguous one maps half, so its first epoch takes more page faults (once per
+  process); later epochs gather at the same speed.
 
 ## Shuffle quality per mode
 
