@@ -4,6 +4,7 @@ table of ratios.
     python -m bench                        # the full suite (~3 minutes on 2 cores)
     python -m bench --write-docs           # ... and write docs/benchmarks.md + docs/benchmarks.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
+    python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
 
 Data files are made on first use under --data-dir and kept. Speed is measured here, never
 asserted in tests; rows with a target say whether this run met it.
@@ -29,8 +30,9 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
     __package__ = "bench"
 
 from .common import BenchDaemon, Row, log, make_files
+from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
-GROUPS = ("iterate", "memory", "first-batch")
+GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -71,6 +73,25 @@ def machine() -> str:
     return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Linux {platform.release()}, Python "
             f"{platform.python_version()}, torch {torch.__version__}, h5py {h5py.__version__} (HDF5 "
             f"{h5py.version.hdf5_version}), numpy {np.__version__}")
+
+
+def load_average() -> float:
+    """The 1-minute load average (runnable processes, averaged), 0.0 where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def load_sentence(loads: dict[str, float]) -> str:
+    """How busy the machine was: the load average as each group started and at the end."""
+    shown = ", ".join(f"{name} {value:.1f}" for name, value in loads.items())
+    cores = os.cpu_count() or 1
+    busy = max(loads.values(), default=0.0) > cores
+    return (f"1-minute load average as each group started and at the end: {shown} ({cores} cores; the bench "
+            "itself accounts for about 1). "
+            + ("Other work shared the machine during this run, so timings are below what a quiet machine gives "
+               "(see *Under load* below)." if busy else "The machine was quiet (this run's load only)."))
 
 
 def _fmt(value: float | None, unit: str = "") -> str:
@@ -125,15 +146,36 @@ def chart(rows: list[Row], out: Path) -> bool:
     return True
 
 
-def write_docs(rows: list[Row], command: str, took: float, png: bool) -> None:
+def under_load(rows: list[Row]) -> str:
+    """How the machine's load bends the figures, with this run's own mode-row threads figures."""
+    text = """The gather (`torch.index_select`) runs on torch's thread pool, one thread per core by default.
+When other processes keep the cores busy, every parallel gather waits for its slowest thread to
+be scheduled again, so on a busy machine the iteration rows lose far more speed than the load
+alone explains. A DDP job with several ranks per node does not see this: torchrun sets
+`OMP_NUM_THREADS=1` in each rank. So the mode rows measure with one torch thread, batches of the
+three modes in turn so that the load falls on each alike, and give the default threads'
+figures in their notes; the other rows use torch's default, and the load rows (MB/s) and ratios
+against the seed, measured back to back rather than interleaved, move with the load too."""
+    mode_row = next((r for r in rows if "many_threads_contiguous" in r.extra), None)
+    if mode_row is None:
+        return text
+    return text + (f"\n\nIn this run, contiguous mode (rank 0 of 2) ran {mode_row.baseline:,.0f} samples/s with 1 "
+                   f"torch thread and {mode_row.extra['many_threads_contiguous']:,.0f} with "
+                   f"{mode_row.extra['threads']}.")
+
+
+def write_docs(rows: list[Row], qualities: list[Quality], command: str, took: float, loads: dict[str, float],
+               png: bool, shuffle_png: bool) -> None:
     docs = ROOT / "docs"
     text = f"""# Benchmarks
 
 Made by `{command}` in {took / 60:.1f} minutes on {machine()}.
+{load_sentence(loads)}
 
 Every figure comes from the same run. *ratio* is h5serve against the seed-style baseline (the
 predecessor's classes as its documentation describes them, in `bench/baselines.py`), higher is
-better whatever the unit; *vs limit* is h5serve against the physical limit measured in the same
+better whatever the unit, except in the mode rows, whose baseline is h5serve itself in
+contiguous mode (below); *vs limit* is h5serve against the physical limit measured in the same
 run (1.00 = at the limit). Rows with a target say whether this run met it; speed is never
 asserted in tests.
 
@@ -164,6 +206,34 @@ asserted in tests.
   same topology on a 1,024-row file (interpreter and torch overhead), as a multiple of the data's
   native size. Baseline: the seed's private float32 preload per rank.
 - **first batch**: a fresh `torchrun --nproc-per-node 2` job from launch to rank 0's first batch.
+- **memory: a 2-rank job in global mode** (`bench/modes.py`): `/dev/shm` blocks of the daemon's
+  segments (as `h5serve status --json` names them) once both ranks of a world-size-2 job have
+  attached the global dataset, as a multiple of x.nbytes + y.nbytes. Baseline: the same job's
+  two contiguous shards. Both are the file once: a node holds the rows once in either mode.
+- **ready: a world-size-4 job attaching the global dataset**: the first job (world size 2)
+  loaded it; a `SharedH5Dataset(mode="global", rank=0, world_size=4, dtype_x=float32)` attaches
+  the same segments (nothing is loaded again). Baseline: the seed's preload of the same rows,
+  every row (`RankMemCachedH5Dataset` rank 0 of 1, its float32 cast). Limit: memcpy of x.
+- **global / node mode vs contiguous mode**: `make_loader` over rank 0 of 2 in global mode
+  (DistributedShuffleSampler over all 200,000 rows: 100,000 samples per epoch), in node mode
+  (one node of 2 ranks: NodeShuffleSampler over the node's rows, the whole file) and in
+  contiguous mode (rank 0's 100,000-row shard), on the same file and daemon, batch 256, one
+  torch thread (as torchrun runs each of 2 ranks on a node; see *Under load*); after a first
+  epoch of each, the three loaders in lockstep, a batch of each in turn, each batch timed alone,
+  over 5 epochs; samples/s of a typical batch (256 / the median batch time: a batch another
+  process preempted is left out rather than charged to whichever mode it hit). The note gives
+  the mean-based ratio, the same with torch's default threads, and the first epoch: it faults
+  in the pages of the segment it touches, and a global or node dataset maps the whole file
+  where a contiguous one maps half, so its first epoch takes more page faults (once per
+  process); later epochs gather at the same speed.
+
+## Shuffle quality per mode
+
+{shuffle_section(qualities, shuffle_png)}
+
+## Under load
+
+{under_load(rows)}
 
 ## Reading the load rows
 
@@ -204,21 +274,40 @@ def main(argv: list[str] | None = None) -> int:
     from .memory import memory, tiny_copy
     from .scenarios import run_iteration_suite
 
+    from .modes import run_modes
+    from .shuffle import run_shuffle
+
     rows: list[Row] = []
-    if "iterate" in groups:
-        rows += run_iteration_suite(files, tiny_copy(files["plain"]), args.repeat, args.epochs)
-    if "memory" in groups:
-        rows += memory(files)
-    if "first-batch" in groups:
-        log("first batch of a torchrun job")
-        rows += first_batch(files, args.repeat)
+    qualities: list[Quality] = []
+    loads: dict[str, float] = {}
+    for group in GROUPS:
+        if group not in groups:
+            continue
+        loads[group] = load_average()
+        if group == "iterate":
+            rows += run_iteration_suite(files, tiny_copy(files["plain"]), args.repeat, args.epochs)
+        elif group == "modes":
+            rows += run_modes(files, args.repeat, args.epochs)
+        elif group == "shuffle":
+            qualities = run_shuffle(args.data_dir)
+        elif group == "memory":
+            rows += memory(files)
+        else:
+            log("first batch of a torchrun job")
+            rows += first_batch(files, args.repeat)
+    loads["end"] = load_average()
     took = time.time() - started
     print(table(rows))
+    if qualities:
+        print(shuffle_table(qualities))
     args.results.write_text(json.dumps(
-        {"machine": machine(), "argv": sys.argv, "seconds": took, "rows": [r.as_dict() for r in rows]}, indent=1))
+        {"machine": machine(), "argv": sys.argv, "seconds": took, "load_average": loads,
+         "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities)}, indent=1))
     if args.write_docs:
         command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_docs(rows, command.strip(), took, chart(rows, ROOT / "docs" / "benchmarks.png"))
+        docs = ROOT / "docs"
+        write_docs(rows, qualities, command.strip(), took, loads, chart(rows, docs / "benchmarks.png"),
+                   bool(qualities) and shuffle_chart(qualities, docs / "shuffle.png"))
     return 0 if all(r.met is not False for r in rows) else 1
 
 

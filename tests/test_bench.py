@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from bench.baselines import SeedH5LazyDataset, SeedRankMemCachedDataset
+from bench.common import BenchDaemon
+from bench.shuffle import class_sorted_file, shuffle_quality
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,17 +41,34 @@ def test_seed_baselines_read_the_documented_rows(h5file: Path) -> None:
 def test_bench_iterate_group_runs_end_to_end(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--only", "iterate", "--rows", "3000", "--float-rows", "800", "--repeat", "1",
+        [sys.executable, "-m", "bench", "--only", "iterate,modes", "--rows", "3000", "--float-rows", "800", "--repeat", "1",
          "--epochs", "1", "--data-dir", str(tmp_path / "data"), "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=270)
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: a target missed (tiny data, shared CI machine)
     report = json.loads(results.read_text())
     names = [row["scenario"] for row in report["rows"]]
-    for expected in ("ready:", "iterate shm, workers=0: make_loader", "workers=2", "lazy fallback", "shuffle+gzip"):
+    for expected in ("ready:", "iterate shm, workers=0: make_loader", "workers=2", "lazy fallback", "shuffle+gzip",
+                     "global mode vs contiguous", "node mode vs contiguous", "world-size-4 job attaching",
+                     "2-rank job in global mode"):
         assert any(expected in name for name in names), (expected, names)
     for row in report["rows"]:
         assert row["h5serve"] > 0 and (row["baseline"] is None or row["baseline"] > 0), row
     assert "| scenario |" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_shuffle_group_sees_what_each_mode_promises(tmp_path: Path) -> None:
+    """2 ranks, 4 epochs, a small class-sorted file: a contiguous rank sees its half forever,
+    a global rank nearly every row, in DistributedSampler's exact batches."""
+    path = class_sorted_file(tmp_path, rows=2000, classes=10)
+    with BenchDaemon() as daemon:
+        by_layout = {q.layout: q for q in shuffle_quality(path, daemon.runtime_dir, batch=64)}
+    contiguous, glob = by_layout["contiguous"], by_layout["global"]
+    assert contiguous.share_seen == pytest.approx(0.5) and contiguous.overlap == 1.0
+    assert contiguous.classes_seen == 5 and not contiguous.as_reference
+    assert glob.share_seen > 0.9 and glob.overlap < 0.5 and glob.classes_seen == 10 and glob.as_reference
+    assert by_layout["node"].share_seen > 0.9 and by_layout["interleave"].share_seen == pytest.approx(0.5)
+    assert all(q.coverage == 1.0 for q in by_layout.values())
 
 
 @pytest.mark.timeout(60)
