@@ -159,7 +159,7 @@ def read_shard_into(
     stage: np.ndarray | None = None
     copier = FileCopier() if dest is not None else None
     try:
-        copy = _row_copier(dset, info, rows, out.dtype, dest, copier) if copier is not None and dest is not None else None
+        copy = _row_copier(dset, info, rows, out.dtype, dest, copier) if dest is not None and copier is not None else None
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
             k0, k1 = _local_range(a, b, start, step, len(out))
             if k1 <= k0:
