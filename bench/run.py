@@ -132,7 +132,7 @@ def chart(rows: list[Row], out: Path) -> bool:
     ax1.barh(y, [r.ratio or 0 for r in shown], color="#3b7dd8")
     ax1.set_xscale("log")
     ax1.axvline(1, color="grey", lw=0.8)
-    ax1.set_xlabel("h5serve vs seed-style baseline (x, log scale; > 1 is better)")
+    ax1.set_xlabel("h5serve vs baseline (seed-style; mode rows: contiguous) (x, log scale; > 1 is better)")
     ax2.barh(y, [r.vs_limit or 0 for r in shown], color="#e3872d")
     ax2.set_xscale("log")
     ax2.axvline(1, color="grey", lw=0.8)
