@@ -1,7 +1,7 @@
 """``python -m bench`` (or ``python bench/run.py``): every scenario in one run, printed as one
 table of ratios.
 
-    python -m bench                        # the full suite (~3 minutes on 2 cores)
+    python -m bench                        # the full suite (~3-4 minutes on 2 quiet cores)
     python -m bench --write-docs           # ... and write docs/benchmarks.md + docs/benchmarks.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
