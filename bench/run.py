@@ -1,7 +1,7 @@
 """``python -m bench`` (or ``python bench/run.py``): every scenario in one run, printed as one
 table of ratios.
 
-    python -m bench                        # the full suite (~3 minutes on 2 cores)
+    python -m bench                        # the full suite (~3-4 minutes on 2 quiet cores)
     python -m bench --write-docs           # ... and write docs/benchmarks.md + docs/benchmarks.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
@@ -132,7 +132,7 @@ def chart(rows: list[Row], out: Path) -> bool:
     ax1.barh(y, [r.ratio or 0 for r in shown], color="#3b7dd8")
     ax1.set_xscale("log")
     ax1.axvline(1, color="grey", lw=0.8)
-    ax1.set_xlabel("h5serve vs seed-style baseline (x, log scale; > 1 is better)")
+    ax1.set_xlabel("h5serve vs baseline (seed-style; mode rows: contiguous) (x, log scale; > 1 is better)")
     ax2.barh(y, [r.vs_limit or 0 for r in shown], color="#e3872d")
     ax2.set_xscale("log")
     ax2.axvline(1, color="grey", lw=0.8)
@@ -150,18 +150,18 @@ def under_load(rows: list[Row]) -> str:
     """How the machine's load bends the figures, with this run's own mode-row threads figures."""
     text = """The gather (`torch.index_select`) runs on torch's thread pool, one thread per core by default.
 When other processes keep the cores busy, every parallel gather waits for its slowest thread to
-be scheduled again, so on a busy machine the iteration rows lose far more speed than the load
-alone explains. A DDP job with several ranks per node does not see this: torchrun sets
+be scheduled again, so on a busy machine the iteration rows can lose far more speed than the
+load alone explains. A DDP job with several ranks per node does not see this: torchrun sets
 `OMP_NUM_THREADS=1` in each rank. So the mode rows measure with one torch thread, batches of the
 three modes in turn so that the load falls on each alike, and give the default threads'
 figures in their notes; the other rows use torch's default, and the load rows (MB/s) and ratios
 against the seed, measured back to back rather than interleaved, move with the load too."""
-    mode_row = next((r for r in rows if "many_threads_contiguous" in r.extra), None)
-    if mode_row is None:
+    extra = next((r.extra for r in rows if "contiguous_mean_threads" in r.extra), None)
+    if extra is None:
         return text
-    return text + (f"\n\nIn this run, contiguous mode (rank 0 of 2) ran {mode_row.baseline:,.0f} samples/s with 1 "
-                   f"torch thread and {mode_row.extra['many_threads_contiguous']:,.0f} with "
-                   f"{mode_row.extra['threads']}.")
+    return text + (f"\n\nIn this run, contiguous mode (rank 0 of 2, the mode rows' lockstep) averaged "
+                   f"{extra['contiguous_mean_one_thread']:,.0f} samples/s with 1 torch thread and "
+                   f"{extra['contiguous_mean_threads']:,.0f} with {extra['threads']}.")
 
 
 def write_docs(rows: list[Row], qualities: list[Quality], command: str, took: float, loads: dict[str, float],
@@ -222,10 +222,11 @@ asserted in tests.
   epoch of each, the three loaders in lockstep, a batch of each in turn, each batch timed alone,
   over 5 epochs; samples/s of a typical batch (256 / the median batch time: a batch another
   process preempted is left out rather than charged to whichever mode it hit). The note gives
-  the mean-based ratio, the same with torch's default threads, and the first epoch: it faults
-  in the pages of the segment it touches, and a global or node dataset maps the whole file
-  where a contiguous one maps half, so its first epoch takes more page faults (once per
-  process); later epochs gather at the same speed.
+  the mean-based ratio, the same with torch's default threads, and the first epoch with its
+  minor page faults: it faults in the pages of the segment it touches, and a global or node
+  dataset maps the whole file where a contiguous one maps half, so its first epoch takes more
+  faults (once per process). Later epochs gather from a mapping twice the size, a few percent
+  slower at most (page-table walks; 4 KiB tmpfs pages).
 
 ## Shuffle quality per mode
 

@@ -48,7 +48,7 @@ def test_bench_iterate_group_runs_end_to_end(tmp_path: Path) -> None:
     report = json.loads(results.read_text())
     names = [row["scenario"] for row in report["rows"]]
     for expected in ("ready:", "iterate shm, workers=0: make_loader", "workers=2", "lazy fallback", "shuffle+gzip",
-                     "global mode vs contiguous", "node mode vs contiguous", "world-size-4 job attaching",
+                     "global mode vs contiguous", "node mode vs contiguous", "world-size-4 job attaching a global",
                      "2-rank job in global mode"):
         assert any(expected in name for name in names), (expected, names)
     for row in report["rows"]:
