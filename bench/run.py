@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="repetitions of timed steps (median)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per iteration measurement (best)")
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {GROUPS}")
-    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md, docs/benchmarks.png and docs/shuffle.png")
+    p.add_argument("--write-docs", action="store_true",
+                   help="write docs/benchmarks.md, docs/benchmarks.png and docs/shuffle.png")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results.json", help="where to write the JSON")
     args = p.parse_args(argv)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
