@@ -2,7 +2,7 @@
 table of ratios.
 
     python -m bench                        # the full suite (~3-4 minutes on 2 quiet cores)
-    python -m bench --write-docs           # ... and write docs/benchmarks.md + docs/benchmarks.png
+    python -m bench --write-docs           # ... and write docs/benchmarks.md, benchmarks.png, shuffle.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
 
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="repetitions of timed steps (median)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per iteration measurement (best)")
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {GROUPS}")
-    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md and docs/benchmarks.png")
+    p.add_argument("--write-docs", action="store_true",
+                   help="write docs/benchmarks.md, docs/benchmarks.png and docs/shuffle.png")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results.json", help="where to write the JSON")
     args = p.parse_args(argv)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
