@@ -103,3 +103,27 @@ def test_sampler_state_resumes_with_another_worker_count(h5: Path, shared_daemon
     without = plain(0)
     without.batch_sampler.load_state_dict(state)
     assert seen + _labels(without) == want
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sharded_mode_state_records_mode_and_world_size(h5: Path) -> None:
+    """make_loader's batch sampler in a sharded mode records the mode and world size; a
+    mid-epoch resume with another of either is refused (with the fix), next_epoch=True works."""
+    def loader(mode: str, world: int) -> Any:
+        ds = SharedH5Dataset(h5, "x", "y", runtime_dir="/nonexistent/h5serve", mode=mode, rank=0, world_size=world)
+        return make_loader(ds, BATCH, seed=7)
+
+    first = loader("contiguous", 2)
+    first.batch_sampler.set_epoch(4)
+    state = first.batch_sampler.state_dict(consumed=3 * BATCH)
+    assert (state["mode"], state["world_size"], state["consumed_global"]) == ("contiguous", 2, 6 * BATCH)
+    # interleave over 2 ranks has shards of the same size: only the recorded mode tells them apart
+    for other, match in ((loader("interleave", 2), "mode='contiguous'"), (loader("contiguous", 3), "world_size=2")):
+        with pytest.raises(ConfigError, match=f"{match}.*next_epoch=True"):
+            other.batch_sampler.load_state_dict(state)
+        other.batch_sampler.load_state_dict(state, next_epoch=True)
+        fresh = loader(other.dataset.mode, other.dataset.world_size)
+        assert _labels(other) == _epoch(fresh, 5)  # the next epoch, whole
+    same = loader("contiguous", 2)
+    same.batch_sampler.load_state_dict(state)
+    assert _labels(same) == _epoch(loader("contiguous", 2), 4)[3:]

@@ -116,7 +116,8 @@ def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop
         sampler = EpochShuffleSampler(len(dataset), seed=seed, shuffle=shuffle)
     elif sampler.data_len != len(dataset):
         raise ConfigError(f"sampler covers {sampler.data_len} samples but the dataset has {len(dataset)}")
-    return EpochBatchSampler(sampler, batch_size, drop_last, arrays=arrays, shard_sizes=shard_sizes_of(dataset))
+    return EpochBatchSampler(sampler, batch_size, drop_last, arrays=arrays, shard_sizes=shard_sizes_of(dataset),
+                             mode=getattr(dataset, "mode", None))
 
 
 def make_loader(

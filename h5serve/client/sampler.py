@@ -192,8 +192,11 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
     """
 
     def __init__(self, sampler: EpochShuffleSampler, batch_size: int, drop_last: bool = False,
-                 arrays: bool = False, *, shard_sizes: Sequence[int] | None = None) -> None:
-        """Raised for a bad batch size, a sampler of another kind, or shard sizes that leave
+                 arrays: bool = False, *, shard_sizes: Sequence[int] | None = None, mode: str | None = None) -> None:
+        """``mode``: the dataset's sharding mode, recorded in checkpoints with the world size
+        (``len(shard_sizes)``); make_loader passes both.
+
+        Raised for a bad batch size, a sampler of another kind, or shard sizes that leave
         some rank no batch or do not include the sampler's shard: ConfigError."""
         check_not_rebuilt(type(self), sampler)
         if not isinstance(sampler, EpochShuffleSampler):
@@ -203,6 +206,8 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.arrays = bool(arrays)
+        self.mode = mode
+        self.world_size = None if shard_sizes is None else len(list(shard_sizes))
         if shard_sizes is not None:
             self._equalise(shard_sizes)
 
@@ -235,9 +240,34 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
         self.sampler.set_epoch(epoch)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        return self.sampler.state_dict(consumed)
+        """The wrapped sampler's state, plus the mode and world size when known and
+        ``consumed_global`` (every rank consumes as many: ``consumed * world_size``)."""
+        state = self.sampler.state_dict(consumed)
+        if self.world_size is not None:
+            state.update(mode=self.mode, world_size=self.world_size, consumed_global=state["consumed"] * self.world_size)
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
+        """Resume: the rest of the saved epoch, which needs the same mode and world size (a
+        rank's shard depends on both). ``next_epoch=True``: the start of the next epoch, with
+        any mode and world size.
+
+        Raised when the state is malformed, or (without ``next_epoch``) from another shard,
+        mode or world size: ConfigError.
+        """
+        if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+            raise ConfigError(f"sampler state must be a dict with keys {_STATE_KEYS}, got {state!r:.200}")
+        if next_epoch:
+            self.sampler.seed, self.sampler.shuffle = int(state["seed"]), bool(state["shuffle"])
+            self.sampler.set_epoch(int(state["epoch"]) + 1)
+            return
+        for key, here in (("mode", self.mode), ("world_size", self.world_size)):
+            if here is not None and key in state and state[key] != here:
+                raise ConfigError(
+                    f"sampler state was saved with {key}={state[key]!r}, this loader has {key}={here!r}: each rank's "
+                    "shard depends on the mode and world size, so a mid-epoch resume needs the same; resume with "
+                    "them, use mode='global' (elastic), or start at the next epoch with "
+                    "load_state_dict(state, next_epoch=True)")
         self.sampler.load_state_dict(state)
 
 
