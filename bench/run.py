@@ -148,11 +148,12 @@ def chart(rows: list[Row], out: Path) -> bool:
 
 def under_load(rows: list[Row]) -> str:
     """How the machine's load bends the figures, with this run's own mode-row threads figures."""
-    text = """The gather (`torch.index_select`) runs on torch's thread pool, one thread per core by default.
-When other processes keep the cores busy, every parallel gather waits for its slowest thread to
-be scheduled again, so on a busy machine the iteration rows can lose far more speed than the
-load alone explains. A DDP job with several ranks per node does not see this: torchrun sets
-`OMP_NUM_THREADS=1` in each rank. So the mode rows measure with one torch thread, batches of the
+    text = """h5serve's gather is a single-threaded `np.take` (docs/performance.md: torch's `index_select`,
+which runs on torch's thread pool, one thread per core by default, lost up to 13x beside one
+busy process: every parallel gather waits for its slowest thread to be scheduled again). The
+limit rows still use `torch.index_select` on torch's default threads, so on a busy machine they
+can lose far more speed than the load alone explains. A DDP job with several ranks per node
+runs torch ops with `OMP_NUM_THREADS=1` (torchrun's default). The mode rows measure with one torch thread, batches of the
 three modes in turn so that the load falls on each alike, and give the default threads'
 figures in their notes; the other rows use torch's default, and the load rows (MB/s) and ratios
 against the seed, measured back to back rather than interleaved, move with the load too."""
@@ -191,7 +192,7 @@ asserted in tests.
 - **iterate shm**: one shuffled epoch of rank 0's shard (100,000 rows, batch 256), DataLoader
   `num_workers=0`. Baseline: the seed's rank-cached dataset (per-item indexing plus
   `default_collate`). Limit: a bare `torch.index_select` of x and y for the same batches (torch
-  uses both cores, as does h5serve's own `index_select`; see docs/performance.md).
+  uses both cores; h5serve's own gather is a single-threaded `np.take`, see docs/performance.md).
 - **workers=2**: steady state, persistent workers already started, for both.
 - **lazy fallback**: no daemon; rows read through h5py. Baseline: the seed's `H5LazyDataset`
   (dataset looked up and indexed per item, 256 MB HDF5 chunk cache) over the same rows in the
