@@ -240,10 +240,12 @@ def _shm_copy_rate(path: Path) -> float:
 def _load(path: Path, flags: tuple[str, ...], mode: str = "contiguous", warm_file: Path | None = None,
           repeat: int = 1) -> tuple[float, float]:
     """(seconds from a client's request to a ready dataset, seconds the loader spent reading
-    rows) for rank 0's x shard (of 2) on a fresh daemon whose loader processes are warm."""
+    rows) for rank 0's x shard (of 2) on a fresh daemon whose loader processes are warm. The
+    file stays in the page cache (--keep-page-cache): these rows measure warm-cache loads, and
+    a daemon's drop of the pages it read would make every later load here a cold one."""
     times, reads = [], []
     for _ in range(repeat):
-        with BenchDaemon(*flags) as daemon:
+        with BenchDaemon(*flags, "--keep-page-cache") as daemon:
             if warm_file is not None:
                 SharedH5Dataset(warm_file, "x", rank=0, world_size=1, runtime_dir=daemon.runtime_dir,
                                 fallback="error").close()
