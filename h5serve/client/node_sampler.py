@@ -16,7 +16,7 @@ from torch.utils.data import Sampler
 from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
 from .resharding import check_not_rebuilt, check_not_resharded
-from .sampler import check_state_origin, wrap_order
+from .sampler import check_state_origin, counted_batches, wrap_order
 
 __all__ = ["NodeShuffleSampler", "NodePlace", "node_generator"]
 
@@ -152,13 +152,7 @@ class NodeShuffleSampler(Sampler[torch.Tensor]):
         check_not_resharded(self)
         start, self._start = self._start, 0
         self._yielded = start
-        return self._batches(self.indices()[start:])
-
-    def _batches(self, order: torch.Tensor) -> Iterator[torch.Tensor]:
-        for i in range(0, len(order), self.batch_size):
-            batch = order[i : i + self.batch_size].clone()  # a copy: see EpochShuffleSampler.batches
-            self._yielded += len(batch)
-            yield batch.numpy() if self.arrays else batch
+        return counted_batches(self, self.indices()[start:])
 
     def __len__(self) -> int:
         left = max(self.epoch_size.samples - self._start, 0)

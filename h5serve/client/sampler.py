@@ -275,6 +275,15 @@ _DIST_STATE_KEYS = ("sampler", "mode", "data_len", "seed", "shuffle", "drop_last
                     "consumed", "consumed_global")
 
 
+def counted_batches(sampler: Any, order: torch.Tensor) -> Iterator[Any]:
+    """``order`` cut into ``sampler.batch_size`` batches (copies: see EpochShuffleSampler.batches),
+    numpy arrays when ``sampler.arrays``, each counted in ``sampler._yielded`` as it is handed out."""
+    for i in range(0, len(order), sampler.batch_size):
+        batch = order[i : i + sampler.batch_size].clone()
+        sampler._yielded += len(batch)
+        yield batch.numpy() if sampler.arrays else batch
+
+
 def distributed_num_samples(data_len: int, world_size: int, drop_last: bool) -> int:
     """Samples per rank per epoch, as ``torch.utils.data.DistributedSampler`` computes them:
     ``ceil(n / W)`` (padded), or ``floor(n / W)`` with ``drop_last`` when ``W`` does not divide ``n``."""
@@ -396,13 +405,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
             self._offset = 0
         start, self._start, self._resuming = self._start, 0, False
         self._yielded = start
-        return self._batches(self.indices()[start : self.samples_per_rank()])
-
-    def _batches(self, order: torch.Tensor) -> Iterator[torch.Tensor]:
-        for i in range(0, len(order), self.batch_size):
-            batch = order[i : i + self.batch_size].clone()  # a copy: see EpochShuffleSampler.batches
-            self._yielded += len(batch)
-            yield batch.numpy() if self.arrays else batch
+        return counted_batches(self, self.indices()[start : self.samples_per_rank()])
 
     def __len__(self) -> int:
         left = max(self.samples_per_rank(self._offset if self._resuming else 0) - self._start, 0)

@@ -24,6 +24,17 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_node_ranks(ranks: object, world_size: int) -> None:
+    """Raised when ``ranks`` (a node's global ranks) is not a tuple of integers in
+    ``[0, world_size)``, strictly ascending: ConfigError."""
+    if not isinstance(ranks, tuple) or not all(is_int(r) for r in ranks):
+        raise ConfigError(f"ranks must be a tuple of integers, got {ranks!r}")
+    if any(not 0 <= r < world_size for r in ranks):
+        raise ConfigError(f"ranks {format_ranks(ranks)} must lie in [0, {world_size - 1}]")
+    if any(a >= b for a, b in zip(ranks, ranks[1:])):
+        raise ConfigError(f"ranks must be strictly ascending without repeats, got {list(ranks)}")
+
+
 @dataclass(frozen=True)
 class NodeLayout:
     """Where this process sits in the job.
@@ -56,12 +67,7 @@ class NodeLayout:
             raise ConfigError(f"num_nodes must be an integer in [1, {self.world_size}], got {self.num_nodes!r}")
         if not is_int(self.node_rank) or not 0 <= self.node_rank < self.num_nodes:
             raise ConfigError(f"node_rank must be an integer in [0, {self.num_nodes - 1}], got {self.node_rank!r}")
-        if not isinstance(self.ranks, tuple) or not all(is_int(r) for r in self.ranks):
-            raise ConfigError(f"ranks must be a tuple of integers, got {self.ranks!r}")
-        if any(not 0 <= r < self.world_size for r in self.ranks):
-            raise ConfigError(f"ranks {format_ranks(self.ranks)} must lie in [0, {self.world_size - 1}]")
-        if any(a >= b for a, b in zip(self.ranks, self.ranks[1:])):
-            raise ConfigError(f"ranks must be strictly ascending without repeats, got {list(self.ranks)}")
+        check_node_ranks(self.ranks, self.world_size)
         if self.rank not in self.ranks:
             raise ConfigError(f"rank {self.rank} is not among this node's ranks {format_ranks(self.ranks)}")
 

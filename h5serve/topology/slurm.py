@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
 from .hostlist import MAX_HOSTS, expand_nodelist, expand_tasks_per_node, format_ranks, parse_tasks_per_node
-from .layout import NodeLayout, is_int
+from .layout import NodeLayout, check_node_ranks, is_int
 
 __all__ = [
     "MAX_HOSTS",
@@ -74,12 +74,7 @@ class NodePlan:
             raise ConfigError(f"node_rank must be a non-negative integer, got {self.node_rank!r}")
         if not is_int(self.world_size) or not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise ConfigError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {self.world_size!r}")
-        if not isinstance(self.ranks, tuple) or not all(is_int(r) for r in self.ranks):
-            raise ConfigError(f"ranks must be a tuple of integers, got {self.ranks!r}")
-        if any(not 0 <= r < self.world_size for r in self.ranks):
-            raise ConfigError(f"ranks {format_ranks(self.ranks)} must lie in [0, {self.world_size - 1}]")
-        if any(a >= b for a, b in zip(self.ranks, self.ranks[1:])):
-            raise ConfigError(f"ranks must be strictly ascending without repeats, got {list(self.ranks)}")
+        check_node_ranks(self.ranks, self.world_size)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"node_rank": N, "ranks": [...], "world_size": W}``."""
