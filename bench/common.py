@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import shutil
 import signal
@@ -129,6 +131,46 @@ def warm_page_cache(path: Path) -> None:
     with open(path, "rb") as f:
         while f.read(64 << 20):
             pass
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def cached_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache now (``fincore``: mincore over a read-only mapping,
+    which faults nothing in). Every page cached file counts, whoever read it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * mmap.PAGESIZE
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict ``path``'s clean pages from the page cache (a cold-cache read, no root needed:
+    ``posix_fadvise(DONTNEED)`` on the file, after an fsync so every page is clean)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 # ----- a real daemon ----------------------------------------------------------------------
