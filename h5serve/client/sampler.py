@@ -15,6 +15,7 @@ from torch.utils.data import Sampler
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
 from .resharding import check_not_rebuilt, check_not_resharded
+from .gather import index_batches
 
 __all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples"]
 
@@ -132,12 +133,11 @@ class EpochShuffleSampler(Sampler[int]):
         """The same order as iterating, cut into int64 tensors of ``batch_size`` indices: no
         Python int per index (what EpochBatchSampler and make_loader use)."""
         check_batch_size(batch_size)
-        order = self._remaining()
+        return self._counted(self._remaining(), batch_size, drop_last, False)
+
+    def _counted(self, order: torch.Tensor, batch_size: int, drop_last: bool, arrays: bool) -> Iterator[Any]:
         end = len(order) - len(order) % batch_size if drop_last else len(order)
-        for i in range(0, end, batch_size):
-            # A copy, not a view: torch ops on a view of the whole order cost time in proportion
-            # to the order (index_select: ~7 ms for 100k), and pickling one to a worker sends it all.
-            batch = order[i : i + batch_size].clone()
+        for batch in index_batches(order, batch_size, end, arrays):
             self._yielded += len(batch)
             yield batch
 
@@ -229,8 +229,8 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         check_not_resharded(self)
-        batches = self.sampler.batches(self.batch_size, self.drop_last)
-        return (batch.numpy() for batch in batches) if self.arrays else batches
+        check_batch_size(self.batch_size)
+        return self.sampler._counted(self.sampler._remaining(), self.batch_size, self.drop_last, self.arrays)
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -278,10 +278,9 @@ _DIST_STATE_KEYS = ("sampler", "mode", "data_len", "seed", "shuffle", "drop_last
 def counted_batches(sampler: Any, order: torch.Tensor) -> Iterator[Any]:
     """``order`` cut into ``sampler.batch_size`` batches (copies: see EpochShuffleSampler.batches),
     numpy arrays when ``sampler.arrays``, each counted in ``sampler._yielded`` as it is handed out."""
-    for i in range(0, len(order), sampler.batch_size):
-        batch = order[i : i + sampler.batch_size].clone()
+    for batch in index_batches(order, sampler.batch_size, arrays=sampler.arrays):
         sampler._yielded += len(batch)
-        yield batch.numpy() if sampler.arrays else batch
+        yield batch
 
 
 def distributed_num_samples(data_len: int, world_size: int, drop_last: bool) -> int:
