@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -14,7 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import h5py
 import numpy as np
@@ -171,6 +172,19 @@ def drop_page_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def busy_process() -> Iterator[None]:
+    """One other process spinning on a core for the duration (a rank, a worker, another job):
+    what a training node always has. Killed on exit."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # scheduled and spinning
+        yield
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 # ----- a real daemon ----------------------------------------------------------------------

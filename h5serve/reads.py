@@ -22,7 +22,7 @@ from .rawcopy import FileCopier, StoredRows, copy_rows, read_stored_rows, stored
 from .sharding import RowRange, Selection, as_rows
 from .source import DatasetInfo
 
-__all__ = ["BLOCK_BYTES", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into", "read_rows"]
+__all__ = ["BLOCK_BYTES", "local_range", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into", "read_rows"]
 
 BLOCK_BYTES = 32 * 1024 * 1024  # rows per read are chunk-aligned and about this large
 # ... or this large when rows are pwritten through a staging buffer: small enough to stay in the
@@ -75,7 +75,7 @@ def read_error(exc: OSError, dset: h5py.Dataset, info: DatasetInfo, lo: int, hi:
     )
 
 
-def _local_range(a: int, b: int, first: int, step: int, count: int) -> tuple[int, int]:
+def local_range(a: int, b: int, first: int, step: int, count: int) -> tuple[int, int]:
     """Local positions ``[k0, k1)`` of the shard rows ``first + k*step`` that lie in ``[a, b)``."""
     k0 = max(-(-(a - first) // step), 0)
     k1 = min(max(-(-(b - first) // step), 0), count)
@@ -122,7 +122,7 @@ def read_block_into(
     """
     rows = as_rows(selection, info.rows)
     first, step = rows.start, rows.step
-    k0, k1 = _local_range(a, b, first, step, len(out))
+    k0, k1 = local_range(a, b, first, step, len(out))
     if k1 > k0:
         buffer = _read_positions(dset, info, first, step, k0, k1, out[k0:k1], buffer)
     return k0, k1, buffer
@@ -161,7 +161,7 @@ def read_shard_into(
     try:
         copy = _row_copier(dset, info, rows, out.dtype, dest, copier) if dest is not None and copier is not None else None
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
-            k0, k1 = _local_range(a, b, start, step, len(out))
+            k0, k1 = local_range(a, b, start, step, len(out))
             if k1 <= k0:
                 continue
             if copy is not None and copy(k0, k1):

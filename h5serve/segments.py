@@ -358,7 +358,11 @@ class SegmentWriter:
     def compute_checksum(self, threads: int = 1) -> str:
         """crc32 of the rows as written, stored in the header (``crc32:...``). Call once every
         row is in place: ``verify_content`` compares the rows against it later."""
-        crc = data_crc32(self._map, HEADER_SIZE, self.meta.nbytes, threads, lambda _: self.mark_activity())
+        return self.store_checksum(data_crc32(self._map, HEADER_SIZE, self.meta.nbytes, threads,
+                                              lambda _: self.mark_activity()))
+
+    def store_checksum(self, crc: int) -> str:
+        """Store ``crc`` (the crc32 of the rows as written) in the header; ``crc32:...``."""
         value = struct.pack("<I", crc).ljust(16, b"\0")
         self._map[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + _CHECKSUM.size] = _CHECKSUM.pack(CHECKSUM_CRC32, value)
         return _checksum_text(CHECKSUM_CRC32, value)

@@ -54,10 +54,11 @@ import numpy as np
 
 from ..errors import SegmentError, SourceChanged, code_for
 from ..rawcopy import data_extents, drop_cached
-from ..reads import read_shard_into, row_bytes, shard_span, split_span
-from ..segments import SegmentMeta, SegmentWriter, create_segment
+from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
+from ..segments import SegmentMeta, SegmentWriter, crc32_combine, create_segment
 from ..sharding import RowRange, Selection
 from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
+from .checksum import FollowingCrc
 
 __all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
@@ -178,25 +179,27 @@ class _Parts:
     """The children reading parts 1..N-1 of one load, as the loader sees them.
 
     ``counters[i]`` is the rows part ``i`` has written (part 0: the loader's own),
-    ``finished[i]`` when it was done (``time.monotonic_ns``) and ``copied[i]`` the bytes it
-    copied file to file, in a shared anonymous mapping created before the forks.
+    ``finished[i]`` when it was done (``time.monotonic_ns``), ``copied[i]`` the bytes it
+    copied file to file and ``crcs[i]`` the crc32 of its rows (-1: not computed), in a shared
+    anonymous mapping created before the forks.
     """
 
     def __init__(self, count: int) -> None:
-        self._shared = mmap.mmap(-1, 24 * count)
+        self._shared = mmap.mmap(-1, 32 * count)
         self.counters = np.frombuffer(self._shared, dtype=np.int64, count=count)
         self.finished = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=8 * count)
         self.copied = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=16 * count)
+        self.crcs = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=24 * count)
         self.children: dict[int, tuple[int, int, tuple[int, int]]] = {}  # pid -> (part, read fd, span)
         self._payload: dict[int, bytearray] = {}
 
     def rows_done(self) -> int:
         return int(self.counters.sum())
 
-    def fork(self, index: int, span: tuple[int, int], work: Callable[[Callable[[int], None]], int],
+    def fork(self, index: int, span: tuple[int, int], work: Callable[[Callable[[int], None]], PartResult],
              daemon_gone: Callable[[], bool], close_in_child: tuple[int, ...]) -> None:
-        """Start the child for part ``index``: it runs ``work(progress)`` (which returns the
-        bytes it copied file to file) and exits."""
+        """Start the child for part ``index``: it runs ``work(progress)`` (which returns what
+        its part did) and exits."""
         r, w = os.pipe()
         parent = os.getpid()
         pid = os.fork()
@@ -209,14 +212,15 @@ class _Parts:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 for fd in (r, *close_in_child, *(fd for _, fd, _ in self.children.values())):
                     os.close(fd)
-                counters, finished, copied = self.counters, self.finished, self.copied
+                counters, finished, copied, crcs = self.counters, self.finished, self.copied, self.crcs
 
                 def progress(rows_done: int) -> None:
                     counters[index] = rows_done
                     if daemon_gone():
                         raise DaemonGone()
 
-                copied[index] = work(progress)
+                result = work(progress)
+                copied[index], crcs[index] = result.copied, result.crc
                 finished[index] = time.monotonic_ns()
                 status = 0
             except DaemonGone:
@@ -315,17 +319,56 @@ class _Parts:
         self.children.clear()
 
 
+@dataclass(frozen=True)
+class PartResult:
+    """What one part of a load did: bytes copied file to file, and the crc32 of its rows
+    (-1 when not asked for)."""
+
+    copied: int
+    crc: int
+
+
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-               progress: Callable[[int], None], f: h5py.File | None = None) -> int:
+               progress: Callable[[int], None], checksum: bool, f: h5py.File | None = None) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
-    this process's own h5py handle (``f``, or the file opened here). Returns the bytes copied
-    file to file (``pwrite`` and ``splice`` take explicit offsets, so every part can write
-    through the one inherited descriptor)."""
+    this process's own h5py handle (``f``, or the file opened here), hashing them as they land
+    when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
+    at explicit offsets, so every part can write through the one inherited descriptor."""
     if f is None:
         with open_h5(meta.source_path) as f:
-            return _read_part(meta, rows, writer, span, progress, f)
+            return _read_part(meta, rows, writer, span, progress, checksum, f)
     info = inspect_dataset(f, meta.key)
-    return read_shard_into(f[meta.key], info, rows, writer.data, progress, span=span, dest=writer.data_target())
+    flat = writer.data.reshape(-1).view(np.uint8)
+    row = flat.nbytes // max(len(writer.data), 1)
+    k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
+    crc = FollowingCrc(flat, k0 * row, k1 * row) if checksum else None
+
+    def landed(done: int) -> None:
+        if crc is not None:
+            crc.advance((k0 + done) * row)
+        progress(done)
+
+    try:
+        copied = read_shard_into(f[meta.key], info, rows, writer.data, landed, span=span, dest=writer.data_target())
+        return PartResult(copied, -1 if crc is None else crc.result())
+    finally:
+        if crc is not None:
+            crc.close()
+
+
+def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: _Parts | None,
+               writer: SegmentWriter) -> int:
+    """The crc32 of every row: the parts' crcs joined in row order."""
+    if parts is None:
+        return first.crc
+    row = writer.data.nbytes // max(len(writer.data), 1)
+    rows = writer.meta.row_range
+    total = first.crc
+    for index, span in enumerate(spans[1:], 1):
+        assert span is not None
+        k0, k1 = local_range(*span, rows.start, rows.step, len(writer.data))
+        total = crc32_combine(total, int(parts.crcs[index]), (k1 - k0) * row)
+    return total
 
 
 def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int, list[tuple[int, int]]]:
@@ -370,8 +413,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
-                         writer: SegmentWriter = writer) -> int:
-                    return _read_part(meta, rows, writer, span, progress)
+                         writer: SegmentWriter = writer) -> PartResult:
+                    return _read_part(meta, rows, writer, span, progress, job.checksum)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
@@ -390,7 +433,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 shown = total
 
         with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
-            copied = _read_part(meta, rows, writer, spans[0], progress, source)
+            first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source)
+            copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:
                 if daemon_gone():
@@ -402,7 +446,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 copied += int(parts.copied[1:].sum())
             read_done = time.monotonic_ns()
             # every part is reaped: nothing writes into the rows any more
-            checksum = writer.compute_checksum(job.load_processes) if job.checksum else ""
+            checksum = writer.store_checksum(_joined_crc(first, spans, parts, writer)) if job.checksum else ""
             fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache else (-1, [])
             stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
                      "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
