@@ -52,6 +52,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
+from ..compound import rows_dataset
 from ..errors import SegmentError, SourceChanged, code_for
 from ..rawcopy import data_extents, drop_cached
 from ..reads import read_shard_into, row_bytes, shard_span, split_span
@@ -325,14 +326,14 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
         with open_h5(meta.source_path) as f:
             return _read_part(meta, rows, writer, span, progress, f)
     info = inspect_dataset(f, meta.key)
-    return read_shard_into(f[meta.key], info, rows, writer.data, progress, span=span, dest=writer.data_target())
+    return read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, progress, span=span, dest=writer.data_target())
 
 
 def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int, list[tuple[int, int]]]:
     """The descriptor of the file that holds ``meta.key``'s rows (an external link's target
     included) and the byte ranges of it that this load read; ``(-1, [])`` when not known."""
     try:
-        dset = f[meta.key]
+        dset = rows_dataset(f, meta.key)  # a compound field: the rows of its dataset were read
         extents = data_extents(dset, *rows.span)
         return (dset.file.id.get_vfd_handle(), extents) if extents else (-1, [])
     except Exception:  # noqa: BLE001 - an optimisation: a dataset it cannot describe keeps its pages
