@@ -106,6 +106,9 @@ class FieldSet:
     fields: tuple[Field, ...]
     layout: str  # XY, TUPLE or DICT
 
+    def __post_init__(self) -> None:  # looked up once per batch: computed once here
+        object.__setattr__(self, "transformed", any(f.transform is not None for f in self.fields))
+
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(f.key for f in self.fields)
@@ -113,10 +116,6 @@ class FieldSet:
     @property
     def dtypes(self) -> tuple[np.dtype | None, ...]:
         return tuple(f.dtype for f in self.fields)
-
-    @property
-    def transformed(self) -> bool:
-        return any(f.transform is not None for f in self.fields)
 
     def transform_of(self, name: str) -> Callable[[Any], Any] | None:
         """The transform of x (``"x"``) or y (``"y"``) of an x/y dataset (None for others)."""
@@ -159,6 +158,13 @@ class FieldSet:
         if self.transformed:
             per_field = [f.rows(c) for f, c in zip(self.fields, columns)]
             return [self._pack([f.apply(v) for f, v in zip(self.fields, row)]) for row in zip(*per_field)]
+        if self.layout == XY:  # the common case first, and cheaply (this runs once per batch)
+            x = columns[0]
+            if len(columns) == 1:
+                if isinstance(x, torch.Tensor):
+                    return SampleList(x)
+            elif isinstance(x, torch.Tensor) and isinstance(columns[1], torch.Tensor):
+                return Batch(x, columns[1])
         values = [f.batch_column(c) for f, c in zip(self.fields, columns)]
         if self.layout == DICT:
             return DictBatch({f.name: v for f, v in zip(self.fields, values)})
