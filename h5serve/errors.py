@@ -6,7 +6,7 @@
     │   ├── SourceNotFound          the file does not exist or cannot be opened
     │   ├── KeyNotFound             the dataset key is not in the file
     │   ├── UnsupportedDataset      no rows dimension, or a dtype h5serve cannot serve
-    │   ├── LengthMismatch          x and y have different numbers of rows
+    │   ├── LengthMismatch          the keys have different numbers of rows
     │   ├── SourceChanged           the file changed while it was being loaded
     │   └── AccessDenied            the daemon may not serve that file (--allow-root)
     ├── CapacityError               not enough room to hold a shard
@@ -105,7 +105,7 @@ class UnsupportedDataset(DataError, TypeError):
 
 
 class LengthMismatch(DataError):
-    """Raised when the x and y datasets have different numbers of rows."""
+    """Raised when the keys of a dataset (x and y, or every key of keys=) have different numbers of rows."""
 
     code = "length_mismatch"
 

@@ -73,7 +73,9 @@ class Acquire:
     ``mode="node"``: the contiguous shards of ranks ``rank .. rank + span - 1``, one block).
 
     Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
-    with progress (the client asks again), never blocked on the load itself.
+    with progress (the client asks again), never blocked on the load itself. ``key`` may name
+    a field of a compound dataset, ``"<dataset>:<field>"`` (h5serve/compound.py): the segment
+    holds that field only.
     """
 
     OP: ClassVar[str] = "acquire"

@@ -75,6 +75,12 @@ def read_error(exc: OSError, dset: h5py.Dataset, info: DatasetInfo, lo: int, hi:
     )
 
 
+def _as_source_dtype(array: np.ndarray, info: DatasetInfo) -> np.ndarray:
+    """``array`` (of the source dtype) viewed with h5py's string metadata, for byte strings:
+    HDF5 converts UTF-8 strings only into a UTF-8 memory type (equal numpy dtypes can differ there)."""
+    return array.view(info.dtype) if info.is_bytes else array
+
+
 def local_range(a: int, b: int, first: int, step: int, count: int) -> tuple[int, int]:
     """Local positions ``[k0, k1)`` of the shard rows ``first + k*step`` that lie in ``[a, b)``."""
     k0 = max(-(-(a - first) // step), 0)
@@ -93,7 +99,7 @@ def _read_positions(dset: h5py.Dataset, info: DatasetInfo, first: int, step: int
     lo, hi = first + k0 * step, first + (k1 - 1) * step + 1  # the rows actually needed
     try:
         if step == 1 and target.dtype == info.dtype:
-            dset.read_direct(target, np.s_[lo:hi])
+            dset.read_direct(_as_source_dtype(target, info), np.s_[lo:hi])
         else:
             if buffer is None or buffer.shape[0] < hi - lo:
                 buffer = np.empty((hi - lo, *info.row_shape), dtype=info.dtype)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from .compound import split_field
 from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
 
 __all__ = [
@@ -27,11 +28,14 @@ __all__ = [
     "open_h5_verified",
     "inspect_dataset",
     "check_lengths",
+    "check_row_counts",
+    "check_cast",
     "resolve_dtype",
     "storage_dtype",
 ]
 
-SERVABLE_KINDS = "biufc"
+SERVABLE_KINDS = "biufc"  # what a requested dtype may be
+SOURCE_KINDS = SERVABLE_KINDS + "S"  # what a dataset may hold: also fixed-length byte strings
 MAX_LINKS = 40  # soft and external links followed for one key before it is called a cycle
 
 
@@ -58,6 +62,12 @@ class DatasetInfo:
     chunk_rows: int  # rows per chunk along axis 0 (the whole dataset if not chunked)
     linked_file: str = ""  # realpath of the file holding the data when reached by an external link
     chunked: bool = True  # False: contiguous or compact layout (any row range reads directly)
+    field: str = ""  # a field of a compound dataset: ``key`` is "<dataset>:<field>" (compound.py)
+
+    @property
+    def is_bytes(self) -> bool:
+        """Fixed-length byte strings (served as lists of ``bytes``, not tensors)."""
+        return self.dtype.kind == "S"
 
 # Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
 KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2",
@@ -196,18 +206,22 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     storage, virtual sources in other files, external links through more than one other
     file): UnsupportedDataset.
     """
-    obj, linked = _follow(f, key)
+    dataset_key, field = split_field(f, key)
+    obj, linked = _follow(f, dataset_key)
     if not isinstance(obj, h5py.Dataset):
         what = "a group" if isinstance(obj, h5py.Group) else f"a {type(obj).__name__}"
         raise KeyNotFound(f"key {key!r} in {f.filename} is {what}, not a dataset; pass a dataset path like '{key}/...'")
     if obj.shape is None or len(obj.shape) == 0:
         raise UnsupportedDataset(f"dataset {key!r} in {f.filename} is scalar: it has no rows dimension to shard")
-    dtype = obj.dtype
+    dtype, field_shape = _field_dtype(obj, key, dataset_key, field) if field else (obj.dtype, ())
     reason = _unservable(dtype)
     if reason:
+        fields = _numeric_fields(dtype) if dtype.fields is not None else []
+        hint = (f"; select one of its fields as the key, e.g. '{key}:{fields[0]}' (fields: {', '.join(fields)})"
+                if fields else "")
         raise UnsupportedDataset(
-            f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float and "
-            "complex data is served"
+            f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float, complex "
+            f"and fixed-length byte string data is served{hint}"
         )
     _check_filters(obj, key)
     _check_storage(obj, key)
@@ -215,19 +229,45 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     return DatasetInfo(
         key=key,
         rows=int(obj.shape[0]),
-        row_shape=tuple(int(n) for n in obj.shape[1:]),
-        dtype=dtype.newbyteorder("="),
+        row_shape=tuple(int(n) for n in (*obj.shape[1:], *field_shape)),
+        dtype=dtype.newbyteorder("="),  # h5py's string metadata stays: HDF5 needs it to convert UTF-8
         chunk_rows=int(chunks[0]) if chunks else max(int(obj.shape[0]), 1),
         linked_file=linked,
         chunked=bool(chunks),
+        field=field,
     )
+
+
+def _numeric_fields(dtype: np.dtype) -> list[str]:
+    """The fields of a compound dtype that can be served, in order."""
+    return [name for name in dtype.names or () if not _unservable(dtype.fields[name][0].base)]
+
+
+def _field_dtype(obj: h5py.Dataset, key: str, dataset_key: str, field: str) -> tuple[np.dtype, tuple[int, ...]]:
+    """The base dtype and shape of ``field`` of the compound dataset ``obj``.
+
+    Raised when ``obj`` is not compound, or has no such field: KeyNotFound.
+    """
+    names = obj.dtype.names
+    if names is None:
+        raise KeyNotFound(
+            f"key {key!r}: dataset {dataset_key!r} in {obj.file.filename} has dtype {obj.dtype}, not a compound "
+            f"type with fields; pass {dataset_key!r} itself (a key is '<dataset>:<field>' only for compound datasets)"
+        )
+    if field not in names:
+        raise KeyNotFound(
+            f"key {key!r}: compound dataset {dataset_key!r} in {obj.file.filename} has no field {field!r}; its "
+            f"fields: {', '.join(names)}"
+        )
+    sub = obj.dtype.fields[field][0]
+    return sub.base, tuple(int(n) for n in sub.shape)
 
 
 def _unservable(dtype: np.dtype) -> str:
     """Why rows of ``dtype`` cannot be served (a few words), or "" when they can."""
     string = h5py.check_string_dtype(dtype)
     if string is not None:
-        return "variable length strings" if string.length is None else "fixed-length strings"
+        return "variable length strings" if string.length is None else ""
     if h5py.check_vlen_dtype(dtype) is not None:
         return "variable length sequences"
     if h5py.check_ref_dtype(dtype) is not None:
@@ -238,7 +278,7 @@ def _unservable(dtype: np.dtype) -> str:
         return "an array type"
     if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
         return "extended precision, which torch cannot hold"
-    if dtype.kind not in SERVABLE_KINDS:
+    if dtype.kind not in SOURCE_KINDS:
         return {"M": "datetimes", "m": "timedeltas", "V": "opaque bytes"}.get(dtype.kind, "not numeric")
     return ""
 
@@ -388,12 +428,33 @@ def _check_filters(obj: h5py.Dataset, key: str) -> None:
             )
 
 
-def check_lengths(x: DatasetInfo, y: DatasetInfo | None) -> None:
-    """Raised when x and y have different row counts: LengthMismatch."""
-    if y is not None and y.rows != x.rows:
-        raise LengthMismatch(
-            f"x {x.key!r} has {x.rows} rows but y {y.key!r} has {y.rows}: they must have the same length"
+def check_lengths(*infos: DatasetInfo | None) -> None:
+    """Raised when the datasets (None: left out) have different row counts: LengthMismatch."""
+    given = [info for info in infos if info is not None]
+    check_row_counts([info.key for info in given], [info.rows for info in given])
+
+
+def check_row_counts(keys: list[str] | tuple[str, ...], rows: list[int]) -> None:
+    """Raised when ``rows`` (of ``keys``, in order) are not all equal: LengthMismatch, naming
+    each key's length."""
+    if len(set(rows)) > 1:
+        each = ", ".join(f"{key!r} has {n} rows" for key, n in zip(keys, rows))
+        raise LengthMismatch(f"the keys differ in length: {each}; every key of a dataset must have the same "
+                             "number of rows (one row per sample)")
+
+
+def check_cast(info: DatasetInfo, requested: np.dtype | None) -> np.dtype:
+    """The dtype ``info``'s rows are returned in: ``requested``, else the source dtype.
+
+    Raised when a dtype is requested for byte strings (they are served as ``bytes``, or
+    ``str`` with ``encoding=``): UnsupportedDataset.
+    """
+    if info.is_bytes and requested is not None:
+        raise UnsupportedDataset(
+            f"dataset {info.key!r} holds fixed-length byte strings ({info.dtype.str}), which cannot be cast to "
+            f"{requested}; leave its dtype unset: rows come as bytes (or str with encoding=)"
         )
+    return requested or info.dtype
 
 
 def storage_dtype(source: np.dtype, requested: np.dtype | None) -> np.dtype:

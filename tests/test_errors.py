@@ -57,7 +57,6 @@ CASES = [
     ("x", "y_short", LengthMismatch, "100 rows.*99"),
     ("missing", None, KeyNotFound, "'missing' is not in .*datasets there: .*x"),
     ("scalar", None, UnsupportedDataset, "scalar"),
-    ("strings", None, UnsupportedDataset, "dtype .*S1"),
     ("vlen", None, UnsupportedDataset, "variable length"),
     ("compound", None, UnsupportedDataset, "dtype"),
     ("grp", None, KeyNotFound, "group"),

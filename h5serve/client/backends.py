@@ -1,7 +1,7 @@
 """Where a dataset's rows come from: shared memory, lazy h5py reads, or private memory.
 
-Every backend answers ``gather(positions) -> [x, y]`` with fresh, writable tensors in the
-output dtypes, for an int64 tensor of valid local positions in this rank's shard. The shm
+Every backend answers ``gather(positions) -> [one column per key]`` with fresh, writable
+tensors in the output dtypes (byte strings: NumPy arrays), for an int64 tensor of valid local positions in this rank's shard. The shm
 backend's rows are gathered out of a read-only mapping, so nothing a caller does to them can
 reach another process.
 """
@@ -19,17 +19,18 @@ import h5py
 import numpy as np
 import torch
 
-from ..errors import LengthMismatch, SegmentError, SourceChanged
+from ..compound import rows_dataset
+from ..errors import SegmentError, SourceChanged
 from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..rawcopy import StoredRows, stored_rows
 from ..reads import read_rows, read_shard_into
 from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
-from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5
+from ..source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from ..connection import DaemonClient
-from .gather import RowSource
+from .gather import RowSource, as_column
 
 __all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]
 
@@ -41,24 +42,14 @@ class BackendSpec:
     """Everything needed to build any backend for one rank's shard (picklable)."""
 
     path: str  # absolute
-    x_key: str
-    y_key: str | None
+    keys: tuple[str, ...]  # one per field, in order (x_key, y_key: the first two); "<dataset>:<field>" for compound fields
     selection: Selection
-    dtype_x: np.dtype | None  # requested output dtypes (None: the source dtype)
-    dtype_y: np.dtype | None
+    dtypes: tuple[np.dtype | None, ...]  # requested output dtype of each key (None: the source dtype)
     runtime_dir: str | None = None
     timeout: float | None = None
     daemon_user: str | int | None = None  # a shared daemon's user to trust (else $H5SERVE_DAEMON_USER)
     h5_options: dict[str, Any] = field(default_factory=dict)
     cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return (self.x_key,) if self.y_key is None else (self.x_key, self.y_key)
-
-    @property
-    def dtypes(self) -> tuple[np.dtype | None, ...]:
-        return (self.dtype_x,) if self.y_key is None else (self.dtype_x, self.dtype_y)
 
 
 class H5Handle:
@@ -92,7 +83,7 @@ class H5Handle:
         """
         f = self.file()  # after a fork: reopened, and the parent's dataset objects forgotten
         if key not in self._datasets:
-            dset = self._datasets[key] = f[key]
+            dset = self._datasets[key] = rows_dataset(f, key)
             if dset.file.driver == "sec2":
                 fd = dset.file.id.get_vfd_handle()
                 st = os.fstat(fd)
@@ -153,7 +144,7 @@ class ArrayBackend:
     def arrays(self, arrays: list[np.ndarray]) -> None:
         self._sources = [RowSource(a, d) for a, d in zip(arrays, self.out_dtypes)]
 
-    def gather(self, positions: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray]:
         return [source.take(positions) for source in self._sources]
 
     def close(self) -> None:
@@ -168,22 +159,19 @@ class MemoryBackend(ArrayBackend):
         arrays, out_dtypes = [], []
         with open_h5(spec.path, **spec.h5_options) as f:
             infos = [inspect_dataset(f, key) for key in spec.keys]
-            check_lengths(infos[0], infos[1] if len(infos) > 1 else None)
+            check_lengths(*infos)
             for info, requested in zip(infos, spec.dtypes):
                 rows = spec.selection.rows(info.rows)
-                out = np.empty((len(rows), *info.row_shape), dtype=requested or info.dtype)
-                read_shard_into(f[info.key], info, rows, out)
+                out = np.empty((len(rows), *info.row_shape), dtype=check_cast(info, requested))
+                read_shard_into(rows_dataset(f, info.key), info, rows, out)
                 arrays.append(out)
                 out_dtypes.append(out.dtype)
         return cls(arrays, out_dtypes, infos[0].rows)
 
 
 def _check_same_length(spec: BackendSpec, rows: list[int]) -> None:
-    """Raised when x and y have different numbers of rows: LengthMismatch."""
-    if len(rows) == 2 and rows[0] != rows[1]:
-        raise LengthMismatch(
-            f"x {spec.x_key!r} has {rows[0]} rows but y {spec.y_key!r} has {rows[1]}: they must have the same length"
-        )
+    """Raised when the keys have different numbers of rows: LengthMismatch."""
+    check_row_counts(spec.keys, rows)
 
 
 def _check_same_shm(result: AcquireResult) -> None:
@@ -221,7 +209,7 @@ class ShmBackend(ArrayBackend):
         make progress (the daemon stops a stalled one: its ``--stall-timeout``).
 
         Raised when no daemon answers, or the loads are not done within ``spec.timeout``:
-        DaemonUnavailable. Raised when x and y differ in length: LengthMismatch. Other
+        DaemonUnavailable. Raised when the keys differ in length: LengthMismatch. Other
         daemon errors arrive as their own classes.
         """
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
@@ -240,7 +228,7 @@ class ShmBackend(ArrayBackend):
                     segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
                 _check_same_length(spec, [s.meta.total_rows for s in segments])
             except BaseException:
-                for segment in segments:  # x attached but y failed: drop x's lease now, not at GC
+                for segment in segments:  # one key attached but another failed: drop x's lease now, not at GC
                     segment.close()
                 raise
         return cls(spec, segments)
@@ -321,8 +309,8 @@ class LazyBackend:
         self.spec = spec
         with open_h5(spec.path) as f:  # metadata only; closed before any fork
             self.infos: list[DatasetInfo] = [inspect_dataset(f, key) for key in spec.keys]
-        check_lengths(self.infos[0], self.infos[1] if len(self.infos) > 1 else None)
-        self.out_dtypes = [requested or info.dtype for info, requested in zip(self.infos, spec.dtypes)]
+        check_lengths(*self.infos)
+        self.out_dtypes = [check_cast(info, requested) for info, requested in zip(self.infos, spec.dtypes)]
         self.total_rows = self.infos[0].rows
         self.indices = spec.selection.indices(self.total_rows)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
@@ -342,14 +330,14 @@ class LazyBackend:
             self._caches = [ChunkCache(info, self.rows, d) for info, d in zip(self.infos, self.out_dtypes)]
         return self._caches
 
-    def gather(self, positions: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray]:
         if self.cached:
             return [cache.take(self.handle.dataset, positions) for cache in self._chunk_caches()]
         rows = self.indices[positions.numpy()]
         out = []
         for info, d in zip(self.infos, self.out_dtypes):
             dset, stored = self.handle.located(info)
-            out.append(torch.from_numpy(read_rows(dset, info, rows, d, stored)))
+            out.append(as_column(read_rows(dset, info, rows, d, stored)))
         return out
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from ..errors import DataError
 from ..reads import read_block_into, read_rows, row_bytes
 from ..sharding import RowRange, Selection, as_rows
 from ..source import DatasetInfo
-from .gather import RowSource
+from .gather import RowSource, as_column
 
 __all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options"]
 
@@ -96,7 +96,7 @@ class ChunkCache:
         """What the cache holds once every row has been read."""
         return len(as_rows(selection, info.rows)) * row_bytes(info)
 
-    def take(self, dataset: Callable[[str], h5py.Dataset], positions: torch.Tensor) -> torch.Tensor:
+    def take(self, dataset: Callable[[str], h5py.Dataset], positions: torch.Tensor) -> torch.Tensor | np.ndarray:
         """Rows at ``positions``, reading the chunks that hold them first if not yet read
         (through ``dataset(key)``, called only then).
 
@@ -121,7 +121,7 @@ class ChunkCache:
             if damaged:
                 # Serve this batch straight from HDF5, a chunk run at a time: rows of good chunks
                 # still read, and the error names the rows of the damaged chunk.
-                return torch.from_numpy(read_rows(dset, self.info, rows, self.rows.out_dtype))
+                return as_column(read_rows(dset, self.info, rows, self.rows.out_dtype))
             if not self.missing:
                 self._buffer = None
         return self.rows.take(positions)

@@ -10,92 +10,23 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
-from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
+from .fields import Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions
 from .resharding import check_not_measured_by_distributed_sampler
 
-__all__ = ["SharedH5Dataset", "Batch", "SampleList", "collate"]
+__all__ = ["SharedH5Dataset", "Batch", "SampleList", "TupleBatch", "DictBatch", "collate"]
 
 FALLBACKS = ("lazy", "error")
-
-
-class BatchRow(tuple):
-    """One ``(x[i], y[i])`` pair of a Batch: a plain tuple to everyone, and the type by which
-    ``default_collate`` recognises a whole Batch (see ``_collate_rows``)."""
-
-    __slots__ = ()
-
-
-class Batch(Sequence):
-    """What ``__getitems__`` returns for (x, y) data: the gathered batch tensors ``x`` and ``y``.
-
-    ``collate`` returns them as they are (the fast path: no per-sample objects at all), and so
-    does ``default_collate`` (as the list ``[x, y]``, its usual result for tuple samples): a
-    plain DataLoader without ``collate_fn`` is as fast. Indexed, it is a sequence of
-    per-sample ``(x[i], y[i])`` pairs, made on demand.
-    """
-
-    __slots__ = ("x", "y")
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x = x
-        self.y = y
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        return BatchRow((self.x[index], self.y[index]))
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return map(BatchRow, zip(self.x.unbind(0), self.y.unbind(0)))
-
-
-def _collate_rows(batch: Sequence[BatchRow], *, collate_fn_map: dict | None = None) -> list[Any]:
-    """``default_collate`` of BatchRow samples: a whole Batch is ``[x, y]`` at once; rows
-    gathered some other way are transposed and collated as tuples always are."""
-    if isinstance(batch, Batch):
-        return [batch.x, batch.y]
-    return [default_collate(list(samples)) for samples in zip(*batch)]
-
-
-# torch's documented way to extend default_collate (the docstring of torch.utils.data's
-# ``collate``): keyed on our own type only, so nothing else collates differently.
-default_collate_fn_map[BatchRow] = _collate_rows
-
-
-class SampleList(list):
-    """What ``__getitems__`` returns for x-only data: the per-sample rows as a real list
-    (``default_collate`` stacks lists and tuples only), carrying the gathered tensor ``x``
-    that ``collate`` returns without stacking again."""
-
-    def __init__(self, x: torch.Tensor) -> None:
-        super().__init__(x.unbind(0))
-        self.x = x
-        self.y = None
-
-
-def collate(batch: Any) -> Any:
-    """The ``collate_fn`` that goes with SharedH5Dataset: the gathered tensors of a batch as
-    they are (``x`` or ``(x, y)``), anything else through ``default_collate``."""
-    if isinstance(batch, Batch):
-        return batch.x, batch.y
-    if isinstance(batch, SampleList):
-        return batch.x
-    return default_collate(batch)
 
 
 def _check_cache_bytes(value: Any) -> int | None:
@@ -107,7 +38,15 @@ def _check_cache_bytes(value: Any) -> int | None:
 
 
 class SharedH5Dataset(Dataset):
-    """This rank's shard of ``path[x_key]`` (and ``path[y_key]``).
+    """This rank's shard of ``path[x_key]`` (and ``path[y_key]``), or of every key in ``keys``.
+
+    ``keys=["image", "mask", "label"]``: samples and batches are tuples in that order;
+    ``keys={"image": "data/img", "label": "meta/cls"}``: dicts with those names. ``dtypes``
+    and ``transforms`` are dicts by field name (the key itself for a list). A key
+    ``"events:energy"`` is field ``energy`` of the compound dataset ``events`` (a dataset
+    literally named so wins; h5serve/compound.py has the rule). Fixed-length byte strings
+    come as lists of ``bytes``, or ``str`` decoded with ``encoding``. Every key must have
+    the same number of rows.
 
     ``mode``: ``"contiguous"`` (balanced slices), ``"interleave"`` (rows ``r, r+W, ...``) or
     ``"global"``: every rank's dataset is the whole file (``len(ds)`` is every row,
@@ -139,9 +78,13 @@ class SharedH5Dataset(Dataset):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        x_key: str,
+        x_key: str | None = None,
         y_key: str | None = None,
         *,
+        keys: Sequence[str] | dict[str, str] | None = None,
+        dtypes: dict[str, Any] | None = None,
+        transforms: dict[str, Callable[[Any], Any]] | None = None,
+        encoding: str | None = None,
         mode: str = "contiguous",
         rank: int | None = None,
         world_size: int | None = None,
@@ -161,9 +104,10 @@ class SharedH5Dataset(Dataset):
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-        for name, key in (("x_key", x_key), ("y_key", y_key)):
-            if key is not None and (not isinstance(key, str) or not key):
-                raise ConfigError(f"{name} must be a non-empty string naming a dataset, got {key!r}")
+        self.fields: FieldSet = parse_fields(
+            x_key, y_key, keys, dtype_x=dtype_x, dtype_y=dtype_y, transform=transform,
+            target_transform=target_transform, dtypes=dtypes, transforms=transforms, encoding=encoding,
+        )
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.layout = None  # node mode: the NodeLayout this rank's node was resolved from
         layout_args = (local_rank, local_world_size, node_rank, num_nodes)
@@ -176,11 +120,9 @@ class SharedH5Dataset(Dataset):
             selection = Selection(mode, self.world_size, self.rank)
         self.spec = BackendSpec(
             path=os.path.abspath(os.fspath(path)),
-            x_key=x_key,
-            y_key=y_key,
+            keys=self.fields.keys,
             selection=selection,
-            dtype_x=resolve_dtype(dtype_x, "dtype_x"),
-            dtype_y=resolve_dtype(dtype_y, "dtype_y"),
+            dtypes=self.fields.dtypes,
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
             timeout=timeout,
             daemon_user=daemon_user,
@@ -188,10 +130,13 @@ class SharedH5Dataset(Dataset):
             cache_bytes=_check_cache_bytes(cache_bytes),
         )
         self.mode = mode
-        self.transform = transform
-        self.target_transform = target_transform
         self.fallback = fallback
         self._backend: Backend = self._open_backend()
+        try:
+            self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
+        except ConfigError:
+            self._backend.close()
+            raise
         self.indices: np.ndarray = self.spec.selection.indices(self._backend.total_rows)
 
     def _node_selection(self, rank: int | None, world_size: int | None, local_rank: int | None,
@@ -246,38 +191,42 @@ class SharedH5Dataset(Dataset):
         same number of batches from (global mode: every rank has all rows)."""
         return self.spec.selection.sizes(self.total_rows)
 
+    # ----- x/y transforms, settable as before ---------------------------------------------------
+    @property
+    def transform(self) -> Callable[[Any], Any] | None:
+        """x's per-sample transform (x_key/y_key datasets; ``keys=`` datasets: ``transforms=``)."""
+        return self.fields.transform_of("x")
+
+    @transform.setter
+    def transform(self, fn: Callable[[Any], Any] | None) -> None:
+        self.fields = self.fields.with_transform("x", fn)
+
+    @property
+    def target_transform(self) -> Callable[[Any], Any] | None:
+        """y's per-sample transform."""
+        return self.fields.transform_of("y")
+
+    @target_transform.setter
+    def target_transform(self, fn: Callable[[Any], Any] | None) -> None:
+        self.fields = self.fields.with_transform("y", fn)
+
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
         if self.mode != GLOBAL and self.world_size > 1:
             check_not_measured_by_distributed_sampler(self)
         return len(self.indices)
 
-    def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor) -> list[torch.Tensor | np.ndarray]:
         return self._backend.gather(as_positions(local, len(self.indices)))
 
-    def _sample(self, x: torch.Tensor, y: torch.Tensor | None) -> Any:
-        if self.transform is not None:
-            x = self.transform(x)
-        if y is None:
-            return x
-        if self.target_transform is not None:
-            y = self.target_transform(y)
-        return x, y
-
     def __getitem__(self, index: int) -> Any:
-        tensors = self._gather([operator.index(index)])
-        return self._sample(tensors[0][0], tensors[1][0] if len(tensors) > 1 else None)
+        return self.fields.sample(self._gather([operator.index(index)]))
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Sequence[Any]:
-        """A whole batch with one vectorised gather per array (DataLoader calls this): a Batch
-        (or SampleList) for ``collate``, or per-sample results when there are transforms."""
-        tensors = self._gather(indices)
-        x, y = tensors[0], (tensors[1] if len(tensors) > 1 else None)
-        if self.transform is None and self.target_transform is None:
-            return SampleList(x) if y is None else Batch(x, y)
-        if y is None:
-            return [self._sample(xi, None) for xi in x.unbind(0)]
-        return [self._sample(xi, yi) for xi, yi in zip(x.unbind(0), y.unbind(0))]
+        """A whole batch with one vectorised gather per key (DataLoader calls this): a Batch,
+        SampleList, TupleBatch or DictBatch for ``collate``, or per-sample results when there
+        are transforms (h5serve/client/fields.py)."""
+        return self.fields.batch(self._gather(indices))
 
     def close(self) -> None:
         """Release the mapping and lease (or the h5py handle) held by this process."""
@@ -285,7 +234,15 @@ class SharedH5Dataset(Dataset):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({self.spec.path!r}, x_key={self.spec.x_key!r}, y_key={self.spec.y_key!r}, "
+            f"{type(self).__name__}({self.spec.path!r}, {self._keys_repr()}, "
             f"mode={self.mode!r}, rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
             f"rows={len(self)})"
         )
+
+    def _keys_repr(self) -> str:
+        f = self.fields
+        if f.layout == "xy":
+            return f"x_key={f.keys[0]!r}, y_key={f.keys[1] if len(f.keys) > 1 else None!r}"
+        if f.layout == "dict":
+            return f"keys={ {x.name: x.key for x in f.fields}!r}"
+        return f"keys={list(f.keys)!r}"

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["RowSource", "as_positions", "index_batches"]
+__all__ = ["RowSource", "as_column", "as_positions", "index_batches"]
 
 _fork_guard_registered = False
 
@@ -63,10 +63,12 @@ class RowSource:
         self.array = array
         self.out_dtype = np.dtype(out_dtype)
         self._same = array.dtype == self.out_dtype
+        self._tensor = self.out_dtype.kind != "S"
 
-    def take(self, positions: torch.Tensor) -> torch.Tensor:
+    def take(self, positions: torch.Tensor) -> torch.Tensor | np.ndarray:
         """Rows at ``positions`` (an int64 tensor of valid, non-negative positions, as
-        ``as_positions`` returns) as a new tensor of ``out_dtype``."""
+        ``as_positions`` returns) as a new tensor of ``out_dtype`` (byte strings: a new
+        NumPy array, which torch cannot hold; see ``as_column``)."""
         if not _fork_guard_registered:
             _guard_forks()
         # mode="clip": positions are checked already (as_positions). The array's own take (not
@@ -74,7 +76,15 @@ class RowSource:
         # a torch.empty tensor's buffer (out=), and with mode="raise" out= would gather into a
         # temporary and copy it again.
         rows = self.array.take(_as_array(positions), axis=0, mode="clip")
+        if not self._tensor:
+            return rows
         return torch.from_numpy(rows if self._same else rows.astype(self.out_dtype))
+
+
+def as_column(rows: np.ndarray) -> torch.Tensor | np.ndarray:
+    """A batch's gathered rows as a backend returns them: a tensor sharing their memory, or,
+    for byte strings, the NumPy array itself (the dataset turns it into ``bytes`` per batch)."""
+    return rows if rows.dtype.kind == "S" else torch.from_numpy(rows)
 
 
 # The last positions as_positions returned and their NumPy view: each array of a batch gathers

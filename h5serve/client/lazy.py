@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..reads import read_rows
 from ..sharding import Selection
-from ..source import check_lengths, inspect_dataset, open_h5, resolve_dtype
+from ..source import check_cast, check_lengths, inspect_dataset, open_h5, resolve_dtype
 from .backends import H5Handle
 from .chunkcache import ChunkCache
 from .gather import as_positions
@@ -24,11 +24,17 @@ __all__ = ["H5LazyDataset", "h5_worker_init_fn"]
 
 
 def _as_tensor(value: Any) -> Any:
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind == "S":
+        return value.tolist()  # byte strings: bytes, as SharedH5Dataset returns them
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, np.generic):
         return torch.from_numpy(np.asarray(value))
     return value
+
+
+def _as_numpy(column: torch.Tensor | np.ndarray) -> np.ndarray:
+    return column.numpy() if isinstance(column, torch.Tensor) else column
 
 
 class H5LazyDataset(Dataset):
@@ -66,7 +72,7 @@ class H5LazyDataset(Dataset):
             self._infos = [inspect_dataset(f, k) for k in ((x_key,) if y_key is None else (x_key, y_key))]
         check_lengths(self._infos[0], self._infos[1] if len(self._infos) > 1 else None)
         requested = (resolve_dtype(x_dtype, "x_dtype"), resolve_dtype(y_dtype, "y_dtype"))
-        self._dtypes = [r or info.dtype for info, r in zip(self._infos, requested)]
+        self._dtypes = [check_cast(info, r) for info, r in zip(self._infos, requested)]
         self._whole = Selection("contiguous", 1, 0)
         self._cached = sum(ChunkCache.nbytes_for(info, self._whole) for info in self._infos) <= rdcc_nbytes
         rdcc = {} if self._cached else {"rdcc_nbytes": rdcc_nbytes, "rdcc_nslots": rdcc_nslots, "rdcc_w0": rdcc_w0}
@@ -81,7 +87,7 @@ class H5LazyDataset(Dataset):
         if self._cached:
             if self._caches is None:
                 self._caches = [ChunkCache(info, self._whole, d) for info, d in zip(self._infos, self._dtypes)]
-            return [cache.take(self._handle.dataset, positions).numpy() for cache in self._caches]
+            return [_as_numpy(cache.take(self._handle.dataset, positions)) for cache in self._caches]
         rows = positions.numpy()
         out = []
         for info, d in zip(self._infos, self._dtypes):

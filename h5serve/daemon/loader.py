@@ -52,6 +52,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
+from ..compound import rows_dataset
 from ..errors import SegmentError, SourceChanged, code_for
 from ..rawcopy import data_extents, drop_cached
 from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
@@ -349,7 +350,7 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
         progress(done)
 
     try:
-        copied = read_shard_into(f[meta.key], info, rows, writer.data, landed, span=span, dest=writer.data_target())
+        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span, dest=writer.data_target())
         return PartResult(copied, -1 if crc is None else crc.result())
     finally:
         if crc is not None:
@@ -375,7 +376,7 @@ def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int,
     """The descriptor of the file that holds ``meta.key``'s rows (an external link's target
     included) and the byte ranges of it that this load read; ``(-1, [])`` when not known."""
     try:
-        dset = f[meta.key]
+        dset = rows_dataset(f, meta.key)  # a compound field: the rows of its dataset were read
         extents = data_extents(dset, *rows.span)
         return (dset.file.id.get_vfd_handle(), extents) if extents else (-1, [])
     except Exception:  # noqa: BLE001 - an optimisation: a dataset it cannot describe keeps its pages

@@ -50,6 +50,7 @@ from ..segments import (
 )
 from ..sharding import Selection
 from ..source import (
+    check_cast,
     resolve_dtype,
     sources_unchanged,
     storage_dtype,
@@ -207,7 +208,7 @@ class SegmentStore:
             return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span)
-        stored = storage_dtype(info.dtype, resolve_dtype(req.dtype, "dtype"))
+        stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
         meta = SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
             source_size=ident.size, source_mtime_ns=ident.mtime_ns, key=req.key,
