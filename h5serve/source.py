@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import h5py
@@ -27,6 +28,7 @@ __all__ = [
     "open_h5_verified",
     "inspect_dataset",
     "check_lengths",
+    "identities_unchanged",
     "resolve_dtype",
     "storage_dtype",
 ]
@@ -58,12 +60,15 @@ class DatasetInfo:
     chunk_rows: int  # rows per chunk along axis 0 (the whole dataset if not chunked)
     linked_file: str = ""  # realpath of the file holding the data when reached by an external link
     chunked: bool = True  # False: contiguous or compact layout (any row range reads directly)
+    virtual_sources: tuple[str, ...] = ()  # realpaths of the other files a virtual dataset maps (vds.py)
 
 # Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
 KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2",
                  32013: "zfp", 32017: "sz", 32024: "sz3", 32018: "fcidecomp", 305: "lzo", 32002: "mafisc"}
 # Filters the `filters` extra (hdf5plugin) provides: a missing one names the extra to install.
 HDF5PLUGIN_FILTERS = frozenset({32001, 32004, 32008, 32015, 32026, 307, 32013, 32017, 32024, 32018})
+
+from .vds import virtual_sources  # noqa: E402 - vds.py uses the errors above only
 
 try:  # registers blosc, zstd, lz4, bitshuffle, ... with HDF5 for this process
     import hdf5plugin  # noqa: F401
@@ -131,6 +136,14 @@ def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
     return f
 
 
+def identities_unchanged(identities: "Iterable[tuple]") -> bool:
+    """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded."""
+    try:
+        return all(file_identity(ident[0]).as_tuple() == tuple(ident[:5]) for ident in identities)
+    except SourceNotFound:
+        return False
+
+
 def sources_unchanged(source: tuple, linked: tuple = ()) -> bool:
     """True when the file (and the externally linked file, if any) still has the identity
     ``(path, dev, ino, size, mtime_ns)`` recorded when its rows were loaded."""
@@ -193,8 +206,9 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     link and its target): KeyNotFound.
     Raised when it has no rows dimension, a dtype that is not plain numeric, a filter that
     is not available, or data in files whose changes h5serve cannot track (raw external
-    storage, virtual sources in other files, external links through more than one other
-    file): UnsupportedDataset.
+    storage, external links through more than one other file, virtual sources it cannot
+    follow: vds.py): UnsupportedDataset. Raised when a virtual dataset's source file is
+    missing: SourceNotFound.
     """
     obj, linked = _follow(f, key)
     if not isinstance(obj, h5py.Dataset):
@@ -211,6 +225,7 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         )
     _check_filters(obj, key)
     _check_storage(obj, key)
+    sources = virtual_sources(obj, key) if obj.is_virtual else ()
     chunks = obj.chunks
     return DatasetInfo(
         key=key,
@@ -220,6 +235,7 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         chunk_rows=int(chunks[0]) if chunks else max(int(obj.shape[0]), 1),
         linked_file=linked,
         chunked=bool(chunks),
+        virtual_sources=sources,
     )
 
 
@@ -353,8 +369,8 @@ def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
 
 
 def _check_storage(obj: h5py.Dataset, key: str) -> None:
-    """Raised when rows live in files other than the HDF5 file (raw external storage,
-    virtual dataset sources elsewhere), whose changes h5serve cannot track: UnsupportedDataset."""
+    """Raised when rows live in raw files outside HDF5 (external storage), whose changes
+    h5serve cannot track: UnsupportedDataset. (Virtual datasets: vds.py.)"""
     external = obj.external
     if external:
         names = ", ".join(str(entry[0]) for entry in external)
@@ -362,13 +378,6 @@ def _check_storage(obj: h5py.Dataset, key: str) -> None:
             f"dataset {key!r} keeps its rows in external raw files ({names}), which h5serve cannot track for "
             "changes; copy the rows into a dataset stored inside the HDF5 file"
         )
-    if obj.is_virtual:
-        sources = sorted({m.file_name for m in obj.virtual_sources() if m.file_name != "."})
-        if sources:
-            raise UnsupportedDataset(
-                f"dataset {key!r} is a virtual dataset with sources in other files ({', '.join(sources)}), "
-                "which h5serve cannot track for changes; copy the rows into a dataset stored inside one file"
-            )
 
 
 def _check_filters(obj: h5py.Dataset, key: str) -> None:

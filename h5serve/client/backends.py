@@ -13,13 +13,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import h5py
 import numpy as np
 import torch
 
 from ..errors import LengthMismatch, SegmentError, SourceChanged
+from ..files import check_file_lengths
 from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..rawcopy import StoredRows, stored_rows
@@ -31,7 +32,10 @@ from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from ..connection import DaemonClient
 from .gather import RowSource
 
-__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]
+if TYPE_CHECKING:
+    from .files import FilesLazyBackend
+
+__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend"]
 
 log = logging.getLogger("h5serve.client")
 
@@ -40,7 +44,7 @@ log = logging.getLogger("h5serve.client")
 class BackendSpec:
     """Everything needed to build any backend for one rank's shard (picklable)."""
 
-    path: str  # absolute
+    path: str  # absolute (many files: the first)
     x_key: str
     y_key: str | None
     selection: Selection
@@ -51,6 +55,8 @@ class BackendSpec:
     daemon_user: str | int | None = None  # a shared daemon's user to trust (else $H5SERVE_DAEMON_USER)
     h5_options: dict[str, Any] = field(default_factory=dict)
     cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
+    files: tuple[str, ...] = ()  # many files as one dataset (h5serve.files): all, absolute, in row order
+    pattern: str = ""  # the glob pattern they were expanded from ("" for a list or one file)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -165,6 +171,11 @@ class MemoryBackend(ArrayBackend):
 
     @classmethod
     def load(cls, spec: BackendSpec) -> "MemoryBackend":
+        if spec.files:
+            from .files import FilesLazyBackend
+
+            reader = FilesLazyBackend(spec)
+            return cls(reader.read_all(), reader.out_dtypes, reader.total_rows)
         arrays, out_dtypes = [], []
         with open_h5(spec.path, **spec.h5_options) as f:
             infos = [inspect_dataset(f, key) for key in spec.keys]
@@ -227,7 +238,7 @@ class ShmBackend(ArrayBackend):
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
-                    None if dtype is None else dtype.str, spec.selection.span)
+                    None if dtype is None else dtype.str, spec.selection.span, spec.files)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
@@ -239,6 +250,8 @@ class ShmBackend(ArrayBackend):
                 for request, result in zip(requests, first):
                     segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
                 _check_same_length(spec, [s.meta.total_rows for s in segments])
+                if spec.files:  # equal totals are not enough: rows must pair up file by file
+                    check_file_lengths(spec.files, spec.keys, [s.meta.file_rows for s in segments])
             except BaseException:
                 for segment in segments:  # x attached but y failed: drop x's lease now, not at GC
                     segment.close()
@@ -283,7 +296,8 @@ class ShmBackend(ArrayBackend):
                 continue
             m = segment.meta
             wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
-            if m.key != request.key or m.row_range != wanted:  # rows, not labels: selections share segments
+            if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files):
+                # rows, not labels: selections share segments
                 segment.close()
                 raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "
                                    f"({request.mode} rank {request.rank}/{request.world_size})")
@@ -307,7 +321,16 @@ def _reattach(spec: BackendSpec, where: list[tuple[str, str, int]]) -> ArrayBack
         return ShmBackend(spec, [attach_segment(d, n, owner) for d, n, owner in where])
     except SegmentError as exc:
         log.warning("could not re-attach h5serve segments in pid %d (%s); reading lazily", os.getpid(), exc)
-        return LazyBackend(spec)
+        return lazy_backend(spec)
+
+
+def lazy_backend(spec: BackendSpec) -> "LazyBackend | FilesLazyBackend":
+    """The lazy backend for ``spec``: one file's, or many files' (client/files.py)."""
+    if spec.files:
+        from .files import FilesLazyBackend
+
+        return FilesLazyBackend(spec)
+    return LazyBackend(spec)
 
 
 class LazyBackend:
@@ -360,4 +383,4 @@ class LazyBackend:
         return {**self.__dict__, "_caches": None}  # a spawned worker fills its own cache
 
 
-Backend = ArrayBackend | LazyBackend
+Backend = Union[ArrayBackend, LazyBackend, "FilesLazyBackend"]

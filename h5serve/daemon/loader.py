@@ -57,7 +57,9 @@ from ..rawcopy import data_extents, drop_cached
 from ..reads import read_shard_into, row_bytes, shard_span, split_span
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
-from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
+from ..files import plan_file_parts
+from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
+from .fileset import read_files_part
 
 __all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
@@ -316,11 +318,14 @@ class _Parts:
 
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-               progress: Callable[[int], None], f: h5py.File | None = None) -> int:
+               progress: Callable[[int], None], f: h5py.File | None = None, drop_page_cache: bool = False) -> int:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
     this process's own h5py handle (``f``, or the file opened here). Returns the bytes copied
     file to file (``pwrite`` and ``splice`` take explicit offsets, so every part can write
-    through the one inherited descriptor)."""
+    through the one inherited descriptor). Many files as one dataset: each file of the span
+    opened in turn (fileset.py), its cached pages dropped as it is done with ``drop_page_cache``."""
+    if meta.files:
+        return read_files_part(meta, rows, writer, span, progress, drop_page_cache)
     if f is None:
         with open_h5(meta.source_path) as f:
             return _read_part(meta, rows, writer, span, progress, f)
@@ -346,6 +351,9 @@ def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int,
         return [None]
     span_rows = rows.stop - rows.start
     row = int(np.prod(meta.row_shape, dtype=np.int64)) * np.dtype(meta.source_dtype).itemsize
+    if meta.files:  # split at file boundaries: each process opens its own files
+        spans = plan_file_parts(rows, meta.file_rows, row, processes, min_part_bytes())
+        return [None] if len(spans) <= 1 else list(spans)
     if span_rows * row < 2 * min_part_bytes():
         return [None]
     with open_h5(meta.source_path) as f:
@@ -371,7 +379,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
             for index, span in enumerate(spans[1:], 1):
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
                          writer: SegmentWriter = writer) -> int:
-                    return _read_part(meta, rows, writer, span, progress)
+                    return _read_part(meta, rows, writer, span, progress, drop_page_cache=job.drop_page_cache)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
@@ -390,7 +398,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 shown = total
 
         with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
-            copied = _read_part(meta, rows, writer, spans[0], progress, source)
+            copied = _read_part(meta, rows, writer, spans[0], progress, source, job.drop_page_cache)
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:
                 if daemon_gone():
@@ -403,12 +411,13 @@ def _run(job: LoadJob, reply: Connection) -> None:
             read_done = time.monotonic_ns()
             # every part is reaped: nothing writes into the rows any more
             checksum = writer.compute_checksum(job.load_processes) if job.checksum else ""
-            fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache else (-1, [])
+            # (a multi-file load dropped each file's pages as it was read)
+            fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache and not meta.files else (-1, [])
             stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
                      "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
                      "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9,
                      "page_cache_drop_bytes": sum(size for _, size in extents)}
-            if not sources_unchanged(meta.source, meta.linked):
+            if not identities_unchanged(meta.identities()):
                 raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
             if daemon_gone():
                 raise DaemonGone()
