@@ -302,51 +302,30 @@ def segments_of(daemon: Daemon, first: Path) -> list[dict]:
     return [s for s in daemon.status()["segments"] if s["file"] == str(first)]
 
 
-@pytest.mark.parametrize("change", ["rewritten", "replaced", "removed"])
-def test_a_changed_file_is_never_served_stale(tmp_path: Path, shared_daemon: Daemon, change: str) -> None:
-    paths = write_set(tmp_path, (10, 12, 9))
-    ds = open_ds("shm", shared_daemon, paths, "x", mode="global")
-    old = segments_of(shared_daemon, paths[0])
-    assert len(old) == 1
-    ds.close()
-    if change == "rewritten":
-        with h5py.File(paths[2], "a") as f:
-            f["x"][0] = 200  # other values, same shape: size may stay, mtime moves
-    elif change == "replaced":
-        write_set(tmp_path / "new", (10, 12, 9), start=1000)[2].rename(paths[2])
-    else:
-        paths[2].unlink()
-    if change == "removed":
-        with pytest.raises(SourceNotFound, match=re.escape(str(paths[2]))):
-            open_ds("shm", shared_daemon, paths, "x", mode="global")
-    else:
-        ds = open_ds("shm", shared_daemon, paths, "x", mode="global")
+def test_a_changed_file_is_never_served_stale(tmp_path: Path, shared_daemon: Daemon) -> None:
+    """One file of a set rewritten in place, replaced by a rename, or removed: new rows (or an
+    error naming the file), never the old segment; the old one is evicted once unheld."""
+    sets = {change: write_set(tmp_path / change, (10, 12, 9)) for change in ("rewritten", "replaced", "removed")}
+    old = {}
+    for change, paths in sets.items():
+        open_ds("shm", shared_daemon, paths, "x", mode="global").close()
+        old[change] = [s["name"] for s in segments_of(shared_daemon, paths[0])]
+        assert len(old[change]) == 1
+    with h5py.File(sets["rewritten"][2], "a") as f:
+        f["x"][0] = 200  # other values, same shape
+    write_set(tmp_path / "new", (10, 12, 9), start=1000)[2].rename(sets["replaced"][2])
+    sets["removed"][2].unlink()
+    for change in ("rewritten", "replaced"):
+        ds = open_ds("shm", shared_daemon, sets[change], "x", mode="global")
         try:
-            assert collate(ds.__getitems__(list(range(len(ds))))).numpy().tobytes() == concat(paths).tobytes()
-            assert ds._backend.segments[0].name != old[0]["name"]
+            assert collate(ds.__getitems__(list(range(len(ds))))).numpy().tobytes() == concat(sets[change]).tobytes()
+            assert ds._backend.segments[0].name != old[change][0]
         finally:
             ds.close()
-    # the old segment is evicted by the stale sweep once unheld
-    assert wait_for(lambda: old[0]["name"] not in {s["name"] for s in segments_of(shared_daemon, paths[0])}, 15)
-
-
-def test_multi_file_segment_is_adopted_after_a_kill(tmp_path: Path) -> None:
-    paths = write_set(tmp_path, (10, 12, 9))
-    d = Daemon()
-    try:
-        d.start()
-        open_ds("shm", d, paths, "x", mode="global").close()
-        before = d.segment_files()
-        os.kill(d.pid, 9)
-        assert wait_for(lambda: not d.alive(), 10)
-        d.start()
-        assert d.status()["counters"]["adopted"] == 1 and d.segment_files() == before
-        ds = open_ds("shm", d, paths, "x", mode="global")
-        assert collate(ds.__getitems__(list(range(len(ds))))).numpy().tobytes() == concat(paths).tobytes()
-        ds.close()
-        assert d.status()["counters"]["loads"] == 0  # served from the adopted segment
-    finally:
-        d.stop()
+    with pytest.raises(SourceNotFound, match=re.escape(str(sets["removed"][2]))):
+        open_ds("shm", shared_daemon, sets["removed"], "x", mode="global")
+    stale = {name for names in old.values() for name in names}
+    assert wait_for(lambda: not stale & {s["name"] for s in shared_daemon.status()["segments"]}, 15)
 
 
 # --------------------------------------------------------------------------- virtual datasets
@@ -403,7 +382,7 @@ def test_virtual_dataset_bytes_equal_h5py_and_sources_tracked(tmp_path: Path, ba
 # --------------------------------------------------------------------------- every file checked
 
 
-def test_allow_root_and_parallel_load_apply_to_every_file(tmp_path: Path) -> None:
+def test_allow_root_parallel_load_and_adoption_of_many_files(tmp_path: Path) -> None:
     inside, outside = tmp_path / "inside", tmp_path / "outside"
     paths = write_set(inside, SIZES)
     stray = write_set(outside, (8,), name="stray{}.h5")[0]
@@ -418,6 +397,18 @@ def test_allow_root_and_parallel_load_apply_to_every_file(tmp_path: Path) -> Non
         finally:
             ds.close()
         assert {s["load_parts"] for s in d.status()["segments"]} == {2}
+        # after a kill -9, the next daemon adopts the multi-file segments (their file list is in the header)
+        before = d.segment_files()
+        os.kill(d.pid, 9)
+        assert wait_for(lambda: not d.alive(), 10)
+        d.start()
+        assert d.status()["counters"]["adopted"] == 2 and d.segment_files() == before
+        ds = open_ds("shm", d, paths, "x", "y", mode="global")
+        try:
+            assert collate(ds.__getitems__(list(range(len(ds)))))[0].numpy().tobytes() == concat(paths).tobytes()
+        finally:
+            ds.close()
+        assert d.status()["counters"]["loads"] == 0  # served from the adopted segments
         with pytest.raises(AccessDenied, match=rf"{re.escape(str(stray))} \(resolved to {re.escape(str(stray))}\) is outside"):
             open_ds("shm", d, [*paths[:2], stray], "x")
         with pytest.raises(AccessDenied, match=rf"{re.escape(str(stray))} \(a source of .*vds\.h5\).* is outside"):
