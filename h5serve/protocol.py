@@ -97,6 +97,8 @@ class Acquire:
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
+        if isinstance(self.files, list) and not self.files:
+            object.__setattr__(self, "files", ())  # an empty list on the wire: one file
         if self.files != ():
             if not isinstance(self.files, (list, tuple)) or not 2 <= len(self.files) <= MAX_FILES:
                 raise ProtocolError(f"field 'files' must be a list of 2 to {MAX_FILES} paths")

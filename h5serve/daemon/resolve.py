@@ -36,6 +36,7 @@ __all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 log = logging.getLogger("h5serve.daemon")
 RESOLVE_WAIT_S = 0.05  # how long the control loop waits for a resolution before answering "loading"
 RESOLVE_TIMEOUT_S = 30.0  # a resolution still running after this fails its request
+RESOLVE_PER_FILE_S = 0.05  # ... plus this per file of a multi-file request
 RESOLVE_FRESH_S = 1.0  # a finished resolution not picked up within this is done again
 RESOLVER_THREADS = 4
 _PENDING_MAX = 1024
@@ -132,11 +133,13 @@ class Resolver:
             try:
                 future.exception(timeout=RESOLVE_WAIT_S)
             except FutureTimeout:
-                if time.monotonic() - started < RESOLVE_TIMEOUT_S:
+                limit = RESOLVE_TIMEOUT_S + RESOLVE_PER_FILE_S * len(files)
+                if time.monotonic() - started < limit:
                     return None
                 del self._pending[pending_key]
+                what = f"{path} (and the other {len(files) - 1} files)" if files else path
                 raise SourceNotFound(
-                    f"{path} did not open within {RESOLVE_TIMEOUT_S:g}s (a hung file system, or not a regular "
+                    f"{what} did not open within {limit:g}s (a hung file system, or not a regular "
                     "file); check the path"
                 ) from None
         del self._pending[pending_key]
