@@ -124,7 +124,10 @@ def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
     Raised when it cannot be opened: SourceNotFound. Raised when HDF5 opened another file:
     SourceChanged.
     """
-    f = open_h5(ident.path, **kwargs)
+    try:  # (not open_h5: the identity was just taken, no need to stat the path again)
+        f = h5py.File(ident.path, "r", **kwargs)
+    except OSError as exc:
+        raise SourceNotFound(f"{ident.path!r} cannot be opened as an HDF5 file: {exc}") from exc
     try:
         if f.driver == "sec2":
             st = os.fstat(f.id.get_vfd_handle())
@@ -286,6 +289,16 @@ def _external_candidates(link_file: str, parent: str) -> set[str]:
     return found
 
 
+class _FileName:
+    """The base name of the file holding ``node``, looked up only when formatted."""
+
+    def __init__(self, node: h5py.HLObject) -> None:
+        self.node = node
+
+    def __format__(self, spec: str) -> str:
+        return format(os.path.basename(self.node.file.filename), spec)
+
+
 def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
     """The object at ``key`` and the realpath of the other file holding it ("" if none),
     following soft and external links one path component at a time, so that a link behind
@@ -312,7 +325,7 @@ def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
     while parts:
         name = parts.pop(0)
         here = f"{node.name.rstrip('/')}/{name}"
-        where = os.path.basename(node.file.filename)
+        where = _FileName(node)  # formatted only into messages: node.file costs ~0.1 ms
         if not isinstance(node, h5py.Group):
             raise broken(f"{node.name!r} in {where} is not a group")
         try:
@@ -351,6 +364,8 @@ def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
             parts = _split(link.path) + parts
             continue
         node = target
+    if not files:  # no external link followed: the object is in f itself
+        return node, ""
     outer = os.path.realpath(f.filename)
     others = sorted({path for path in files if path != outer})
     if len(others) > 1:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import h5py
 import numpy as np
 
 from ..errors import SourceChanged
@@ -24,7 +25,7 @@ from ..rawcopy import data_extents, drop_cached
 from ..reads import read_shard_into
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange, Selection
-from ..source import FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
+from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
 
 if TYPE_CHECKING:
     from .access import Peer
@@ -79,6 +80,18 @@ def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
     )
 
 
+SMALL_PIECE_BYTES = 4 * 1024 * 1024  # a file's rows below this are read without rawcopy or a full inspection
+
+
+def _quick_info(dset: h5py.Dataset, key: str) -> DatasetInfo:
+    """``inspect_dataset``'s description of a dataset already inspected under the same identity."""
+    chunks = dset.chunks
+    rows = int(dset.shape[0])
+    return DatasetInfo(key=key, rows=rows, row_shape=tuple(int(n) for n in dset.shape[1:]),
+                       dtype=dset.dtype.newbyteorder("="), chunk_rows=int(chunks[0]) if chunks else max(rows, 1),
+                       chunked=bool(chunks))
+
+
 def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
                     progress: Callable[[int], None], drop_page_cache: bool = False) -> int:
     """Read the shard's rows among global rows ``span`` (None: all), file by file, each file
@@ -94,15 +107,20 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
     done = copied = 0
     for piece in pieces(rows, meta.file_rows, span):
         entry = meta.files[piece.index]
+        small = (piece.k1 - piece.k0) * out_row < SMALL_PIECE_BYTES
         with open_h5_verified(FileIdentity(*entry[:5])) as f:
-            info = inspect_dataset(f, meta.key)
+            # the resolver inspected this very file (same device and inode; size and mtime are
+            # checked once the load is done): a small piece skips the full inspection
+            dset = f[meta.key]
+            info = _quick_info(dset, meta.key) if small else inspect_dataset(f, meta.key)
             if info.rows != entry[5] or info.row_shape != meta.row_shape:
                 raise SourceChanged(f"{entry[0]} changed while it was being loaded (dataset {meta.key!r} now has "
                                     f"{info.rows} rows of shape {info.row_shape}); request it again")
-            dset = f[meta.key]
+            # a small piece is read straight into the mapping: finding where its rows lie in the
+            # file (to copy them file to file) costs more than reading them
             copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1],
                                       lambda n, before=done: progress(before + n),
-                                      dest=(fd, base + piece.k0 * out_row))
+                                      dest=None if small else (fd, base + piece.k0 * out_row))
             if drop_page_cache:
                 try:
                     extents = data_extents(dset, *piece.local.span)
