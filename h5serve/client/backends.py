@@ -29,7 +29,7 @@ from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
 from ..source import DatasetInfo, check_lengths, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
-from ..connection import DaemonClient
+from ..connection import POLL_INTERVAL_S, DaemonClient
 from .gather import RowSource
 
 if TYPE_CHECKING:
@@ -243,6 +243,12 @@ class ShmBackend(ArrayBackend):
         ]
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
             first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
+            while spec.files and not all(r.name for r in first):
+                # many files take the daemon a while to resolve: ask for every key until each has
+                # its load started, so that they resolve and load side by side, not one after another
+                time.sleep(POLL_INTERVAL_S)
+                first = [r if r.name else AcquireResult.from_wire(client.request_by(q, deadline))
+                         for q, r in zip(requests, first)]
             if all(r.name for r in first):  # both resolved already (else: checked once attached)
                 _check_same_length(spec, [r.dataset_rows for r in first])
             segments: list[AttachedSegment] = []
