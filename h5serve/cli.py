@@ -233,6 +233,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _shown_file(segment: dict[str, Any]) -> str:
+    """The file column: the file, or a multi-file dataset's first and last files and their count."""
+    files = segment.get("files") or [segment["file"]]
+    if len(files) == 1:
+        return files[0]
+    return f"{files[0]} .. {os.path.basename(files[-1])} ({len(files)} files)"
+
+
 def _format_status(info: dict[str, Any]) -> str:
     mem = info["memory"]
     lines = [
@@ -247,7 +255,7 @@ def _format_status(info: dict[str, Any]) -> str:
         return "\n".join(lines)
     header = ("file", "key", "ranks", "mode", "dtype", "size", "holders", "hits", "age", "state")
     rows = [
-        (s["file"], s["key"], "all" if s.get("whole_file") else f"{s['rank']}/{s['world_size']}",
+        (_shown_file(s), s["key"], "all" if s.get("whole_file") else f"{s['rank']}/{s['world_size']}",
          "global" if s.get("whole_file") else s["mode"], s["dtype"], format_bytes(s["bytes"]),
          str(s.get("holders", 0)), str(s["hits"]), _format_age(s["age_s"]),
          s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")

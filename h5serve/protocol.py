@@ -23,6 +23,7 @@ from .sharding import ALL_MODES
 __all__ = [
     "VERSION",
     "MAX_FRAME_BYTES",
+    "MAX_FILES_FRAME_BYTES",
     "Ping",
     "Status",
     "Shutdown",
@@ -43,6 +44,11 @@ MAX_PATH_CHARS = 4096
 MAX_KEY_CHARS = 1024
 MAX_WORLD_SIZE = 1 << 20
 MAX_DTYPE_CHARS = 32
+# An acquire naming many files (``files``) may be larger than MAX_FRAME_BYTES, up to this
+# (under the daemon's ZeroMQ MAXMSGSIZE of 1 MiB, so it is answered, never dropped); the client
+# refuses longer lists before sending (files.py: MAX_FILES, MAX_FILES_PATH_BYTES).
+MAX_FILES_FRAME_BYTES = 1000 * 1024
+MAX_FILES = 4096
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,9 @@ class Acquire:
     """Load (or find) the segment holding ``rank``'s shard of ``path[key]`` as ``dtype``
     (``mode="global"``: the whole dataset, the same segment for every rank and world size;
     ``mode="node"``: the contiguous shards of ranks ``rank .. rank + span - 1``, one block).
+    ``files``: many files as one dataset, their rows concatenated in this order (absolute
+    paths, never a pattern; ``path`` is the first); empty for one file, and then not sent,
+    so a one-file request is the same message as before.
 
     Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
     with progress (the client asks again), never blocked on the load itself. ``key`` may name
@@ -86,9 +95,20 @@ class Acquire:
     mode: str = "contiguous"
     dtype: Union[str, None] = None
     span: int = 1  # mode="node": the node's ranks are rank .. rank + span - 1
+    files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
+        if isinstance(self.files, list) and not self.files:
+            object.__setattr__(self, "files", ())  # an empty list on the wire: one file
+        if self.files != ():
+            if not isinstance(self.files, (list, tuple)) or not 2 <= len(self.files) <= MAX_FILES:
+                raise ProtocolError(f"field 'files' must be a list of 2 to {MAX_FILES} paths")
+            for path in self.files:
+                _check_str("files", path, MAX_PATH_CHARS)
+            if self.files[0] != self.path:
+                raise ProtocolError("field 'files' must start with 'path'")
+            object.__setattr__(self, "files", tuple(self.files))
         _check_str("key", self.key, MAX_KEY_CHARS)
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("rank", self.rank, 0, self.world_size - 1)
@@ -181,12 +201,29 @@ def _unpack_map(frame: bytes, max_bytes: int) -> dict[str, Any]:
 
 def encode_request(request_id: int, request: Request) -> bytes:
     fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    if not fields.get("files", True):  # one file: the message older daemons know
+        del fields["files"]
     return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
 
 
 def decode_request(frame: bytes) -> tuple[int, Request]:
-    """Parse one request frame. Raised when it is malformed in any way: ProtocolError."""
-    message = _unpack_map(frame, MAX_FRAME_BYTES)
+    """Parse one request frame. Raised when it is malformed in any way: ProtocolError.
+
+    Frames over MAX_FRAME_BYTES are read only as an acquire naming many files (``files``),
+    up to MAX_FILES_FRAME_BYTES."""
+    if isinstance(frame, (bytes, bytearray, memoryview)) and MAX_FRAME_BYTES < len(frame) <= MAX_FILES_FRAME_BYTES:
+        request_id = 0
+        try:
+            message = _unpack_map(frame, MAX_FILES_FRAME_BYTES)
+        except ProtocolError as exc:
+            message, request_id = {}, exc.request_id
+        if message.get("op") != "acquire" or not message.get("files"):
+            error = ProtocolError(f"frame must be at most {MAX_FRAME_BYTES} bytes ({MAX_FILES_FRAME_BYTES} for an "
+                                  "acquire naming many files)")
+            error.request_id = message.get("id", request_id)
+            raise error
+    else:
+        message = _unpack_map(frame, MAX_FRAME_BYTES)
     request_id = message.pop("id")
     message.pop("v")
     op = message.pop("op", None)

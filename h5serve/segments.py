@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import mmap
@@ -40,7 +41,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,8 @@ _CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per crc32 call: threads hash blocks,
 _PUBLISHED_MODE_MASK = 0o440  # a temporary's 0600 / 0640 becomes 0400 / 0440
 _TMP_MARK = ".tmp-"
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype"})
+_LIST_FIELDS = frozenset({"row_shape", "linked", "files", "depends"})
+MAX_HEADER_BYTES = 4 * 1024 * 1024  # a multi-file segment's header (its file list) is at most this
 SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -131,14 +134,39 @@ class SegmentMeta:
     source_dtype: str
     linked: tuple = ()  # (path, dev, ino, size, mtime_ns) of an externally linked file holding the data
     span: int = 1  # mode="node": ranks rank .. rank + span - 1 (their contiguous shards)
+    # Many files as one dataset (files.py): every file, in row order, as (path, dev, ino, size,
+    # mtime_ns, rows); empty for one file. The source_* fields are then the first file's.
+    files: tuple = ()
+    # Other files the rows come from (virtual dataset sources, multi-file external links), as
+    # (path, dev, ino, size, mtime_ns): any of them changed means other rows.
+    depends: tuple = ()
 
     @property
     def source(self) -> tuple[str, int, int, int, int]:
         return (self.source_path, self.source_dev, self.source_ino, self.source_size, self.source_mtime_ns)
 
+    def identities(self) -> list[tuple]:
+        """Every file whose identity the rows depend on, as (path, dev, ino, size, mtime_ns)."""
+        out = [self.source, *((self.linked,) if self.linked else ())]
+        out += [tuple(f[:5]) for f in self.files[1:]]
+        return out + [tuple(d) for d in self.depends]
+
+    @property
+    def file_rows(self) -> tuple[int, ...]:
+        """Rows of each file of a multi-file dataset, in order (empty for one file)."""
+        return tuple(int(f[5]) for f in self.files)
+
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @functools.cached_property
+    def header_size(self) -> int:
+        """Bytes before the rows: one page, or whole pages enough for a long file list."""
+        if not self.files and not self.depends:
+            return HEADER_SIZE
+        need = _META_OFFSET + len(msgpack.packb(self.to_wire()))
+        return -(-need // HEADER_SIZE) * HEADER_SIZE
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +174,7 @@ class SegmentMeta:
 
     @property
     def file_size(self) -> int:
-        return HEADER_SIZE + self.nbytes
+        return self.header_size + self.nbytes
 
     @property
     def row_range(self) -> RowRange:
@@ -161,37 +189,63 @@ class SegmentMeta:
 
     def identity(self) -> tuple[Any, ...]:
         rows = self.row_range
-        return (*self.source, self.key, "rows", rows.start, rows.stop, rows.step, self.dtype, *self.linked)
+        base = (*self.source, self.key, "rows", rows.start, rows.stop, rows.step, self.dtype, *self.linked)
+        if self.files:
+            base += ("files", *(v for f in self.files for v in f))
+        if self.depends:
+            base += ("depends", *(v for d in self.depends for v in d))
+        return base
 
     def to_wire(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["row_shape"] = list(self.row_shape)
         out["linked"] = list(self.linked)
+        for name in ("files", "depends"):  # only when used: a one-file header reads as before
+            if out[name]:
+                out[name] = [list(entry) for entry in out[name]]
+            else:
+                del out[name]
         return out
 
     @classmethod
     def from_wire(cls, data: object) -> "SegmentMeta":
         names = {f.name for f in fields(cls)}
-        if isinstance(data, dict) and "span" not in data:  # written before node mode: span 1
-            data = {**data, "span": 1}
+        if isinstance(data, dict):  # written before node mode (span 1) or without these fields
+            data = {"span": 1, "files": [], "depends": [], **data}
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():
-            expected = str if name in _STR_FIELDS else (list if name in ("row_shape", "linked") else int)
+            expected = str if name in _STR_FIELDS else (list if name in _LIST_FIELDS else int)
             if type(value) is not expected or (expected is int and value < 0):
                 raise SegmentError(f"segment metadata field {name!r} has a bad value {value!r:.80}")
         if not all(type(n) is int and n >= 0 for n in data["row_shape"]):
             raise SegmentError(f"segment metadata row_shape {data['row_shape']!r:.80} is invalid")
         linked = data["linked"]
-        if linked and not (len(linked) == 5 and type(linked[0]) is str and all(type(n) is int for n in linked[1:])):
+        if linked and not _is_identity(linked, 5):
             raise SegmentError(f"segment metadata linked {linked!r:.80} is invalid")
+        for name, size in (("files", 6), ("depends", 5)):
+            if not all(_is_identity(entry, size) for entry in data[name]):
+                raise SegmentError(f"segment metadata {name} {data[name]!r:.80} is invalid")
+        if data["files"] and (len(data["files"]) < 2 or sum(f[5] for f in data["files"]) != data["total_rows"]
+                              or tuple(data["files"][0][:5]) != (data["source_path"], data["source_dev"],
+                                                                  data["source_ino"], data["source_size"],
+                                                                  data["source_mtime_ns"])):
+            raise SegmentError("segment metadata files do not describe the dataset's rows")
         try:
-            meta = cls(**{**data, "row_shape": tuple(data["row_shape"]), "linked": tuple(linked)})
+            meta = cls(**{**data, "row_shape": tuple(data["row_shape"]), "linked": tuple(linked),
+                          "files": tuple(tuple(f) for f in data["files"]),
+                          "depends": tuple(tuple(d) for d in data["depends"])})
             meta.np_dtype  # noqa: B018 - validates the dtype string
             meta.row_range  # noqa: B018 - validates mode, world size and rank
         except (TypeError, ValueError) as exc:
             raise SegmentError(f"segment metadata is invalid: {exc}") from exc
         return meta
+
+
+def _is_identity(entry: object, size: int) -> bool:
+    """Whether ``entry`` is ``[path, dev, ino, size, mtime_ns(, rows)]``: a str and ints >= 0."""
+    return (isinstance(entry, (list, tuple)) and len(entry) == size and type(entry[0]) is str
+            and all(type(n) is int and n >= 0 for n in entry[1:]))
 
 
 def segment_prefix(namespace: str) -> str:
@@ -253,7 +307,7 @@ def _free_bytes(directory: Path) -> int:
 
 def _data_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray:
     count = meta.rows * int(np.prod(meta.row_shape, dtype=np.int64))
-    flat = np.frombuffer(buffer, dtype=meta.np_dtype, count=count, offset=HEADER_SIZE)
+    flat = np.frombuffer(buffer, dtype=meta.np_dtype, count=count, offset=meta.header_size)
     return flat.reshape((meta.rows, *meta.row_shape))
 
 
@@ -343,7 +397,7 @@ class SegmentWriter:
     def data_target(self) -> tuple[int, int]:
         """``(fd, offset)``: the segment file's descriptor and the byte offset of ``data[0]`` in
         it, for writing rows with ``pwrite`` instead of through the mapping."""
-        return self._fd, HEADER_SIZE
+        return self._fd, self.meta.header_size
 
     def set_progress(self, rows_done: int) -> None:
         self._map[_PROGRESS_OFFSET:_PROGRESS_OFFSET + _PROGRESS.size] = _PROGRESS.pack(rows_done, self.meta.rows)
@@ -358,7 +412,7 @@ class SegmentWriter:
     def compute_checksum(self, threads: int = 1) -> str:
         """crc32 of the rows as written, stored in the header (``crc32:...``). Call once every
         row is in place: ``verify_content`` compares the rows against it later."""
-        return self.store_checksum(data_crc32(self._map, HEADER_SIZE, self.meta.nbytes, threads,
+        return self.store_checksum(data_crc32(self._map, self.meta.header_size, self.meta.nbytes, threads,
                                               lambda _: self.mark_activity()))
 
     def store_checksum(self, crc: int) -> str:
@@ -470,7 +524,8 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
                 ) from exc
             raise
         blob = msgpack.packb(meta.to_wire())
-        if _META_OFFSET + len(blob) > HEADER_SIZE:
+        limit = meta.header_size if meta.files or meta.depends else HEADER_SIZE
+        if _META_OFFSET + len(blob) > min(limit, MAX_HEADER_BYTES):
             raise SegmentError(f"segment metadata too large ({len(blob)} bytes): shorten the path or key")
         header = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob), CHECKSUM_NONE, b"", 0)
         os.pwrite(fd, header.ljust(_META_OFFSET, b"\0") + blob, 0)
@@ -479,6 +534,18 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
         os.close(fd)
         os.unlink(path)
         raise
+
+
+def _read_header(fd: int) -> bytes:
+    """The header of the segment open at ``fd``: its first page, and the pages after it when
+    its metadata says they belong to it (a multi-file segment's file list)."""
+    raw = os.pread(fd, HEADER_SIZE, 0)
+    if len(raw) == HEADER_SIZE:
+        meta_len = _FIXED.unpack_from(raw, 0)[5]
+        if HEADER_SIZE < _META_OFFSET + meta_len <= MAX_HEADER_BYTES:
+            size = -(-(_META_OFFSET + meta_len) // HEADER_SIZE) * HEADER_SIZE
+            raw += os.pread(fd, size - HEADER_SIZE, HEADER_SIZE)
+    return raw
 
 
 def _parse_header(raw: bytes, where: str) -> tuple[SegmentMeta, bool]:
@@ -493,13 +560,18 @@ def _parse_header(raw: bytes, where: str) -> tuple[SegmentMeta, bool]:
             "h5serve version; run one version for the daemon and the jobs, and restart the daemon "
             "(h5serve stop; h5serve start) so it loads the data again"
         )
-    if _META_OFFSET + meta_len > HEADER_SIZE:
+    if _META_OFFSET + meta_len > min(len(raw), MAX_HEADER_BYTES):
         raise SegmentError(f"{where} has a corrupt header (metadata length {meta_len})")
+    extended = _META_OFFSET + meta_len > HEADER_SIZE
     try:
         data = msgpack.unpackb(raw[_META_OFFSET:_META_OFFSET + meta_len], raw=False, strict_map_key=True)
     except Exception as exc:
-        raise SegmentError(f"{where} has a corrupt header: {exc}") from exc
-    return SegmentMeta.from_wire(data), complete == 1
+        length = f" (metadata length {meta_len})" if extended else ""
+        raise SegmentError(f"{where} has a corrupt header{length}: {exc}") from exc
+    meta = SegmentMeta.from_wire(data)
+    if extended and meta.header_size != len(raw):  # only a file list may take more than the first page
+        raise SegmentError(f"{where} has a corrupt header (metadata length {meta_len})")
+    return meta, complete == 1
 
 
 def _open_own(path: Path, owner: int | None = None) -> int:
@@ -531,7 +603,7 @@ def read_meta(path: Path, owner: int | None = None) -> tuple[SegmentMeta, bool]:
     """
     fd = _open_own(path, owner)
     try:
-        raw = os.pread(fd, HEADER_SIZE, 0)
+        raw = _read_header(fd)
     except OSError as exc:
         raise SegmentError(f"cannot read segment {path}: {exc.strerror}") from exc
     finally:
@@ -594,7 +666,7 @@ def check_published(path: Path, meta: SegmentMeta, mode: int, header: bytes | No
                                "something made it writable")
         if st.st_size != meta.file_size:
             raise SegmentError(f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
-        raw = os.pread(fd, HEADER_SIZE, 0)
+        raw = _read_header(fd)
     finally:
         os.close(fd)
     if header is not None:
@@ -622,7 +694,7 @@ def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
     """
     fd, st = open_regular(path, SegmentError)
     try:
-        header = os.pread(fd, HEADER_SIZE, 0)
+        header = _read_header(fd)
         meta, complete = _parse_header(header, f"segment {path}")
         if not complete or st.st_size != meta.file_size:
             return f"it is {st.st_size} bytes for {meta.file_size} expected, or incomplete (truncated or rewritten)"
@@ -632,7 +704,7 @@ def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
         if not recorded:
             return ""  # loaded without a checksum: nothing to compare with
         with mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
-            crc = data_crc32(buffer, HEADER_SIZE, meta.nbytes, threads)
+            crc = data_crc32(buffer, meta.header_size, meta.nbytes, threads)
     finally:
         os.close(fd)
     actual = _checksum_text(CHECKSUM_CRC32, struct.pack("<I", crc).ljust(16, b"\0"))
@@ -711,7 +783,7 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
         _take_lease(fd, path)
         if os.fstat(fd).st_nlink == 0:
             raise SegmentError(f"segment {path} was evicted while attaching; request it again")
-        meta, complete = _parse_header(os.pread(fd, HEADER_SIZE, 0), str(path))
+        meta, complete = _parse_header(_read_header(fd), str(path))
         if not complete:
             raise SegmentError(f"segment {path} is not complete: refusing to map a partial load")
         if st.st_size != meta.file_size:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import h5py
@@ -30,6 +31,7 @@ __all__ = [
     "check_lengths",
     "check_row_counts",
     "check_cast",
+    "identities_unchanged",
     "resolve_dtype",
     "storage_dtype",
 ]
@@ -63,6 +65,7 @@ class DatasetInfo:
     linked_file: str = ""  # realpath of the file holding the data when reached by an external link
     chunked: bool = True  # False: contiguous or compact layout (any row range reads directly)
     field: str = ""  # a field of a compound dataset: ``key`` is "<dataset>:<field>" (compound.py)
+    virtual_sources: tuple[str, ...] = ()  # realpaths of the other files a virtual dataset maps (vds.py)
 
     @property
     def is_bytes(self) -> bool:
@@ -74,6 +77,8 @@ KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd
                  32013: "zfp", 32017: "sz", 32024: "sz3", 32018: "fcidecomp", 305: "lzo", 32002: "mafisc"}
 # Filters the `filters` extra (hdf5plugin) provides: a missing one names the extra to install.
 HDF5PLUGIN_FILTERS = frozenset({32001, 32004, 32008, 32015, 32026, 307, 32013, 32017, 32024, 32018})
+
+from .vds import virtual_sources  # noqa: E402 - vds.py uses the errors above only
 
 try:  # registers blosc, zstd, lz4, bitshuffle, ... with HDF5 for this process
     import hdf5plugin  # noqa: F401
@@ -129,7 +134,10 @@ def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
     Raised when it cannot be opened: SourceNotFound. Raised when HDF5 opened another file:
     SourceChanged.
     """
-    f = open_h5(ident.path, **kwargs)
+    try:  # (not open_h5: the identity was just taken, no need to stat the path again)
+        f = h5py.File(ident.path, "r", **kwargs)
+    except OSError as exc:
+        raise SourceNotFound(f"{ident.path!r} cannot be opened as an HDF5 file: {exc}") from exc
     try:
         if f.driver == "sec2":
             st = os.fstat(f.id.get_vfd_handle())
@@ -139,6 +147,14 @@ def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
         f.close()
         raise
     return f
+
+
+def identities_unchanged(identities: "Iterable[tuple]") -> bool:
+    """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded."""
+    try:
+        return all(file_identity(ident[0]).as_tuple() == tuple(ident[:5]) for ident in identities)
+    except SourceNotFound:
+        return False
 
 
 def sources_unchanged(source: tuple, linked: tuple = ()) -> bool:
@@ -203,8 +219,9 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     link and its target): KeyNotFound.
     Raised when it has no rows dimension, a dtype that is not plain numeric, a filter that
     is not available, or data in files whose changes h5serve cannot track (raw external
-    storage, virtual sources in other files, external links through more than one other
-    file): UnsupportedDataset.
+    storage, external links through more than one other file, virtual sources it cannot
+    follow: vds.py): UnsupportedDataset. Raised when a virtual dataset's source file is
+    missing: SourceNotFound.
     """
     dataset_key, field = split_field(f, key)
     obj, linked = _follow(f, dataset_key)
@@ -225,6 +242,7 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         )
     _check_filters(obj, key)
     _check_storage(obj, key)
+    sources = virtual_sources(obj, key) if obj.is_virtual else ()
     chunks = obj.chunks
     return DatasetInfo(
         key=key,
@@ -235,6 +253,7 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         linked_file=linked,
         chunked=bool(chunks),
         field=field,
+        virtual_sources=sources,
     )
 
 
@@ -310,6 +329,16 @@ def _external_candidates(link_file: str, parent: str) -> set[str]:
     return found
 
 
+class _FileName:
+    """The base name of the file holding ``node``, looked up only when formatted."""
+
+    def __init__(self, node: h5py.HLObject) -> None:
+        self.node = node
+
+    def __format__(self, spec: str) -> str:
+        return format(os.path.basename(self.node.file.filename), spec)
+
+
 def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
     """The object at ``key`` and the realpath of the other file holding it ("" if none),
     following soft and external links one path component at a time, so that a link behind
@@ -336,7 +365,7 @@ def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
     while parts:
         name = parts.pop(0)
         here = f"{node.name.rstrip('/')}/{name}"
-        where = os.path.basename(node.file.filename)
+        where = _FileName(node)  # formatted only into messages: node.file costs ~0.1 ms
         if not isinstance(node, h5py.Group):
             raise broken(f"{node.name!r} in {where} is not a group")
         try:
@@ -375,6 +404,8 @@ def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
             parts = _split(link.path) + parts
             continue
         node = target
+    if not files:  # no external link followed: the object is in f itself
+        return node, ""
     outer = os.path.realpath(f.filename)
     others = sorted({path for path in files if path != outer})
     if len(others) > 1:
@@ -393,8 +424,8 @@ def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
 
 
 def _check_storage(obj: h5py.Dataset, key: str) -> None:
-    """Raised when rows live in files other than the HDF5 file (raw external storage,
-    virtual dataset sources elsewhere), whose changes h5serve cannot track: UnsupportedDataset."""
+    """Raised when rows live in raw files outside HDF5 (external storage), whose changes
+    h5serve cannot track: UnsupportedDataset. (Virtual datasets: vds.py.)"""
     external = obj.external
     if external:
         names = ", ".join(str(entry[0]) for entry in external)
@@ -402,13 +433,6 @@ def _check_storage(obj: h5py.Dataset, key: str) -> None:
             f"dataset {key!r} keeps its rows in external raw files ({names}), which h5serve cannot track for "
             "changes; copy the rows into a dataset stored inside the HDF5 file"
         )
-    if obj.is_virtual:
-        sources = sorted({m.file_name for m in obj.virtual_sources() if m.file_name != "."})
-        if sources:
-            raise UnsupportedDataset(
-                f"dataset {key!r} is a virtual dataset with sources in other files ({', '.join(sources)}), "
-                "which h5serve cannot track for changes; copy the rows into a dataset stored inside one file"
-            )
 
 
 def _check_filters(obj: h5py.Dataset, key: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from h5serve.client import SharedH5Dataset, collate
-from h5serve.errors import DataError, KeyNotFound, UnsupportedDataset
+from h5serve.errors import DataError, KeyNotFound, SourceNotFound, UnsupportedDataset
 from h5serve.sharding import shard_indices
 
 from .helpers import Daemon
@@ -310,12 +310,10 @@ def _external_raw(f: h5py.File, name: str) -> None:
     f.create_dataset(name, (30,), "<i4", external=[(str(raw), 0, 120)])
 
 
-def _vds_other_file(f: h5py.File, name: str) -> None:
-    src = Path(f.filename).parent / "vds_source.h5"
-    with h5py.File(src, "w") as s:
-        s["part"] = np.arange(20, dtype="f4")
+def _vds_missing_source(f: h5py.File, name: str) -> None:
+    # (a VDS whose sources exist is served: tests/test_many_files.py)
     layout = h5py.VirtualLayout((20,), "f4")
-    layout[:] = h5py.VirtualSource(str(src), "part", shape=(20,))
+    layout[:] = h5py.VirtualSource(str(Path(f.filename).parent / "vds_gone.h5"), "part", shape=(20,))
     f.create_virtual_dataset(name, layout)
 
 
@@ -353,7 +351,7 @@ REFUSED = {
     "scalar": (lambda f, n: f.create_dataset(n, data=3.0), UnsupportedDataset, "scalar"),
     "object_refs": (_refs, UnsupportedDataset, "object references"),
     "external_raw": (_external_raw, UnsupportedDataset, r"external raw files \(.*raw\.bin\)"),
-    "vds_other_file": (_vds_other_file, UnsupportedDataset, r"virtual dataset .*vds_source\.h5"),
+    "vds_missing_source": (_vds_missing_source, SourceNotFound, r"virtual dataset whose source file .*vds_gone\.h5"),
     "chained_external": (_chained_external, UnsupportedDataset, r"mid\.h5.*inner\.h5.*only one linked file"),
     "two_other_files": (_two_other_files, UnsupportedDataset, r"first\.h5.*second\.h5.*only one linked file"),
     "dangling_soft": (lambda f, n: f.__setitem__(n, h5py.SoftLink("/gone/x")), KeyNotFound,

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import h5py
 import numpy as np
@@ -21,6 +21,7 @@ import torch
 
 from ..compound import rows_dataset
 from ..errors import SegmentError, SourceChanged
+from ..files import check_file_lengths
 from ..progress import Progress
 from ..protocol import Acquire, AcquireResult
 from ..rawcopy import StoredRows, stored_rows
@@ -29,10 +30,13 @@ from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
 from ..source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
-from ..connection import DaemonClient
+from ..connection import POLL_INTERVAL_S, DaemonClient
 from .gather import RowSource, as_column
 
-__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]
+if TYPE_CHECKING:
+    from .files import FilesLazyBackend
+
+__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend"]
 
 log = logging.getLogger("h5serve.client")
 
@@ -41,7 +45,7 @@ log = logging.getLogger("h5serve.client")
 class BackendSpec:
     """Everything needed to build any backend for one rank's shard (picklable)."""
 
-    path: str  # absolute
+    path: str  # absolute (many files: the first)
     keys: tuple[str, ...]  # one per field, in order (x_key, y_key: the first two); "<dataset>:<field>" for compound fields
     selection: Selection
     dtypes: tuple[np.dtype | None, ...]  # requested output dtype of each key (None: the source dtype)
@@ -50,6 +54,8 @@ class BackendSpec:
     daemon_user: str | int | None = None  # a shared daemon's user to trust (else $H5SERVE_DAEMON_USER)
     h5_options: dict[str, Any] = field(default_factory=dict)
     cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
+    files: tuple[str, ...] = ()  # many files as one dataset (h5serve.files): all, absolute, in row order
+    pattern: str = ""  # the glob pattern they were expanded from ("" for a list or one file)
 
 
 class H5Handle:
@@ -156,6 +162,11 @@ class MemoryBackend(ArrayBackend):
 
     @classmethod
     def load(cls, spec: BackendSpec) -> "MemoryBackend":
+        if spec.files:
+            from .files import FilesLazyBackend
+
+            reader = FilesLazyBackend(spec)
+            return cls(reader.read_all(), reader.out_dtypes, reader.total_rows)
         arrays, out_dtypes = [], []
         with open_h5(spec.path, **spec.h5_options) as f:
             infos = [inspect_dataset(f, key) for key in spec.keys]
@@ -215,11 +226,17 @@ class ShmBackend(ArrayBackend):
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
-                    None if dtype is None else dtype.str, spec.selection.span)
+                    None if dtype is None else dtype.str, spec.selection.span, spec.files)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
             first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
+            while spec.files and not all(r.name for r in first):
+                # many files take the daemon a while to resolve: ask for every key until each has
+                # its load started, so that they resolve and load side by side, not one after another
+                time.sleep(POLL_INTERVAL_S)
+                first = [r if r.name else AcquireResult.from_wire(client.request_by(q, deadline))
+                         for q, r in zip(requests, first)]
             if all(r.name for r in first):  # both resolved already (else: checked once attached)
                 _check_same_length(spec, [r.dataset_rows for r in first])
             segments: list[AttachedSegment] = []
@@ -227,6 +244,8 @@ class ShmBackend(ArrayBackend):
                 for request, result in zip(requests, first):
                     segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
                 _check_same_length(spec, [s.meta.total_rows for s in segments])
+                if spec.files:  # equal totals are not enough: rows must pair up file by file
+                    check_file_lengths(spec.files, spec.keys, [s.meta.file_rows for s in segments])
             except BaseException:
                 for segment in segments:  # one key attached but another failed: drop x's lease now, not at GC
                     segment.close()
@@ -271,7 +290,8 @@ class ShmBackend(ArrayBackend):
                 continue
             m = segment.meta
             wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
-            if m.key != request.key or m.row_range != wanted:  # rows, not labels: selections share segments
+            if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files):
+                # rows, not labels: selections share segments
                 segment.close()
                 raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "
                                    f"({request.mode} rank {request.rank}/{request.world_size})")
@@ -295,7 +315,16 @@ def _reattach(spec: BackendSpec, where: list[tuple[str, str, int]]) -> ArrayBack
         return ShmBackend(spec, [attach_segment(d, n, owner) for d, n, owner in where])
     except SegmentError as exc:
         log.warning("could not re-attach h5serve segments in pid %d (%s); reading lazily", os.getpid(), exc)
-        return LazyBackend(spec)
+        return lazy_backend(spec)
+
+
+def lazy_backend(spec: BackendSpec) -> "LazyBackend | FilesLazyBackend":
+    """The lazy backend for ``spec``: one file's, or many files' (client/files.py)."""
+    if spec.files:
+        from .files import FilesLazyBackend
+
+        return FilesLazyBackend(spec)
+    return LazyBackend(spec)
 
 
 class LazyBackend:
@@ -348,4 +377,4 @@ class LazyBackend:
         return {**self.__dict__, "_caches": None}  # a spawned worker fills its own cache
 
 
-Backend = ArrayBackend | LazyBackend
+Backend = Union[ArrayBackend, LazyBackend, "FilesLazyBackend"]

@@ -19,7 +19,8 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
-from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
+from ..files import describe_files, expand_paths
+from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions
 from .resharding import check_not_measured_by_distributed_sampler
@@ -47,6 +48,11 @@ class SharedH5Dataset(Dataset):
     literally named so wins; h5serve/compound.py has the rule). Fixed-length byte strings
     come as lists of ``bytes``, or ``str`` decoded with ``encoding``. Every key must have
     the same number of rows.
+
+    ``path``: one HDF5 file, a glob pattern (``"data/run_*.h5"``: expanded here and sorted)
+    or a list of files: many files are one dataset, their rows concatenated in that order,
+    in every mode and backend (they must agree on keys, row shape and dtype, or cast safely to
+    ``dtype_x``/``dtype_y``; ``ds.files`` lists them).
 
     ``mode``: ``"contiguous"`` (balanced slices), ``"interleave"`` (rows ``r, r+W, ...``) or
     ``"global"``: every rank's dataset is the whole file (``len(ds)`` is every row,
@@ -77,7 +83,7 @@ class SharedH5Dataset(Dataset):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         x_key: str | None = None,
         y_key: str | None = None,
         *,
@@ -118,8 +124,10 @@ class SharedH5Dataset(Dataset):
                               f"mode='node' only (mode={mode!r}): drop them, or use mode='node'")
         else:
             selection = Selection(mode, self.world_size, self.rank)
+        sources = expand_paths(path)  # a pattern is expanded here, with this user's rights
+        many = len(sources.paths) > 1
         self.spec = BackendSpec(
-            path=os.path.abspath(os.fspath(path)),
+            path=sources.paths[0],
             keys=self.fields.keys,
             selection=selection,
             dtypes=self.fields.dtypes,
@@ -128,6 +136,8 @@ class SharedH5Dataset(Dataset):
             daemon_user=daemon_user,
             h5_options=self._h5_options(),
             cache_bytes=_check_cache_bytes(cache_bytes),
+            files=sources.paths if many else (),
+            pattern=sources.shown if many else "",
         )
         self.mode = mode
         self.fallback = fallback
@@ -167,19 +177,30 @@ class SharedH5Dataset(Dataset):
 
     def _announce_fallback(self, exc: H5ServeError) -> None:
         warnings.warn(
-            f"h5serve: {exc}. Reading {self.spec.path} lazily through h5py instead (same rows, same "
+            f"h5serve: {exc}. Reading {self._shown_path()} lazily through h5py instead (same rows, same "
             "order, slower); pass fallback='error' to fail instead.",
             RuntimeWarning,
             stacklevel=4,
         )
 
     def _fallback_backend(self) -> Backend:
-        return LazyBackend(self.spec)
+        return lazy_backend(self.spec)
+
+    def _shown_path(self) -> str:
+        """The path, or for many files the pattern (or list) and what it expanded to."""
+        if not self.spec.files:
+            return self.spec.path
+        return describe_files(self.spec.files, self.spec.pattern)
 
     @property
     def backend(self) -> str:
         """``"shm"`` (daemon), ``"lazy"`` (h5py) or ``"memory"`` (compat preload)."""
         return self._backend.name
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files whose rows this dataset concatenates, in order (one file: that file)."""
+        return self.spec.files or (self.spec.path,)
 
     @property
     def total_rows(self) -> int:
@@ -234,7 +255,8 @@ class SharedH5Dataset(Dataset):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({self.spec.path!r}, {self._keys_repr()}, "
+            f"{type(self).__name__}({self._shown_path() if self.spec.files else repr(self.spec.path)}, "
+            f"{self._keys_repr()}, "
             f"mode={self.mode!r}, rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
             f"rows={len(self)})"
         )

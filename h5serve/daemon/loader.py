@@ -44,6 +44,7 @@ import pickle
 import select
 import signal
 import time
+import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -58,8 +59,10 @@ from ..rawcopy import data_extents, drop_cached
 from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
 from ..segments import SegmentMeta, SegmentWriter, crc32_combine, create_segment
 from ..sharding import RowRange, Selection
-from ..source import DatasetInfo, inspect_dataset, open_h5, sources_unchanged
+from ..files import plan_file_parts
+from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from .checksum import FollowingCrc
+from .fileset import read_files_part
 
 __all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
@@ -330,18 +333,24 @@ class PartResult:
 
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-               progress: Callable[[int], None], checksum: bool, f: h5py.File | None = None) -> PartResult:
+               progress: Callable[[int], None], checksum: bool, f: h5py.File | None = None,
+               drop_page_cache: bool = False) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
     this process's own h5py handle (``f``, or the file opened here), hashing them as they land
     when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
-    at explicit offsets, so every part can write through the one inherited descriptor."""
+    at explicit offsets, so every part can write through the one inherited descriptor. Many
+    files as one dataset: each file of the span opened in turn (fileset.py), its cached pages
+    dropped as it is done with ``drop_page_cache``, and the part hashed once it is written."""
+    flat = writer.data.reshape(-1).view(np.uint8)
+    row = flat.nbytes // max(len(writer.data), 1)
+    k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
+    if meta.files:
+        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache)
+        return PartResult(copied, zlib.crc32(flat[k0 * row:k1 * row]) if checksum else -1)
     if f is None:
         with open_h5(meta.source_path) as f:
             return _read_part(meta, rows, writer, span, progress, checksum, f)
     info = inspect_dataset(f, meta.key)
-    flat = writer.data.reshape(-1).view(np.uint8)
-    row = flat.nbytes // max(len(writer.data), 1)
-    k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
     crc = FollowingCrc(flat, k0 * row, k1 * row) if checksum else None
 
     def landed(done: int) -> None:
@@ -390,6 +399,9 @@ def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int,
         return [None]
     span_rows = rows.stop - rows.start
     row = int(np.prod(meta.row_shape, dtype=np.int64)) * np.dtype(meta.source_dtype).itemsize
+    if meta.files:  # split at file boundaries: each process opens its own files
+        spans = plan_file_parts(rows, meta.file_rows, row, processes, min_part_bytes())
+        return [None] if len(spans) <= 1 else list(spans)
     if span_rows * row < 2 * min_part_bytes():
         return [None]
     with open_h5(meta.source_path) as f:
@@ -415,7 +427,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
             for index, span in enumerate(spans[1:], 1):
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
                          writer: SegmentWriter = writer) -> PartResult:
-                    return _read_part(meta, rows, writer, span, progress, job.checksum)
+                    return _read_part(meta, rows, writer, span, progress, job.checksum,
+                                      drop_page_cache=job.drop_page_cache)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
@@ -434,7 +447,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 shown = total
 
         with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
-            first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source)
+            first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source, job.drop_page_cache)
             copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:
@@ -448,12 +461,13 @@ def _run(job: LoadJob, reply: Connection) -> None:
             read_done = time.monotonic_ns()
             # every part is reaped: nothing writes into the rows any more
             checksum = writer.store_checksum(_joined_crc(first, spans, parts, writer)) if job.checksum else ""
-            fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache else (-1, [])
+            # (a multi-file load dropped each file's pages as it was read)
+            fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache and not meta.files else (-1, [])
             stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
                      "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
                      "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9,
                      "page_cache_drop_bytes": sum(size for _, size in extents)}
-            if not sources_unchanged(meta.source, meta.linked):
+            if not identities_unchanged(meta.identities()):
                 raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
             if daemon_gone():
                 raise DaemonGone()

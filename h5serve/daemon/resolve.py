@@ -29,16 +29,18 @@ from typing import Any, Callable
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
 from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
 from .access import Peer, check_peer_can_read
+from .fileset import ResolvedFiles, resolve_files
 
 __all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 
 log = logging.getLogger("h5serve.daemon")
 RESOLVE_WAIT_S = 0.05  # how long the control loop waits for a resolution before answering "loading"
 RESOLVE_TIMEOUT_S = 30.0  # a resolution still running after this fails its request
+RESOLVE_PER_FILE_S = 0.05  # ... plus this per file of a multi-file request
 RESOLVE_FRESH_S = 1.0  # a finished resolution not picked up within this is done again
 RESOLVER_THREADS = 4
 _PENDING_MAX = 1024
-_INFO_CACHE_SIZE = 256
+_INFO_CACHE_SIZE = 8192  # (file, key) pairs: a multi-file dataset has one per file
 
 
 class _DaemonThreads:
@@ -94,6 +96,7 @@ class Resolved:
     ident: FileIdentity
     info: DatasetInfo
     linked: FileIdentity | None  # the externally linked file holding the rows, if any
+    sources: tuple[FileIdentity, ...] = ()  # a virtual dataset's source files (other than this one)
 
 
 class Resolver:
@@ -106,30 +109,37 @@ class Resolver:
         self._lock = threading.Lock()
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
 
-    def poll(self, path: str, key: str, peer: Peer | None) -> Resolved | None:
+    def poll(self, path: str, key: str, peer: Peer | None, files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
         """The resolution of this request: started now if none is in flight, waited for up to
-        RESOLVE_WAIT_S; None while it is still running (ask again).
+        RESOLVE_WAIT_S; None while it is still running (ask again). ``files``: many files as
+        one dataset, every one resolved (fileset.py).
 
         Raised when the file cannot be served: the H5ServeError saying why.
         """
-        pending_key = (path, key, peer.uid if peer else None, peer.gid if peer else None)
+        pending_key = (files or path, key, peer.uid if peer else None, peer.gid if peer else None)
         started, future = self._pending.get(pending_key, (0.0, None))
         if future is not None and future.done() and time.monotonic() - started > RESOLVE_FRESH_S:
             future = None  # an answer nobody picked up in time: the file may have changed since
         if future is None:
             if len(self._pending) >= _PENDING_MAX:
                 self._forget_abandoned()
-            started, future = time.monotonic(), self._pool.submit(self.resolve, path, key, peer)
+            if files:
+                future = self._pool.submit(resolve_files, self, files, key, peer)
+            else:
+                future = self._pool.submit(self.resolve, path, key, peer)
+            started = time.monotonic()
             self._pending[pending_key] = (started, future)
         if not future.done():
             try:
                 future.exception(timeout=RESOLVE_WAIT_S)
             except FutureTimeout:
-                if time.monotonic() - started < RESOLVE_TIMEOUT_S:
+                limit = RESOLVE_TIMEOUT_S + RESOLVE_PER_FILE_S * len(files)
+                if time.monotonic() - started < limit:
                     return None
                 del self._pending[pending_key]
+                what = f"{path} (and the other {len(files) - 1} files)" if files else path
                 raise SourceNotFound(
-                    f"{path} did not open within {RESOLVE_TIMEOUT_S:g}s (a hung file system, or not a regular "
+                    f"{what} did not open within {limit:g}s (a hung file system, or not a regular "
                     "file); check the path"
                 ) from None
         del self._pending[pending_key]
@@ -171,7 +181,19 @@ class Resolver:
                     check_peer_can_read(peer, linked)
             finally:
                 os.close(fd)
-        return Resolved(ident, info, linked)
+        return Resolved(ident, info, linked, tuple(self._check_other(path, p, peer) for p in info.virtual_sources))
+
+    def _check_other(self, asked: str, path: str, peer: Peer | None) -> FileIdentity:
+        """Open and check another file the rows of ``asked`` come from (a virtual dataset's
+        source) as ``asked`` itself is checked: its identity. Raised as ``resolve``."""
+        fd, ident = open_identified(path)
+        try:
+            self._check_allowed(f"{path} (a source of {asked})", ident.path)
+            if peer is not None:
+                check_peer_can_read(peer, ident)
+        finally:
+            os.close(fd)
+        return ident
 
     def _check_allowed(self, asked: str, real: str) -> None:
         """Raised when --allow-root is set and the opened file's real path is outside every
@@ -189,7 +211,8 @@ class Resolver:
             return cached
         with open_h5_verified(ident) as f:
             info = inspect_dataset(f, key)
-        if not info.linked_file:  # another file's metadata can change under the same outer identity
+        # another file's metadata (a link's target, a virtual source) can change under the same outer identity
+        if not info.linked_file and not info.virtual_sources:
             with self._lock:
                 if len(self._infos) >= _INFO_CACHE_SIZE:
                     self._infos.clear()

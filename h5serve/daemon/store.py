@@ -51,12 +51,13 @@ from ..segments import (
 from ..sharding import Selection
 from ..source import (
     check_cast,
+    identities_unchanged,
     resolve_dtype,
-    sources_unchanged,
     storage_dtype,
 )
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
+from .fileset import ResolvedFiles, files_meta
 from .loader import LoadJob, kill_load, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
@@ -99,9 +100,12 @@ class Entry:
         return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
 
 
-def _changed_sources(sources: dict[str, tuple[tuple, tuple]]) -> set[str]:
-    """The names whose source (or linked) file no longer has its recorded identity (blocking)."""
-    return {name for name, (source, linked) in sources.items() if not sources_unchanged(source, linked)}
+def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
+    """The names one of whose files (the source, linked files, every file of a multi-file
+    dataset, virtual sources) no longer has its recorded identity (blocking; each file stat-ed once)."""
+    unique = {ident for identities in sources.values() for ident in identities}
+    changed = {ident for ident in unique if not identities_unchanged([ident])}
+    return {name for name, identities in sources.items() if changed.intersection(identities)}
 
 
 def _not_ours(st: os.stat_result) -> bool:
@@ -157,7 +161,7 @@ class SegmentStore:
                 continue
             try:
                 meta, complete = read_meta(path)
-                unchanged = sources_unchanged(meta.source, meta.linked)
+                unchanged = identities_unchanged(meta.identities())
             except H5ServeError as exc:
                 log.info("dropping %s: %s", path.name, exc)
                 complete = unchanged = False
@@ -199,24 +203,30 @@ class SegmentStore:
         Raised when the file may not or cannot be served: AccessDenied, a DataError.
         """
         try:
-            resolved = self.resolver.poll(req.path, req.key, peer)
+            resolved = self.resolver.poll(req.path, req.key, peer, req.files)
         except AccessDenied:
             self.counters["refusals"] += 1
             raise
         if resolved is None:
             st = os.stat(self.shm_dir)
             return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
+        if isinstance(resolved, ResolvedFiles):
+            return self._acquire_meta(req, files_meta(req, resolved))
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
-        meta = SegmentMeta(
+        return self._acquire_meta(req, SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
             source_size=ident.size, source_mtime_ns=ident.mtime_ns, key=req.key,
             mode=req.mode, world_size=req.world_size, rank=req.rank,
             total_rows=info.rows, rows=selection.count(info.rows), row_shape=info.row_shape,
             dtype=stored.str, source_dtype=info.dtype.str,
             linked=resolved.linked.as_tuple() if resolved.linked else (), span=req.span,
-        )
+            depends=tuple(source.as_tuple() for source in resolved.sources),
+        ))
+
+    def _acquire_meta(self, req: Acquire, meta: SegmentMeta) -> AcquireResult:
+        """``acquire`` once the request's files are resolved into the segment ``meta`` describes."""
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
@@ -295,7 +305,7 @@ class SegmentStore:
             if other is entry or other.state != "loading" or other.process is not None:
                 continue
             o = other.meta
-            if (o.source, o.key, o.linked) == (meta.source, meta.key, meta.linked):
+            if (o.source, o.key, o.linked, o.files) == (meta.source, meta.key, meta.linked, meta.files):
                 a, b = o.row_range.span
                 if a < last and first < b:
                     return True
@@ -342,7 +352,7 @@ class SegmentStore:
         if now - self._last_sweep < SWEEP_INTERVAL_S:
             return
         self._last_sweep = now
-        sources = {e.name: (e.meta.source, e.meta.linked) for e in self.entries.values() if e.state != "loading"}
+        sources = {e.name: e.meta.identities() for e in self.entries.values() if e.state != "loading"}
         if sources:
             self._sweep = self.resolver.submit(_changed_sources, sources)
 
@@ -483,7 +493,8 @@ class SegmentStore:
                 read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
             mode, world_size, rank = entry.label()
             segments.append({
-                "name": entry.name, "file": m.source_path, "key": m.key, "rank": rank,
+                "name": entry.name, "file": m.source_path, "files": [f[0] for f in m.files] or [m.source_path],
+                "key": m.key, "rank": rank,
                 "world_size": world_size, "mode": mode, "modes": sorted(entry.modes or {m.mode}),
                 "selection": str(m.row_range), "whole_file": m.row_range.covers(m.total_rows),
                 "dtype": str(m.np_dtype),

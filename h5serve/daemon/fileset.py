@@ -1,0 +1,133 @@
+"""Many files as one dataset, on the daemon's side: resolving every file of an acquire's
+``files`` list, the segment metadata that names them all, and a loader part's reads, file by file.
+
+Every file goes through exactly the checks one file does (resolve.py: opened once, real path
+under ``--allow-root``, readable by the requesting user, metadata from the very file opened),
+and so does every file its rows come from (an external link's target, a virtual dataset's
+sources). Every identity is part of the segment name (``SegmentMeta.files`` / ``depends``):
+any file changed, replaced or removed maps to a new segment, and the stale sweep evicts the
+old one once unheld, as for one file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import h5py
+import numpy as np
+
+from ..errors import SourceChanged
+from ..files import check_agreement, pieces
+from ..protocol import Acquire
+from ..rawcopy import data_extents, drop_cached
+from ..reads import read_shard_into
+from ..segments import SegmentMeta, SegmentWriter
+from ..sharding import RowRange, Selection
+from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
+
+if TYPE_CHECKING:
+    from .access import Peer
+    from .resolve import Resolved, Resolver
+
+__all__ = ["ResolvedFiles", "resolve_files", "files_meta", "read_files_part"]
+
+
+@dataclass(frozen=True)
+class ResolvedFiles:
+    """Every file of a multi-file request, each resolved as one file is, in row order."""
+
+    members: tuple["Resolved", ...]
+
+
+def resolve_files(resolver: "Resolver", paths: tuple[str, ...], key: str, peer: "Peer | None") -> ResolvedFiles:
+    """Resolve each file (blocking: a resolver thread runs this).
+
+    Raised for the first file that cannot be served: the H5ServeError saying why, naming it.
+    """
+    return ResolvedFiles(tuple(resolver.resolve(path, key, peer) for path in paths))
+
+
+def _depends(resolved: ResolvedFiles) -> tuple[tuple, ...]:
+    """The other files the rows come from (linked targets, virtual sources), each once."""
+    seen: dict[tuple, None] = {}
+    for member in resolved.members:
+        for ident in ((member.linked,) if member.linked else ()) + member.sources:
+            seen[ident.as_tuple()] = None
+    return tuple(seen)
+
+
+def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
+    """The segment metadata for ``req``'s rows of the concatenated files.
+
+    Raised when the files disagree on row shape or dtype: DataError naming the first that differs.
+    """
+    members = resolved.members
+    infos = [m.info for m in members]
+    paths = [m.ident.path for m in members]
+    requested = resolve_dtype(req.dtype, "dtype")
+    source_dtype = check_agreement(paths, infos, requested)
+    total = sum(info.rows for info in infos)
+    first = members[0].ident
+    return SegmentMeta(
+        source_path=first.path, source_dev=first.dev, source_ino=first.ino, source_size=first.size,
+        source_mtime_ns=first.mtime_ns, key=req.key, mode=req.mode, world_size=req.world_size, rank=req.rank,
+        total_rows=total, rows=Selection(req.mode, req.world_size, req.rank, req.span).count(total),
+        row_shape=infos[0].row_shape, dtype=storage_dtype(source_dtype, requested).str,
+        source_dtype=source_dtype.str, span=req.span,
+        files=tuple((*m.ident.as_tuple(), m.info.rows) for m in members), depends=_depends(resolved),
+    )
+
+
+SMALL_PIECE_BYTES = 4 * 1024 * 1024  # a file's rows below this are read without rawcopy or a full inspection
+
+
+def _quick_info(dset: h5py.Dataset, key: str) -> DatasetInfo:
+    """``inspect_dataset``'s description of a dataset already inspected under the same identity."""
+    chunks = dset.chunks
+    rows = int(dset.shape[0])
+    return DatasetInfo(key=key, rows=rows, row_shape=tuple(int(n) for n in dset.shape[1:]),
+                       dtype=dset.dtype.newbyteorder("="), chunk_rows=int(chunks[0]) if chunks else max(rows, 1),
+                       chunked=bool(chunks))
+
+
+def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
+                    progress: Callable[[int], None], drop_page_cache: bool = False) -> int:
+    """Read the shard's rows among global rows ``span`` (None: all), file by file, each file
+    opened here (and checked to be the one resolved) and its rows pwritten into their place in
+    the segment. With ``drop_page_cache`` each file's cached pages of the rows read are dropped
+    once its rows are in. Returns the bytes copied file to file.
+
+    Raised when a file is no longer the one resolved (replaced, rows changed): SourceChanged;
+    when its rows cannot be read: DataError.
+    """
+    fd, base = writer.data_target()
+    out_row = int(np.prod(meta.row_shape, dtype=np.int64)) * meta.np_dtype.itemsize
+    done = copied = 0
+    for piece in pieces(rows, meta.file_rows, span):
+        entry = meta.files[piece.index]
+        small = (piece.k1 - piece.k0) * out_row < SMALL_PIECE_BYTES
+        with open_h5_verified(FileIdentity(*entry[:5])) as f:
+            # the resolver inspected this very file (same device and inode; size and mtime are
+            # checked once the load is done): a small piece skips the full inspection
+            dset = f[meta.key]
+            info = _quick_info(dset, meta.key) if small else inspect_dataset(f, meta.key)
+            if info.rows != entry[5] or info.row_shape != meta.row_shape:
+                raise SourceChanged(f"{entry[0]} changed while it was being loaded (dataset {meta.key!r} now has "
+                                    f"{info.rows} rows of shape {info.row_shape}); request it again")
+            # a small piece is read straight into the mapping: finding where its rows lie in the
+            # file (to copy them file to file) costs more than reading them
+            copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1],
+                                      lambda n, before=done: progress(before + n),
+                                      dest=None if small else (fd, base + piece.k0 * out_row))
+            if drop_page_cache:
+                try:
+                    extents = data_extents(dset, *piece.local.span)
+                    if extents:
+                        drop_cached(dset.file.id.get_vfd_handle(), extents)
+                except Exception:  # noqa: BLE001, S110 - an optimisation: a file it cannot describe keeps its pages
+                    pass
+        done += piece.k1 - piece.k0
+        progress(done)
+    return copied
