@@ -105,10 +105,14 @@ def iteration(files: dict[str, Path], daemon: BenchDaemon, epochs: int) -> list[
         i = torch.from_numpy(b)
         torch.index_select(x, 0, i), torch.index_select(y, 0, i)
     index_select = len(ds) / (clock() - t)
+    loader_us, randperm_ms = _fixed_costs(batches, len(ds))
     target = ">= 10x seed, >= 0.9x limit"
     rows.append(Row("iterate shm, workers=0: make_loader", "samples/s", fast, seed, limit, target=target,
                     target_ratio=10, target_vs_limit=0.9,
-                    note=f"limit: bare np.take of x and y from the segment, 1 thread, batches precomputed; "
+                    note=f"limit: bare np.take of x and y from the segment, 1 thread, batches precomputed "
+                         f"({1e6 * BATCH / limit:,.0f} us a batch; make_loader {1e6 * BATCH / fast:,.0f} us, of which "
+                         f"DataLoader's own per-batch work {loader_us:,.0f} us and the epoch's torch.randperm "
+                         f"{1e3 * randperm_ms / len(batches):,.0f} us a batch ({randperm_ms:,.1f} ms an epoch)); "
                          f"torch.index_select from private memory, default threads: {index_select:,.0f}/s"))
     rows.append(Row("iterate shm, workers=0: DataLoader(collate_fn=collate)", "samples/s", plain_collate, seed, limit,
                     note="per-index sampler, documented collate"))
@@ -144,6 +148,35 @@ def iteration(files: dict[str, Path], daemon: BenchDaemon, epochs: int) -> list[
     del fast_w, seed_w
     ds.close()
     return rows
+
+
+def _fixed_costs(batches: list[np.ndarray], rows: int) -> tuple[float, float]:
+    """(microseconds of DataLoader's own work per batch: a dataset that returns a ready batch
+    through the same batch sampler protocol and collate; milliseconds of one epoch's
+    ``torch.randperm``, which every shuffling sampler pays to match DistributedSampler's order)."""
+
+    class Ready:
+        def __len__(self) -> int:
+            return rows
+
+        def __getitems__(self, indices: object) -> object:
+            return indices
+
+    loader = DataLoader(Ready(), batch_sampler=batches, collate_fn=lambda batch: batch)
+    per_batch = []
+    for _ in range(3):
+        t = clock()
+        for _ in loader:
+            pass
+        per_batch.append((clock() - t) / len(batches))
+    perms = []
+    for epoch in range(5):
+        generator = torch.Generator()
+        generator.manual_seed(epoch)
+        t = clock()
+        torch.randperm(rows, generator=generator)
+        perms.append(clock() - t)
+    return 1e6 * min(per_batch), 1e3 * statistics.median(perms)
 
 
 def bare_gather_rate(ds: SharedH5Dataset, batches: list[np.ndarray]) -> float:
