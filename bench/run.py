@@ -151,8 +151,8 @@ def under_load(rows: list[Row]) -> str:
     text = """h5serve's gather is a single-threaded `np.take` (docs/performance.md: torch's `index_select`,
 which runs on torch's thread pool, one thread per core by default, lost up to 13x beside one
 busy process: every parallel gather waits for its slowest thread to be scheduled again). The
-limit rows still use `torch.index_select` on torch's default threads, so on a busy machine they
-can lose far more speed than the load alone explains. A DDP job with several ranks per node
+limit rows are single-threaded too (a bare `np.take`), and the *beside one busy process* row
+measures the loop with another process spinning on a core. A DDP job with several ranks per node
 runs torch ops with `OMP_NUM_THREADS=1` (torchrun's default). The mode rows measure with one torch thread, batches of the
 three modes in turn so that the load falls on each alike, and give the default threads'
 figures in their notes; the other rows use torch's default, and the load rows (MB/s) and ratios
@@ -191,21 +191,32 @@ asserted in tests.
   then `astype(float32)`). Limit: one memcpy of the shard into already-touched memory.
 - **iterate shm**: one shuffled epoch of rank 0's shard (100,000 rows, batch 256), DataLoader
   `num_workers=0`. Baseline: the seed's rank-cached dataset (per-item indexing plus
-  `default_collate`). Limit: a bare `torch.index_select` of x and y for the same batches (torch
-  uses both cores; h5serve's own gather is a single-threaded `np.take`, see docs/performance.md).
+  `default_collate`). Limit: a bare single-threaded gather of the same batches (precomputed):
+  one `np.take` of x and one of y out of the same segment mapping into new tensors, each batch
+  kept alive until the next (as a training loop keeps it). The note splits make_loader's time
+  per batch into what it cannot skip: DataLoader's own per-batch work and the epoch's
+  `torch.randperm` (the order DistributedSampler defines).
+- **beside one busy process**: the same make_loader loop while another process spins on a core
+  (a rank, a worker, another job), against the same loop just before without it.
 - **workers=2**: steady state, persistent workers already started, for both.
 - **lazy fallback**: no daemon; rows read through h5py. Baseline: the seed's `H5LazyDataset`
   (dataset looked up and indexed per item, 256 MB HDF5 chunk cache) over the same rows in the
   same order. The first epoch includes reading every chunk once.
 - **load into shm**: from a client's request to a ready dataset on a fresh daemon whose loader
-  processes are warm (rank 0 of 2, 307 MB of x). Limit: `read_direct` of the whole dataset into
-  fresh process memory (`np.empty`), one process. *Reading rows*: the loader's read phase alone;
-  limit: `pread`/`pwrite` of the same bytes into a fresh fallocated `/dev/shm` file.
+  processes are warm (rank 0 of 2, 154 MB of x). Limit: the bare copy of the same bytes from the
+  file into a fresh `/dev/shm` file, its `posix_fallocate` included (a load reserves every page
+  before it writes, so a full `/dev/shm` is a clear error up front): the faster of
+  `pread`/`pwrite` through a 4 MiB buffer and `sendfile`, one process. *Reading rows*: the
+  loader's read phase alone; limit: `pread`/`pwrite` into an already fallocated file. *Cold page
+  cache*: the file dropped from the page cache first (`posix_fadvise(DONTNEED)`, no root
+  needed), as on a cluster node; its limit is the bare copy from the cold file.
 - **shuffle+gzip load**: the same with `--load-processes 2` vs `--load-processes 1`.
 - **memory**: 2 jobs x 2 ranks x 2 DataLoader workers, float32 out, every process alive after a
-  full epoch: PSS of every rank, worker and the daemon, h5serve segments counted once, minus the
-  same topology on a 1,024-row file (interpreter and torch overhead), as a multiple of the data's
-  native size. Baseline: the seed's private float32 preload per rank.
+  full epoch, the data file out of the page cache before they start: PSS of every rank, worker
+  and the daemon, h5serve segments counted once, plus the data file's pages in the page cache
+  (mincore), minus the same topology on a 1,024-row file (interpreter and torch overhead), as a
+  multiple of the data's native size. Baseline: the seed's private float32 preload per rank (and
+  the file it leaves cached). h5serve drops the file's pages once a load is published.
 - **first batch**: a fresh `torchrun --nproc-per-node 2` job from launch to rank 0's first batch.
 - **memory: a 2-rank job in global mode** (`bench/modes.py`): `/dev/shm` blocks of the daemon's
   segments (as `h5serve status --json` names them) once both ranks of a world-size-2 job have
@@ -241,16 +252,16 @@ asserted in tests.
 
 A load writes to tmpfs pages. A loader never faults them in one by one through its mapping
 (with 4 KiB pages that alone is slower than reading the rows): rows stored as numpy holds them
-are copied from the file with `pread`/`pwrite`, other rows are read through h5py into a small
-staging buffer and `pwrite`n. So the *reading rows* rows compare the read phase with a bare
-`pread`/`pwrite` of the same bytes into a fresh `/dev/shm` file. Request to ready also pays
-`posix_fallocate` of the segment (reserving every page up front, so a full `/dev/shm` is a
-clear error before any reading) and loader start-up, which is why it stays under the
-`read_direct` into ordinary process memory (which gets transparent huge pages and no
-fallocate). Mounting `/dev/shm` with `huge=within_size` closes much of that gap; see
+are copied from the file kernel-side (`splice`), other rows are read through h5py into a small
+staging buffer and `pwrite`n, and each loader process hashes its rows (crc32) in a thread
+that follows the copy. Request to ready is measured against the bare copy of the same bytes
+into a fresh `/dev/shm` file with its `posix_fallocate`: what any loader that reserves its
+memory up front must pay. A `read_direct` into ordinary process memory (in the note) is faster
+still: it gets transparent huge pages and reserves nothing. Mounting `/dev/shm` with
+`huge=within_size` closes much of that gap; see
 [performance.md](performance.md#loading).
 
-Results as JSON: `bench/results.json` (written by every run).
+Results as JSON: `bench/results.json` (written with `--write-docs`; `--results PATH` writes them elsewhere).
 """
     (docs / "benchmarks.md").write_text(text)
 
@@ -265,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {GROUPS}")
     p.add_argument("--write-docs", action="store_true",
                    help="write docs/benchmarks.md, docs/benchmarks.png and docs/shuffle.png")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results.json", help="where to write the JSON")
+    p.add_argument("--results", type=Path, default=None,
+                   help="write the JSON here (default: bench/results.json, only with --write-docs: a run never "
+                        "overwrites the committed results unless asked)")
     args = p.parse_args(argv)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
     unknown = set(groups) - set(GROUPS)
@@ -303,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if qualities:
         print(shuffle_table(qualities))
-    args.results.write_text(json.dumps(
-        {"machine": machine(), "argv": sys.argv, "seconds": took, "load_average": loads,
-         "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities)}, indent=1))
+    results = args.results or (ROOT / "bench" / "results.json" if args.write_docs else None)
+    if results is not None:
+        results.write_text(json.dumps(
+            {"machine": machine(), "argv": sys.argv, "seconds": took, "load_average": loads,
+             "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities)}, indent=1))
     if args.write_docs:
         command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         docs = ROOT / "docs"
