@@ -22,6 +22,7 @@ from ..errors import ConfigError, H5ServeError, falls_back
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..source import resolve_dtype
 from .backends import Backend, BackendSpec, LazyBackend, ShmBackend
+from . import ring
 from .gather import as_positions
 from .resharding import check_not_measured_by_distributed_sampler
 
@@ -90,7 +91,10 @@ class SampleList(list):
 
 def collate(batch: Any) -> Any:
     """The ``collate_fn`` that goes with SharedH5Dataset: the gathered tensors of a batch as
-    they are (``x`` or ``(x, y)``), anything else through ``default_collate``."""
+    they are (``x`` or ``(x, y)``), anything else through ``default_collate``. A batch in a
+    worker's ring goes on as it is: it arrives in the training process as those tensors."""
+    if isinstance(batch, ring.RingBatch):
+        return batch
     if isinstance(batch, Batch):
         return batch.x, batch.y
     if isinstance(batch, SampleList):
@@ -270,7 +274,13 @@ class SharedH5Dataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Sequence[Any]:
         """A whole batch with one vectorised gather per array (DataLoader calls this): a Batch
-        (or SampleList) for ``collate``, or per-sample results when there are transforms."""
+        (or SampleList) for ``collate``, or per-sample results when there are transforms. In a
+        make_loader worker, a plain batch is gathered into the worker's ring (h5serve/client/ring.py)."""
+        if ring.active() and self.transform is None and self.target_transform is None:
+            in_ring = ring.gather_into_ring(self._backend, as_positions(indices, len(self.indices)),
+                                            self.spec.y_key is not None)
+            if in_ring is not None:
+                return in_ring
         tensors = self._gather(indices)
         x, y = tensors[0], (tensors[1] if len(tensors) > 1 else None)
         if self.transform is None and self.target_transform is None:
