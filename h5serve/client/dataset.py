@@ -277,11 +277,11 @@ class SharedH5Dataset(Dataset):
         (or SampleList) for ``collate``, or per-sample results when there are transforms. In a
         make_loader worker, a plain batch is gathered into the worker's ring (h5serve/client/ring.py)."""
         if ring.active() and self.transform is None and self.target_transform is None:
-            in_ring = ring.gather_into_ring(self._backend, as_positions(indices, len(self.indices)),
-                                            self.spec.y_key is not None)
-            if in_ring is not None:
-                return in_ring
-        tensors = self._gather(indices)
+            tensors = ring.gather(self._backend, as_positions(indices, len(self.indices)))
+            if isinstance(tensors, ring.RingBatch):
+                return tensors
+        else:
+            tensors = self._gather(indices)
         x, y = tensors[0], (tensors[1] if len(tensors) > 1 else None)
         if self.transform is None and self.target_transform is None:
             return SampleList(x) if y is None else Batch(x, y)

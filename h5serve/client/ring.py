@@ -48,7 +48,7 @@ import torch
 
 from ..errors import SegmentError
 
-__all__ = ["RingBatch", "enable", "disable", "active", "gather_into_ring", "release_dead_rings", "mapped_rings"]
+__all__ = ["RingBatch", "enable", "disable", "active", "gather", "release_dead_rings", "mapped_rings"]
 
 MAGIC = b"H5SRING1"
 PAGE = mmap.PAGESIZE
@@ -181,37 +181,45 @@ def _ring_for(nbytes: int) -> WorkerRing | None:
     return state.ring if nbytes <= state.ring.slot_bytes else None
 
 
-def gather_into_ring(backend: Any, positions: torch.Tensor, with_y: bool) -> "RingBatch | None":
-    """The batch at ``positions`` written into a free slot of this worker's ring, or None
-    (no ring here, the batch does not fit, every slot busy, an unexpected backend): then
-    the caller gathers as usual."""
+def gather(backend: Any, positions: torch.Tensor) -> "RingBatch | list[torch.Tensor]":
+    """The backend's arrays at ``positions`` (checked, as ``as_positions`` returns them)
+    written into a free slot of this worker's ring; the tensors gathered as usual when the
+    ring cannot take them (none here, the batch does not fit, every slot busy).
+
+    Rows held in arrays (the daemon's mapping, a preload) are gathered straight into the slot;
+    other backends (lazy reads) gather as usual and the batch is copied into the slot.
+    """
     arrays = getattr(backend, "arrays", None)
     out_dtypes = getattr(backend, "out_dtypes", None)
-    if arrays is None or out_dtypes is None or len(arrays) != (2 if with_y else 1):
-        return None
-    rows = positions.numel()
-    specs = [(np.dtype(d), (rows, *a.shape[1:])) for a, d in zip(arrays, out_dtypes)]
+    tensors = None
+    if arrays is None or out_dtypes is None or len(arrays) != len(out_dtypes):
+        tensors = backend.gather(positions)
+        specs = [(np.dtype(t.numpy().dtype), tuple(t.shape)) for t in tensors]
+    else:
+        specs = [(np.dtype(d), (positions.numel(), *a.shape[1:])) for a, d in zip(arrays, out_dtypes)]
     layout, nbytes = _layout(specs)
-    ring = _ring_for(nbytes)
-    if ring is None:
-        return None
-    slot = ring.claim()
+    ring = _ring_for(nbytes) if len(specs) in (1, 2) else None
+    slot = None if ring is None else ring.claim()
     if slot is None:
-        return None
+        return backend.gather(positions) if tensors is None else tensors
     try:
-        index = positions.numpy()
-        for array, item in zip(arrays, layout):
-            out = ring.view(slot, item)
-            if array.dtype == out.dtype:
-                # positions were checked by as_positions: "clip" gathers straight into out
-                np.take(array, index, axis=0, out=out, mode="clip")
-            else:
-                np.copyto(out, array.take(index, axis=0, mode="clip"), casting="unsafe")
+        if tensors is not None:
+            for tensor, item in zip(tensors, layout):
+                np.copyto(ring.view(slot, item), tensor.numpy())
+        else:
+            index = positions.numpy()
+            for array, item in zip(arrays, layout):
+                out = ring.view(slot, item)
+                if array.dtype == out.dtype:
+                    # positions are checked already: "clip" gathers straight into out
+                    np.take(array, index, axis=0, out=out, mode="clip")
+                else:
+                    np.copyto(out, array.take(index, axis=0, mode="clip"), casting="unsafe")
         seq = ring.stamp(slot)
     except BaseException:
         ring.release(slot)
         raise
-    return RingBatch(ring, slot, seq, tuple(layout), with_y)
+    return RingBatch(ring, slot, seq, tuple(layout), len(layout) == 2)
 
 
 class RingBatch:
