@@ -34,6 +34,7 @@ slot no longer holds it raises SegmentError instead of handing over other rows.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -84,7 +85,7 @@ def _layout(arrays: list[tuple[np.dtype, tuple[int, ...]]]) -> tuple[list[ArrayL
     out, offset = [], 0
     for dtype, shape in arrays:
         out.append(ArrayLayout(offset, np.dtype(dtype).str, tuple(shape)))
-        offset += _round_up(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, ALIGN)
+        offset += _round_up(math.prod(shape) * np.dtype(dtype).itemsize, ALIGN)
     return out, offset
 
 
@@ -130,7 +131,7 @@ class WorkerRing:
         return self.seq
 
     def view(self, slot: int, item: ArrayLayout) -> np.ndarray:
-        count = int(np.prod(item.shape, dtype=np.int64))
+        count = math.prod(item.shape)
         return np.frombuffer(self.buffer, item.dtype, count, self.data_start + slot * self.slot_bytes
                              + item.offset).reshape(item.shape)
 
@@ -314,7 +315,7 @@ def _register(token: bytes, pid: int, handle: Any, data_start: int, slot_bytes: 
         size = os.fstat(fd).st_size
         if size < data_start + slot_bytes:
             raise SegmentError(f"worker {pid}'s ring is {size} bytes, too small for its own layout")
-        buffer = mmap.mmap(fd, size)
+        buffer = mmap.mmap(fd, size, prot=mmap.PROT_READ)  # written to only with pwrite
         if buffer[:8] != MAGIC:
             buffer.close()
             raise SegmentError(f"worker {pid} sent a descriptor that is not an h5serve ring")
@@ -350,7 +351,7 @@ def _receive(token: bytes, pid: int, slot: int, seq: int, data_start: int, slot_
     try:
         out = []
         for item in layout:
-            count = int(np.prod(item.shape, dtype=np.int64))
+            count = math.prod(item.shape)
             out.append(torch.from_numpy(
                 np.frombuffer(ring.buffer, item.dtype, count, base + item.offset).reshape(item.shape).copy()))
     finally:
