@@ -179,16 +179,33 @@ def test_batches_the_ring_cannot_take_arrive_as_tensors(ds: SharedH5Dataset) -> 
     assert ring.mapped_rings() == 1
 
 
-def test_transforms_bypass_the_ring(ds: SharedH5Dataset) -> None:
-    ds.transform = lambda x: {"sum": int(x.sum())}  # not a tensor: per-sample batches, default collate
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x.float() / 255
+
+
+def _summed(x: torch.Tensor) -> dict[str, int]:
+    return {"sum": int(x.sum())}
+
+
+@pytest.mark.parametrize(("transform", "through_ring"), [(_scaled, True), (_summed, False)])
+def test_transformed_batches(ds: SharedH5Dataset, transform: Any, through_ring: bool) -> None:
+    # tensors per sample are stacked into the ring, as default_collate would stack them; a dict
+    # per sample is default_collate's business, and arrives as it always did
+    ds.transform = transform
     try:
         want = list(make_loader(ds, BATCH, seed=4))
         got = list(make_loader(ds, BATCH, seed=4, num_workers=2, multiprocessing_context="fork"))
+        assert ring.mapped_rings() == (2 if through_ring else 0)
     finally:
         ds.transform = None
     assert len(got) == len(want)
-    for (gx, gy), (wx, wy) in zip(got, want):
-        assert torch.equal(gx["sum"], wx["sum"]) and torch.equal(gy, wy)
+    for g, w in zip(got, want):
+        assert type(g) is type(w) is list
+        if through_ring:
+            assert g[0].dtype == w[0].dtype == torch.float32 and torch.equal(g[0], w[0])
+        else:
+            assert torch.equal(g[0]["sum"], w[0]["sum"])
+        assert torch.equal(g[1], w[1])
 
 
 def test_a_reused_slot_is_an_error_not_other_rows() -> None:
@@ -196,11 +213,11 @@ def test_a_reused_slot_is_an_error_not_other_rows() -> None:
     item = ring.ArrayLayout(0, np.dtype(np.int64).str, (4,))
     slot = worker.claim()
     worker.view(slot, item)[:] = [1, 2, 3, 4]
-    first = ForkingPickler.dumps(ring.RingBatch(worker, slot, worker.stamp(slot), (item,), False))
+    first = ForkingPickler.dumps(ring.RingBatch(worker, slot, worker.stamp(slot), (item,), ring.TENSOR))
     assert torch.equal(ForkingPickler.loads(first), torch.tensor([1, 2, 3, 4]))
     assert worker.mapped_by_main()  # the descriptor crossed once; later batches do without
     slot = worker.claim()
-    stale = ForkingPickler.dumps(ring.RingBatch(worker, slot, worker.stamp(slot), (item,), False))
+    stale = ForkingPickler.dumps(ring.RingBatch(worker, slot, worker.stamp(slot), (item,), ring.TENSOR))
     worker.stamp(slot)  # something else was written into the slot meanwhile
     try:
         with pytest.raises(SegmentError, match="no longer holds"):

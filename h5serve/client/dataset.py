@@ -91,15 +91,17 @@ class SampleList(list):
 
 def collate(batch: Any) -> Any:
     """The ``collate_fn`` that goes with SharedH5Dataset: the gathered tensors of a batch as
-    they are (``x`` or ``(x, y)``), anything else through ``default_collate``. A batch in a
-    worker's ring goes on as it is: it arrives in the training process as those tensors."""
+    they are (``x`` or ``(x, y)``), anything else through ``default_collate``. In a make_loader
+    worker, batches go through its ring (h5serve/client/ring.py) and arrive in the training
+    process as those same tensors."""
     if isinstance(batch, ring.RingBatch):
         return batch
     if isinstance(batch, Batch):
         return batch.x, batch.y
     if isinstance(batch, SampleList):
         return batch.x
-    return default_collate(batch)
+    # in a make_loader worker, a transform's tensors are stacked straight into its ring
+    return ring.collate(batch) or default_collate(batch)
 
 
 def _check_cache_bytes(value: Any) -> int | None:

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import SegmentError
 
-__all__ = ["RingBatch", "enable", "disable", "active", "gather", "release_dead_rings", "mapped_rings"]
+__all__ = ["RingBatch", "collate", "enable", "disable", "active", "gather", "release_dead_rings", "mapped_rings"]
 
 MAGIC = b"H5SRING1"
 PAGE = mmap.PAGESIZE
@@ -62,6 +62,8 @@ _SLOTS_AT = 64
 _SLOT_HEADER = 64
 _FREE, _BUSY = 0, 1
 _SWEEP_SECONDS = 1.0
+# what a RingBatch becomes in the training process: make_loader's (x, y), default_collate's [x, y], or x
+TENSOR, TUPLE, LIST = "tensor", "tuple", "list"
 
 
 @dataclass(frozen=True)
@@ -220,23 +222,74 @@ def gather(backend: Any, positions: torch.Tensor) -> "RingBatch | list[torch.Ten
     except BaseException:
         ring.release(slot)
         raise
-    return RingBatch(ring, slot, seq, tuple(layout), len(layout) == 2)
+    return RingBatch(ring, slot, seq, tuple(layout), TUPLE if len(layout) == 2 else TENSOR)
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:  # bfloat16 and other dtypes NumPy lacks
+        return None
+
+
+def _stackable(samples: list[Any]) -> bool:
+    first = samples[0]
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == first.dtype
+               and t.shape == first.shape and not t.requires_grad for t in samples)
+
+
+def collate(samples: Any) -> "RingBatch | None":
+    """Per-sample results (a transform's) stacked straight into a free slot, as
+    ``default_collate`` stacks them: a list of tensors is one tensor, a list of ``(x, y)``
+    tensor pairs is ``[x, y]``. None when this is anything else (other types, ragged shapes,
+    no ring here, every slot busy): then ``default_collate`` does it."""
+    if not isinstance(samples, list) or not samples or not active():
+        return None
+    if isinstance(samples[0], tuple) and len(samples[0]) == 2 and type(samples[0]) is tuple:
+        if not all(type(s) is tuple and len(s) == 2 for s in samples):
+            return None
+        columns, kind = [[s[0] for s in samples], [s[1] for s in samples]], LIST
+    else:
+        columns, kind = [samples], TENSOR
+    specs = []
+    for column in columns:
+        dtype = _numpy_dtype(column[0].dtype) if isinstance(column[0], torch.Tensor) else None
+        if dtype is None or not _stackable(column):
+            return None
+        specs.append((dtype, (len(column), *column[0].shape)))
+    layout, nbytes = _layout(specs)
+    ring = _ring_for(nbytes)
+    slot = None if ring is None else ring.claim()
+    if slot is None:
+        return None
+    try:
+        for column, item in zip(columns, layout):
+            torch.stack(column, 0, out=torch.from_numpy(ring.view(slot, item)))
+        seq = ring.stamp(slot)
+    except BaseException:
+        ring.release(slot)
+        raise
+    return RingBatch(ring, slot, seq, tuple(layout), kind)
+
+
+def _as_kind(arrays: list[torch.Tensor], kind: str) -> Any:
+    return arrays[0] if kind == TENSOR else tuple(arrays) if kind == TUPLE else list(arrays)
 
 
 class RingBatch:
     """A batch in a ring slot, on its way to the training process: unpickled there, it is the
     tensors ``(x, y)`` (or ``x``) in fresh memory. ``collate`` passes it through as it is."""
 
-    __slots__ = ("ring", "slot", "seq", "layout", "with_y", "sent")
+    __slots__ = ("ring", "slot", "seq", "layout", "kind", "sent")
 
-    def __init__(self, ring: WorkerRing, slot: int, seq: int, layout: tuple[ArrayLayout, ...], with_y: bool) -> None:
-        self.ring, self.slot, self.seq, self.layout, self.with_y = ring, slot, seq, layout, with_y
+    def __init__(self, ring: WorkerRing, slot: int, seq: int, layout: tuple[ArrayLayout, ...], kind: str) -> None:
+        self.ring, self.slot, self.seq, self.layout, self.kind = ring, slot, seq, layout, kind
         self.sent = False
 
     def tensors(self) -> Any:
         """The batch as tensors copied out of the slot, in this process (not through the ring)."""
         arrays = [torch.from_numpy(self.ring.view(self.slot, item).copy()) for item in self.layout]
-        return tuple(arrays) if self.with_y else arrays[0]
+        return _as_kind(arrays, self.kind)
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.sent:  # a second pickle of the same batch: the slot may be reused already
@@ -245,7 +298,7 @@ class RingBatch:
         ring = self.ring
         handle = None if ring.mapped_by_main() else DupFd(ring.fd)
         return _receive, (ring.token, ring.pid, self.slot, self.seq, ring.data_start, ring.slot_bytes,
-                          self.layout, self.with_y, handle)
+                          self.layout, self.kind, handle)
 
     def __del__(self) -> None:
         if not self.sent:  # never left the worker: the slot is free again
@@ -328,7 +381,7 @@ def _register(token: bytes, pid: int, handle: Any, data_start: int, slot_bytes: 
 
 
 def _receive(token: bytes, pid: int, slot: int, seq: int, data_start: int, slot_bytes: int,
-             layout: tuple[ArrayLayout, ...], with_y: bool, handle: Any) -> Any:
+             layout: tuple[ArrayLayout, ...], kind: str, handle: Any) -> Any:
     """Unpickling a RingBatch: its tensors, copied out of the slot, and the slot freed.
 
     Raised when the ring is unknown here or the slot holds another batch: SegmentError.
@@ -358,4 +411,4 @@ def _receive(token: bytes, pid: int, slot: int, seq: int, data_start: int, slot_
         # a syscall, not a store into the mapping: the copy above is complete before the
         # worker can see the slot free, on any CPU's memory ordering
         os.pwrite(ring.fd, bytes((_FREE,)), header)
-    return tuple(out) if with_y else out[0]
+    return _as_kind(out, kind)
