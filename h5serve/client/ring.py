@@ -10,7 +10,8 @@ tensor, ~4.4 ms per batch of 256 rows (x and y): 2 workers delivered ~57k sample
 How: each worker that ``make_loader`` started owns one ring, made at its first batch: an
 anonymous ``memfd`` (no name in any directory, so nothing to plant, swap or leak) with
 ``slots`` slots of the first batch's size, reserved up front (``posix_fallocate``: no SIGBUS
-later). A plain batch (no transform) is gathered straight into a free slot, and what goes
+later). A plain batch (no transform) is gathered straight into a free slot (a transform's
+same-shaped tensors are stacked into one, as ``default_collate`` would), and what goes
 through DataLoader's queue is a small ``RingBatch``. Unpickling it in the training process
 (``_receive``, which DataLoader does as it reads its queue) copies the slot into fresh memory
 (one memcpy: in-place changes of a batch, and batches kept alive, are never touched by later
