@@ -20,8 +20,9 @@ from torch.utils.data import Dataset
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..files import describe_files, expand_paths
+from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
-from .fields import Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
+from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions
 from .resharding import check_not_measured_by_distributed_sampler
 
@@ -246,8 +247,19 @@ class SharedH5Dataset(Dataset):
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Sequence[Any]:
         """A whole batch with one vectorised gather per key (DataLoader calls this): a Batch,
         SampleList, TupleBatch or DictBatch for ``collate``, or per-sample results when there
-        are transforms (h5serve/client/fields.py)."""
+        are transforms (h5serve/client/fields.py). In a make_loader worker, a plain x or (x, y)
+        batch is gathered straight into the worker's ring (h5serve/client/ring.py)."""
+        if ring.active() and self._ring_ready():
+            columns = ring.gather(self._backend, as_positions(indices, len(self.indices)))
+            if isinstance(columns, ring.RingBatch):
+                return columns
+            return self.fields.batch(columns)
         return self.fields.batch(self._gather(indices))
+
+    def _ring_ready(self) -> bool:
+        """Whether batches are plain numeric tensors of x (and y), which a ring slot holds."""
+        return (self.fields.layout == XY and not self.fields.transformed
+                and all(np.dtype(d).kind in "biufc" for d in self._backend.out_dtypes))
 
     def close(self) -> None:
         """Release the mapping and lease (or the h5py handle) held by this process."""

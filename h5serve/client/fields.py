@@ -36,6 +36,7 @@ from torch.utils.data._utils.collate import default_collate, default_collate_fn_
 
 from ..errors import ConfigError, DataError
 from ..source import resolve_dtype
+from . import ring
 
 __all__ = [
     "Field",
@@ -422,7 +423,8 @@ default_collate_fn_map[DictRow] = _collate_dict_rows
 def collate(batch: Any) -> Any:
     """The ``collate_fn`` that goes with SharedH5Dataset: the gathered columns of a batch as
     they are (``x``, ``(x, y)``, a tuple for ``keys=[...]``, a dict for ``keys={...}``),
-    anything else through ``default_collate``."""
+    anything else through ``default_collate``. In a make_loader worker, batches go through its
+    ring (h5serve/client/ring.py) and arrive in the training process as those same tensors."""
     if isinstance(batch, Batch):
         return batch.x, batch.y
     if isinstance(batch, SampleList):
@@ -431,4 +433,7 @@ def collate(batch: Any) -> Any:
         return tuple(batch.columns)
     if isinstance(batch, DictBatch):
         return dict(batch.columns)
-    return default_collate(batch)
+    if isinstance(batch, ring.RingBatch):  # a make_loader worker's batch, in its ring slot
+        return batch
+    # in a make_loader worker, a transform's tensors are stacked straight into its ring
+    return ring.collate(batch) or default_collate(batch)

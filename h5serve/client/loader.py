@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..errors import ConfigError
 from ..sharding import GLOBAL, NODE
+from . import ring
 from .dataset import collate
 from .lazy import h5_worker_init_fn
 from .node_sampler import NodePlace, NodeShuffleSampler
@@ -45,12 +46,14 @@ def _return_batch_memory() -> None:
         pass
 
 
-def seed_worker(worker_id: int, user_init: Callable[[int], None] | None = None) -> None:
+def seed_worker(worker_id: int, user_init: Callable[[int], None] | None = None, ring_slots: int = 0) -> None:
     """DataLoader ``worker_init_fn``: drop inherited HDF5 handles, seed ``random`` and NumPy
     from the worker's torch seed (distinct per worker and per epoch), keep freed batches from
-    piling up in the worker's heap, then run ``user_init``."""
+    piling up in the worker's heap, hand plain batches over through a ring of ``ring_slots``
+    shared slots (0: as ordinary tensors; h5serve/client/ring.py), then run ``user_init``."""
     h5_worker_init_fn(worker_id)
     _return_batch_memory()
+    ring.enable(ring_slots)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
@@ -134,6 +137,7 @@ def make_loader(
     prefetch_factor: int | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
     loader_class: type[DataLoader] = DataLoader,
+    worker_ring: bool = True,
     **dataloader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` (a rank's shard) in EpochShuffleSampler order.
@@ -160,8 +164,11 @@ def make_loader(
     - ``pin_memory`` defaults to ``torch.cuda.is_available()``;
     - with workers: ``persistent_workers=True``, ``prefetch_factor=2`` and a worker_init_fn
       that drops inherited HDF5 handles and seeds ``random``/NumPy per worker (then calls
-      yours). With no CPU-heavy transform, ``num_workers=0`` is fastest: workers copy every
-      batch once more through shared memory (docs/performance.md).
+      yours). With no CPU-heavy transform, ``num_workers=0`` is fastest (docs/performance.md);
+    - ``worker_ring=True`` (with workers): each worker gathers plain batches (no transform)
+      into a few shared slots that the training process maps once and copies each batch out
+      of: one memcpy per batch instead of a new shared-memory file per tensor.
+      ``worker_ring=False`` returns ordinary tensors, as a plain DataLoader does.
 
     ``loader_class``: a DataLoader subclass to build instead, e.g. torchdata's
     ``StatefulDataLoader``, whose ``state_dict()`` then holds the batch sampler's state as of
@@ -190,7 +197,9 @@ def make_loader(
     if num_workers > 0:
         kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
         kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor
-        kwargs["worker_init_fn"] = functools.partial(seed_worker, user_init=worker_init_fn)
+        # a worker has at most prefetch_factor batches outstanding: one more slot never runs out
+        slots = kwargs["prefetch_factor"] + 1 if worker_ring else 0
+        kwargs["worker_init_fn"] = functools.partial(seed_worker, user_init=worker_init_fn, ring_slots=slots)
     elif worker_init_fn is not None or persistent_workers or prefetch_factor is not None:
         raise ConfigError("worker_init_fn, persistent_workers and prefetch_factor need num_workers > 0")
     kwargs.update(dataloader_kwargs)
