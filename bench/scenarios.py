@@ -142,10 +142,16 @@ def iteration(files: dict[str, Path], daemon: BenchDaemon, epochs: int) -> list[
     fast_w = make_loader(ds, BATCH, num_workers=2)
     seed_w = seed_loader(2)
     _rate(fast_w), _rate(seed_w)  # start the persistent workers
+    old_w = make_loader(ds, BATCH, num_workers=2, worker_ring=False)
+    _rate(old_w)
     rows.append(Row("iterate shm, workers=2: make_loader vs seed with 2 workers", "samples/s", _rate(fast_w, epochs),
                     _rate(seed_w, epochs), target=">= 1x seed", target_ratio=1.0,
                     note="steady state (persistent workers already started)"))
-    del fast_w, seed_w
+    rows.append(Row("iterate shm, workers=2: the worker ring vs worker_ring=False (torch's shared-memory files)",
+                    "samples/s", _rate(fast_w, epochs), _rate(old_w, epochs), target=">= 3x", target_ratio=3.0,
+                    note="each batch copied once out of the worker's ring slot in the training process, against "
+                         "a new torch shared-memory file (and its descriptor passing) per tensor"))
+    del fast_w, seed_w, old_w
     ds.close()
     return rows
 
