@@ -188,7 +188,7 @@ class Resolver:
         if cached is not None:
             return cached
         with open_h5_verified(ident) as f:
-            info = inspect_dataset(f, key)
+            info = inspect_dataset(f, key, vlen=True)
         if not info.linked_file:  # another file's metadata can change under the same outer identity
             with self._lock:
                 if len(self._infos) >= _INFO_CACHE_SIZE:

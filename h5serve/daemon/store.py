@@ -12,7 +12,7 @@ import os
 import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import Process
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -216,6 +216,8 @@ class SegmentStore:
             total_rows=info.rows, rows=selection.count(info.rows), row_shape=info.row_shape,
             dtype=stored.str, source_dtype=info.dtype.str,
             linked=resolved.linked.as_tuple() if resolved.linked else (), span=req.span,
+            # variable-length rows: values estimated for the budget until the load counts them
+            vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
         )
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
@@ -412,6 +414,8 @@ class SegmentStore:
         return True
 
     def _loaded(self, entry: Entry, stats: dict[str, Any]) -> None:
+        if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
+            entry.meta = replace(entry.meta, values=int(stats.get("values", 0)))
         try:  # the header as published: every later hit compares the file with it
             entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
         except SegmentError as exc:
