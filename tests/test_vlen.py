@@ -237,6 +237,34 @@ def test_ragged_list_crosses_processes_as_one_tensor() -> None:
     assert rows.__reduce__()[1][0][-1].tolist() == [0.0]
 
 
+def test_lazy_reads_cached_in_blocks_or_uncached_are_the_same(vfile: Path, no_daemon_env: Path) -> None:
+    """The lazy backend's paths: the block cache before and after every block is read (small
+    blocks, so a batch meets cached and unread ones), and uncached per-batch reads."""
+    from h5serve.client.vlencache import VlenCache
+    from h5serve.sharding import Selection
+    from h5serve.source import inspect_dataset
+
+    want = h5_rows(vfile, "ids")
+    selection = Selection("interleave", 2, 1)
+    rows = selection.indices(ROWS)
+    with h5py.File(vfile, "r") as f:
+        info = inspect_dataset(f, "ids", vlen=True)
+        cache = VlenCache(info, selection, np.dtype("int32"), block_rows=3)
+        for batch in ([0, 13, 4, 4], [1, 2, 0], list(range(len(rows)))[::-1], [7]):
+            column = cache.take(lambda key: f[key], torch.tensor(batch))
+            assert_rows(RaggedList.split(torch.from_numpy(column.values), column.lengths.tolist()),
+                        [want[rows[i]] for i in batch], "int32")
+        assert cache.whole is not None and cache.missing == 0
+    uncached = open_ds(vfile, {"fallback": "lazy"}, keys=["ids", "text"], cache_bytes=0, mode="interleave", rank=1,
+                       world_size=2)
+    try:
+        ids, text = collate(uncached.__getitems__([5, 0, 5, 13]))
+        assert_rows(ids, [want[rows[i]] for i in (5, 0, 5, 13)])
+        assert text == [h5_rows(vfile, "text")[rows[i]] for i in (5, 0, 5, 13)]
+    finally:
+        uncached.close()
+
+
 # ----- segments follow their file ---------------------------------------------------------------
 def test_changed_file_is_never_served_stale(tmp_path: Path, shared_daemon: Daemon) -> None:
     daemon = shared_daemon

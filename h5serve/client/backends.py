@@ -34,6 +34,7 @@ from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from ..connection import DaemonClient
 from .gather import RowSource, as_column
 from .ragged import RaggedColumn, RaggedSource, read_ragged
+from .vlencache import VlenCache
 
 __all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle"]
 
@@ -324,7 +325,7 @@ class LazyBackend:
         self.indices = spec.selection.indices(self.total_rows)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
         self.rows = spec.selection.rows(self.total_rows)
-        need = sum(ChunkCache.nbytes_for(info, self.rows) for info in self.infos if not info.vlen)
+        need = sum((VlenCache if info.vlen else ChunkCache).nbytes_for(info, self.rows) for info in self.infos)
         self.cached = need <= budget
         options = dict(spec.h5_options)
         if not self.cached:
@@ -332,24 +333,21 @@ class LazyBackend:
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
         self.handle = H5Handle(spec.path, options)
-        self._caches: list[ChunkCache] | None = None
+        self._caches: list[ChunkCache | VlenCache] | None = None
 
-    def _chunk_caches(self) -> list[ChunkCache | None]:
-        if self._caches is None:  # variable-length keys (None) are read per batch: read_ragged
-            self._caches = [None if info.vlen else ChunkCache(info, self.rows, d)
+    def _chunk_caches(self) -> list[ChunkCache | VlenCache]:
+        if self._caches is None:
+            self._caches = [(VlenCache if info.vlen else ChunkCache)(info, self.rows, d)
                             for info, d in zip(self.infos, self.out_dtypes)]
         return self._caches
 
     def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
-        caches = self._chunk_caches() if self.cached else [None] * len(self.infos)
-        if all(caches):
-            return [cache.take(self.handle.dataset, positions) for cache in caches]
+        if self.cached:
+            return [cache.take(self.handle.dataset, positions) for cache in self._chunk_caches()]
         rows = self.indices[positions.numpy()]
         out: list[torch.Tensor | np.ndarray | RaggedColumn] = []
-        for info, d, cache in zip(self.infos, self.out_dtypes, caches):
-            if cache is not None:
-                out.append(cache.take(self.handle.dataset, positions))
-            elif info.vlen:
+        for info, d in zip(self.infos, self.out_dtypes):
+            if info.vlen:  # one h5py read of the batch's rows, each once, in increasing order
                 out.append(read_ragged(self.handle.dataset(info.key), info, rows, d))
             else:
                 dset, stored = self.handle.located(info)
