@@ -6,6 +6,7 @@ bad input a clear error."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 import warnings
@@ -299,6 +300,30 @@ def _mount_small_tmpfs() -> Path | None:
         os.rmdir(mnt)
         return None
     return mnt
+
+
+def test_restart_after_kill_adopts_vlen_segments(vfile: Path, daemon: Daemon) -> None:
+    """A killed daemon's complete vlen segments are adopted by the next one (their values
+    counted in the header), and serve the same rows with no load."""
+    kwargs = {"keys": ["tokens", "text", "label"], "mode": "interleave", "rank": 1, "world_size": 3,
+              "runtime_dir": daemon.runtime_dir, "fallback": "error"}
+    SharedH5Dataset(vfile, **kwargs).close()
+    before = daemon.segment_files()
+    os.kill(daemon.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while daemon.alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    daemon.start()
+    assert daemon.status()["counters"]["adopted"] == 3 and daemon.segment_files() == before
+    ds = SharedH5Dataset(vfile, **kwargs)
+    try:
+        tokens, text, label = collate(ds.__getitems__(list(range(len(ds)))))
+        assert_rows(tokens, [h5_rows(vfile, "tokens")[r] for r in ds.indices])
+        assert text == [h5_rows(vfile, "text")[r] for r in ds.indices]
+        assert daemon.status()["counters"]["loads"] == 0
+    finally:
+        ds.close()
 
 
 def test_capacity_errors(tmp_path: Path) -> None:
