@@ -315,7 +315,9 @@ def test_restart_after_kill_adopts_vlen_segments(vfile: Path, daemon: Daemon) ->
         assert time.monotonic() < deadline
         time.sleep(0.05)
     daemon.start()
-    assert daemon.status()["counters"]["adopted"] == 3 and daemon.segment_files() == before
+    status = daemon.status()
+    assert status["counters"]["adopted"] == 3 and daemon.segment_files() == before
+    assert sorted(s["dtype"] for s in status["segments"]) == ["int64", "str utf-8", "vlen float32"]
     ds = SharedH5Dataset(vfile, **kwargs)
     try:
         tokens, text, label = collate(ds.__getitems__(list(range(len(ds)))))

@@ -490,7 +490,8 @@ class SegmentStore:
                 "name": entry.name, "file": m.source_path, "key": m.key, "rank": rank,
                 "world_size": world_size, "mode": mode, "modes": sorted(entry.modes or {m.mode}),
                 "selection": str(m.row_range), "whole_file": m.row_range.covers(m.total_rows),
-                "dtype": str(m.np_dtype),
+                "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
+                f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
                 "source_dtype": str(np.dtype(m.source_dtype)),
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
