@@ -393,6 +393,17 @@ def test_bad_inputs(vfile: Path, where: dict, keys: list, kwargs: dict, error: t
         open_ds(vfile, where, keys=keys, **kwargs)
 
 
+def test_nan_pads_floats_only(vfile: Path, no_daemon_env: Path) -> None:
+    ds = open_ds(vfile, {"fallback": "lazy"}, keys=["tokens"], ragged="pad", pad_value=float("nan"))
+    try:
+        (tokens,) = collate(ds.__getitems__([0, 5]))
+        assert tokens.values[0].isnan().all() and not tokens.values[1].isnan().any()  # rows of 0 and 5 values
+    finally:
+        ds.close()
+    with pytest.raises(ConfigError, match="pad_value=nan cannot be held by key 'ids'"):
+        open_ds(vfile, {"fallback": "lazy"}, keys=["ids"], ragged="pad", pad_value=float("nan"))
+
+
 def test_undecodable_strings_name_the_key(vfile: Path, where: dict) -> None:
     ds = open_ds(vfile, where, keys=["bad_utf8", "label"])
     try:

@@ -38,8 +38,7 @@ from torch.utils.data._utils.collate import default_collate, default_collate_fn_
 
 from ..errors import ConfigError, DataError
 from ..source import resolve_dtype
-from ..vlen import SEQ
-from .ragged import LIST, PAD, RAGGED_MODES, RaggedColumn, fits
+from .ragged import LIST, RaggedColumn, check_ragged, parse_ragged
 
 __all__ = [
     "Field",
@@ -210,20 +209,7 @@ class FieldSet:
     def check_ragged(self, vlen_kinds: Sequence[str], out_dtypes: Sequence[np.dtype]) -> None:
         """Raised when ``ragged=``/``pad_value=`` ask for what no key has (no numeric
         variable-length key), or ``pad_value`` does not fit a key's dtype: ConfigError."""
-        first = self.fields[0]
-        if first.ragged == LIST:
-            return
-        numeric = [(f, d) for f, k, d in zip(self.fields, vlen_kinds, out_dtypes) if k == SEQ]
-        if not numeric:
-            raise ConfigError(
-                f"ragged={first.ragged!r} shapes batches of variable-length numeric keys, but none of "
-                f"{', '.join(repr(k) for k in self.keys)} holds variable-length sequences; drop ragged="
-            )
-        if first.ragged == PAD:
-            for f, d in numeric:
-                if not fits(f.pad_value, d):
-                    raise ConfigError(f"pad_value={f.pad_value!r} cannot be held by key {f.key!r}'s dtype {d}; "
-                                      "pass a pad_value that can (default 0)")
+        check_ragged(self.fields, self.keys, vlen_kinds, out_dtypes)
 
     def check_encoding(self, out_kinds: Sequence[str]) -> None:
         """Raised when ``encoding=`` was given but no key holds byte strings: ConfigError."""
@@ -267,23 +253,6 @@ def _check_encoding(encoding: object) -> str | None:
     return encoding
 
 
-def _check_ragged(ragged: object, pad_value: object) -> tuple[str, Any]:
-    """``(ragged, pad_value)`` checked. Raised when ragged is not one of RAGGED_MODES, or
-    pad_value is not a number or goes without ``ragged="pad"``: ConfigError."""
-    if not isinstance(ragged, str) or ragged not in RAGGED_MODES:
-        raise ConfigError(f"ragged must be one of {', '.join(map(repr, RAGGED_MODES))} (how a batch of variable-length "
-                          f"rows comes: a list of tensors, a padded tensor with lengths, a nested tensor), got {ragged!r:.80}")
-    if pad_value is None:
-        return ragged, 0
-    if ragged != PAD:
-        raise ConfigError(f"pad_value pads batches of ragged='pad'; with ragged={ragged!r} drop it")
-    if isinstance(pad_value, (np.generic, np.ndarray)) and np.ndim(pad_value) == 0:
-        pad_value = pad_value.item()
-    if not isinstance(pad_value, (bool, int, float, complex)):
-        raise ConfigError(f"pad_value must be a number (what pads rows past their end), got {pad_value!r:.80}")
-    return ragged, pad_value
-
-
 def parse_fields(
     x_key: object,
     y_key: object,
@@ -306,7 +275,7 @@ def parse_fields(
     Raised when they are mixed, missing, or malformed: ConfigError.
     """
     enc = _check_encoding(encoding)
-    shape = _check_ragged(ragged, pad_value)
+    shape = parse_ragged(ragged, pad_value)
     if keys is None:
         if dtypes is not None or transforms is not None:
             raise ConfigError("dtypes= and transforms= go with keys=; with x_key/y_key use dtype_x/dtype_y and "

@@ -17,16 +17,18 @@ records for them: a Python call per row, which text needs anyway).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..source import DatasetInfo
-from ..vlen import gather, is_text, offsets_of, read_vlen
+from ..vlen import SEQ, gather, is_text, offsets_of, read_vlen
 
 __all__ = ["LIST", "PAD", "NESTED", "RAGGED_MODES", "RaggedColumn", "RaggedSource", "RaggedList", "Padded",
-           "read_ragged", "fits"]
+           "read_ragged", "parse_ragged", "check_ragged", "fits"]
 
 LIST, PAD, NESTED = "list", "pad", "nested"
 RAGGED_MODES = (LIST, PAD, NESTED)
@@ -151,8 +153,49 @@ def read_ragged(dset: Any, info: DatasetInfo, rows: np.ndarray, out_dtype: np.dt
     return RaggedColumn(flat, lengths, info.vlen)
 
 
+def parse_ragged(ragged: object, pad_value: object) -> tuple[str, Any]:
+    """``(ragged, pad_value)`` checked. Raised when ragged is not one of RAGGED_MODES, or
+    pad_value is not a number or goes without ``ragged="pad"``: ConfigError."""
+    if not isinstance(ragged, str) or ragged not in RAGGED_MODES:
+        raise ConfigError(f"ragged must be one of {', '.join(map(repr, RAGGED_MODES))} (how a batch of variable-length "
+                          f"rows comes: a list of tensors, a padded tensor with lengths, a nested tensor), got {ragged!r:.80}")
+    if pad_value is None:
+        return ragged, 0
+    if ragged != PAD:
+        raise ConfigError(f"pad_value pads batches of ragged='pad'; with ragged={ragged!r} drop it")
+    if isinstance(pad_value, (np.generic, np.ndarray)) and np.ndim(pad_value) == 0:
+        pad_value = pad_value.item()
+    if not isinstance(pad_value, (bool, int, float, complex)):
+        raise ConfigError(f"pad_value must be a number (what pads rows past their end), got {pad_value!r:.80}")
+    return ragged, pad_value
+
+
+def check_ragged(fields: Sequence[Any], keys: Sequence[str], vlen_kinds: Sequence[str],
+                 out_dtypes: Sequence[np.dtype]) -> None:
+    """Raised when the fields' (fields.Field) ``ragged``/``pad_value`` ask for what no key
+    has (no numeric variable-length key), or ``pad_value`` does not fit a key's dtype:
+    ConfigError."""
+    first = fields[0]
+    if first.ragged == LIST:
+        return
+    numeric = [(f, d) for f, k, d in zip(fields, vlen_kinds, out_dtypes) if k == SEQ]
+    if not numeric:
+        raise ConfigError(
+            f"ragged={first.ragged!r} shapes batches of variable-length numeric keys, but none of "
+            f"{', '.join(repr(k) for k in keys)} holds variable-length sequences; drop ragged="
+        )
+    if first.ragged == PAD:
+        for f, d in numeric:
+            if not fits(f.pad_value, d):
+                raise ConfigError(f"pad_value={f.pad_value!r} cannot be held by key {f.key!r}'s dtype {d}; "
+                                  "pass a pad_value that can (default 0)")
+
+
 def fits(value: Any, dtype: np.dtype) -> bool:
-    """Whether ``value`` (a number) is exactly representable in ``dtype``."""
+    """Whether ``value`` (a number) is exactly representable in ``dtype`` (NaN: in a float or
+    complex dtype)."""
+    if value != value:
+        return np.dtype(dtype).kind in "fc"
     try:
         with np.errstate(all="ignore"):
             cast = np.asarray(value).astype(dtype)
