@@ -229,6 +229,22 @@ def test_dataloader_workers(vfile: Path, request: pytest.FixtureRequest, backend
         ds.close()
 
 
+def test_gather_of_short_and_long_rows() -> None:
+    """h5serve/vlen.py's gather: the vectorised index and the slice per row (long rows) give
+    the rows at the positions, in order, repeats and empty rows included."""
+    from h5serve.vlen import gather, offsets_of
+
+    rng = np.random.default_rng(5)
+    for top in (6, 3000):
+        lengths = rng.integers(0, top, 40)
+        values = rng.standard_normal(int(lengths.sum())).astype(np.float32)
+        offsets = offsets_of(lengths)
+        positions = np.array([3, 0, 39, 3, 17])
+        flat, got = gather(offsets, values, positions)
+        want = [values[offsets[p]:offsets[p + 1]] for p in positions]
+        assert got.tolist() == [len(w) for w in want] and flat.tobytes() == np.concatenate(want).tobytes()
+
+
 def test_ragged_list_crosses_processes_as_one_tensor() -> None:
     flat = torch.arange(10.0)
     rows = RaggedList.split(flat, [3, 0, 7])
