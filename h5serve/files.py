@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, DataError, LengthMismatch, SourceNotFound
+from .errors import ConfigError, DataError, LengthMismatch, SourceNotFound, UnsupportedDataset
 from .protocol import MAX_FILES, MAX_FILES_FRAME_BYTES, MAX_PATH_CHARS
 from .sharding import RowRange
 from .source import DatasetInfo
@@ -147,9 +147,16 @@ def set_dtype(paths: Sequence[str], infos: Sequence[DatasetInfo], requested: np.
 
 def check_agreement(paths: Sequence[str], infos: Sequence[DatasetInfo], requested: np.dtype | None) -> np.dtype:
     """Raised when a file's rows have another shape than the first file's, or dtypes differ
-    in a way ``set_dtype`` refuses: DataError naming the first file that differs. Returns the
-    set's dtype (``set_dtype``)."""
+    in a way ``set_dtype`` refuses: DataError naming the first file that differs; when a file
+    holds variable-length rows: UnsupportedDataset. Returns the set's dtype (``set_dtype``)."""
     first = infos[0]
+    for path, info in zip(paths, infos):
+        if info.vlen:
+            raise UnsupportedDataset(
+                f"{path}: dataset {info.key!r} holds variable-length rows, which h5serve serves from one file "
+                "only (not yet from many files as one dataset): open each file as its own SharedH5Dataset and "
+                "join them with torch.utils.data.ConcatDataset, or copy the rows into one file"
+            )
     for path, info in zip(paths[1:], infos[1:]):
         if info.row_shape != first.row_shape:
             raise DataError(

@@ -5,7 +5,8 @@ A segment is one file in the shm dir (``/dev/shm`` by default)::
     offset 0     magic "H5SRVSEG", format version, complete flag, rows done, rows total,
                  length of the msgpack metadata (SegmentMeta), checksum kind and value,
                  activity counter; at offset 64 the metadata itself
-    offset 4096  the rows, C-contiguous, native byte order (page-aligned)
+    offset 4096  the rows, C-contiguous, native byte order (page-aligned); variable-length
+                 rows (h5serve/vlen.py): rows + 1 int64 offsets, then the values
 
 A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
 with ``fchmod`` before the rename, so no process (root aside) can open a published segment
@@ -41,7 +42,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ import numpy as np
 from .errors import ConfigError, SegmentError, ShmFull
 from .safeio import NOFOLLOW_FLAGS, describe_owner, flocks, open_regular
 from .sharding import RowRange, Selection
+from .vlen import values_offset, vlen_nbytes
 
 __all__ = [
     "HEADER_SIZE",
@@ -97,9 +99,11 @@ _CHECKSUM_NAMES = {CHECKSUM_NONE: "none", CHECKSUM_CRC32: "crc32"}
 _CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per crc32 call: threads hash blocks, crc32_combine joins them
 _PUBLISHED_MODE_MASK = 0o440  # a temporary's 0600 / 0640 becomes 0400 / 0440
 _TMP_MARK = ".tmp-"
-_STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype"})
+_STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype", "vlen"})
 _LIST_FIELDS = frozenset({"row_shape", "linked", "files", "depends"})
 MAX_HEADER_BYTES = 4 * 1024 * 1024  # a multi-file segment's header (its file list) is at most this
+_VLEN_KINDS = frozenset({"", "seq", "utf-8", "ascii"})  # h5serve/vlen.py: fixed, numeric, strings
+_META_LENGTH_OFFSET = 32  # the u32 metadata length in the fixed header
 SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -140,6 +144,10 @@ class SegmentMeta:
     # Other files the rows come from (virtual dataset sources, multi-file external links), as
     # (path, dev, ino, size, mtime_ns): any of them changed means other rows.
     depends: tuple = ()
+    # variable-length rows (h5serve/vlen.py): "" fixed rows; else the data area is ``rows + 1``
+    # int64 offsets, then ``values`` values of ``dtype`` (strings: their bytes, uint8)
+    vlen: str = ""
+    values: int = 0
 
     @property
     def source(self) -> tuple[str, int, int, int, int]:
@@ -170,6 +178,8 @@ class SegmentMeta:
 
     @property
     def nbytes(self) -> int:
+        if self.vlen:
+            return vlen_nbytes(self.rows, self.values, self.np_dtype.itemsize)
         return self.rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.np_dtype.itemsize
 
     @property
@@ -194,6 +204,8 @@ class SegmentMeta:
             base += ("files", *(v for f in self.files for v in f))
         if self.depends:
             base += ("depends", *(v for d in self.depends for v in d))
+        if self.vlen:  # not ``values``: known only once loaded
+            base += ("vlen", self.vlen)
         return base
 
     def to_wire(self) -> dict[str, Any]:
@@ -205,13 +217,15 @@ class SegmentMeta:
                 out[name] = [list(entry) for entry in out[name]]
             else:
                 del out[name]
+        if not self.vlen:  # fixed rows: the header an h5serve without variable-length rows reads too
+            del out["vlen"], out["values"]
         return out
 
     @classmethod
     def from_wire(cls, data: object) -> "SegmentMeta":
         names = {f.name for f in fields(cls)}
-        if isinstance(data, dict):  # written before node mode (span 1) or without these fields
-            data = {"span": 1, "files": [], "depends": [], **data}
+        if isinstance(data, dict):  # written before node mode (span 1), or without these fields
+            data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, **data}
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():
@@ -220,6 +234,8 @@ class SegmentMeta:
                 raise SegmentError(f"segment metadata field {name!r} has a bad value {value!r:.80}")
         if not all(type(n) is int and n >= 0 for n in data["row_shape"]):
             raise SegmentError(f"segment metadata row_shape {data['row_shape']!r:.80} is invalid")
+        if data["vlen"] not in _VLEN_KINDS or (data["vlen"] and data["row_shape"]):
+            raise SegmentError(f"segment metadata vlen {data['vlen']!r:.80} is invalid")
         linked = data["linked"]
         if linked and not _is_identity(linked, 5):
             raise SegmentError(f"segment metadata linked {linked!r:.80} is invalid")
@@ -306,9 +322,19 @@ def _free_bytes(directory: Path) -> int:
 
 
 def _data_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray:
+    """The rows (fixed rows), or the ``rows + 1`` offsets (variable-length rows)."""
+    if meta.vlen:
+        return np.frombuffer(buffer, dtype=np.int64, count=meta.rows + 1, offset=meta.header_size)
     count = meta.rows * int(np.prod(meta.row_shape, dtype=np.int64))
     flat = np.frombuffer(buffer, dtype=meta.np_dtype, count=count, offset=meta.header_size)
     return flat.reshape((meta.rows, *meta.row_shape))
+
+
+def _values_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray | None:
+    """The values of variable-length rows (None for fixed rows)."""
+    if not meta.vlen:
+        return None
+    return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values, offset=meta.header_size + values_offset(meta.rows))
 
 
 # ----- crc32 of large buffers, in parallel ----------------------------------------------------
@@ -415,6 +441,25 @@ class SegmentWriter:
         return self.store_checksum(data_crc32(self._map, self.meta.header_size, self.meta.nbytes, threads,
                                               lambda _: self.mark_activity()))
 
+    def reserve(self, offset: int, length: int) -> None:
+        """Reserve ``length`` more bytes of the data area from ``offset`` (``posix_fallocate``,
+        growing the file) before they are written: variable-length values, whose size is
+        known a block at a time. Never written through the mapping (it covers the size at
+        creation only).
+
+        Raised when the shm filesystem has no room: ShmFull.
+        """
+        _fallocate(self._fd, self.meta.header_size + offset, length, self.meta, self.path.parent)
+
+    def set_values(self, values: int) -> None:
+        """Record the number of variable-length values written (the header's metadata, and so
+        the segment's size), once they all are."""
+        meta = replace(self.meta, values=values)
+        blob = _meta_blob(meta)
+        os.pwrite(self._fd, blob, _META_OFFSET)
+        self._map[_META_LENGTH_OFFSET:_META_LENGTH_OFFSET + 4] = struct.pack("<I", len(blob))
+        self.meta = meta
+
     def store_checksum(self, crc: int) -> str:
         """Store ``crc`` (the crc32 of the rows as written) in the header; ``crc32:...``."""
         value = struct.pack("<I", crc).ljust(16, b"\0")
@@ -495,6 +540,35 @@ def _publish_failure(final: Path, exc: OSError) -> str:
             "(its owner or root can), or restart the daemon with another --shm-dir")
 
 
+def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Path) -> None:
+    """``posix_fallocate``, a full tmpfs or a file size limit as ShmFull."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        size = offset + length
+        if exc.errno == errno.EFBIG:
+            raise ShmFull(
+                f"{meta.key!r} rank {meta.rank} needs a {format_bytes(size)} segment, over this "
+                "process's file size limit; raise it (ulimit -f) for the daemon"
+            ) from exc
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShmFull(
+                f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
+                f"{format_bytes(size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
+                "free space (h5serve stop, or remove other files there), or enlarge the mount"
+            ) from exc
+        raise
+
+
+def _meta_blob(meta: SegmentMeta) -> bytes:
+    """The header's msgpack metadata. Raised when it does not fit the header: SegmentError."""
+    blob = msgpack.packb(meta.to_wire())
+    limit = meta.header_size if meta.files or meta.depends else HEADER_SIZE
+    if _META_OFFSET + len(blob) > min(limit, MAX_HEADER_BYTES):
+        raise SegmentError(f"segment metadata too large ({len(blob)} bytes): shorten the path or key")
+    return blob
+
+
 def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None) -> SegmentWriter:
     """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete.
     Mode 0600, or 0640 owned by ``group`` (a gid) when given.
@@ -508,25 +582,8 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
         if group is not None:
             os.fchown(fd, -1, group)
             os.fchmod(fd, 0o640)
-        try:
-            os.posix_fallocate(fd, 0, meta.file_size)
-        except OSError as exc:
-            if exc.errno == errno.EFBIG:
-                raise ShmFull(
-                    f"{meta.key!r} rank {meta.rank} needs a {format_bytes(meta.file_size)} segment, over this "
-                    "process's file size limit; raise it (ulimit -f) for the daemon"
-                ) from exc
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ShmFull(
-                    f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
-                    f"{format_bytes(meta.file_size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
-                    "free space (h5serve stop, or remove other files there), or enlarge the mount"
-                ) from exc
-            raise
-        blob = msgpack.packb(meta.to_wire())
-        limit = meta.header_size if meta.files or meta.depends else HEADER_SIZE
-        if _META_OFFSET + len(blob) > min(limit, MAX_HEADER_BYTES):
-            raise SegmentError(f"segment metadata too large ({len(blob)} bytes): shorten the path or key")
+        _fallocate(fd, 0, meta.file_size, meta, Path(shm_dir))
+        blob = _meta_blob(meta)
         header = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob), CHECKSUM_NONE, b"", 0)
         os.pwrite(fd, header.ljust(_META_OFFSET, b"\0") + blob, 0)
         return SegmentWriter(path, fd, meta)
@@ -727,11 +784,15 @@ class AttachedSegment:
         self._map = buffer
         self.data = _data_view(buffer, meta)
         self.data.flags.writeable = False
+        self.values = _values_view(buffer, meta)  # variable-length rows: their values (data: offsets)
+        if self.values is not None:
+            self.values.flags.writeable = False
 
     def close(self) -> None:
         """Drop this object's references. Python's mmap holds its own dup of the fd, so the
         lease lasts exactly as long as the mapping: until the last array viewing it is gone."""
         self.data = None  # type: ignore[assignment]
+        self.values = None
         self._map = None  # type: ignore[assignment]
         if self._fd >= 0:
             os.close(self._fd)  # releases the flock once no forked child shares the fd

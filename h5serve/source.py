@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from .compound import split_field
+from .compound import FieldRows, split_field
 from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
+from .vlen import estimate_mean_length, is_text, vlen_kind
 
 __all__ = [
     "FileIdentity",
@@ -66,11 +67,20 @@ class DatasetInfo:
     chunked: bool = True  # False: contiguous or compact layout (any row range reads directly)
     field: str = ""  # a field of a compound dataset: ``key`` is "<dataset>:<field>" (compound.py)
     virtual_sources: tuple[str, ...] = ()  # realpaths of the other files a virtual dataset maps (vds.py)
+    # variable-length rows (h5serve/vlen.py): "" fixed rows, "seq" numeric sequences of ``dtype``,
+    # else strings in that encoding (``dtype`` uint8: their bytes); row_shape is then ()
+    vlen: str = ""
+    mean_length: float = 0.0  # vlen: mean length of the first rows (an estimate, for budgets)
 
     @property
     def is_bytes(self) -> bool:
         """Fixed-length byte strings (served as lists of ``bytes``, not tensors)."""
-        return self.dtype.kind == "S"
+        return self.dtype.kind == "S" and not self.vlen
+
+    @property
+    def is_text(self) -> bool:
+        """Variable-length strings (served as lists of ``str``)."""
+        return is_text(self.vlen)
 
 # Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
 KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2",
@@ -211,8 +221,9 @@ def resolve_dtype(dtype: object, what: str) -> np.dtype | None:
     return resolved.newbyteorder("=")
 
 
-def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
-    """Shape, dtype and chunking of ``f[key]``.
+def inspect_dataset(f: h5py.File, key: str, vlen: bool = False) -> DatasetInfo:
+    """Shape, dtype and chunking of ``f[key]``. Variable-length rows (numeric sequences,
+    strings) only with ``vlen`` (readers that know h5serve/vlen.py); otherwise refused.
 
     Raised when the key is missing (the message lists datasets that exist), is not a
     dataset, or a soft or external link on its path is dangling (the message names the
@@ -220,8 +231,9 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     Raised when it has no rows dimension, a dtype that is not plain numeric, a filter that
     is not available, or data in files whose changes h5serve cannot track (raw external
     storage, external links through more than one other file, virtual sources it cannot
-    follow: vds.py): UnsupportedDataset. Raised when a virtual dataset's source file is
-    missing: SourceNotFound.
+    follow: vds.py): UnsupportedDataset. Also for variable-length rows of a base type that
+    cannot be served (compound, references, nested sequences) or in more than one dimension.
+    Raised when a virtual dataset's source file is missing: SourceNotFound.
     """
     dataset_key, field = split_field(f, key)
     obj, linked = _follow(f, dataset_key)
@@ -231,11 +243,16 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
     if obj.shape is None or len(obj.shape) == 0:
         raise UnsupportedDataset(f"dataset {key!r} in {f.filename} is scalar: it has no rows dimension to shard")
     dtype, field_shape = _field_dtype(obj, key, dataset_key, field) if field else (obj.dtype, ())
+    kind, base, why = vlen_kind(dtype)
+    if kind and vlen:
+        return _inspect_vlen(f, obj, key, field, kind, base, why, len(obj.shape) + len(field_shape), linked)
     reason = _unservable(dtype)
     if reason:
         fields = _numeric_fields(dtype) if dtype.fields is not None else []
         hint = (f"; select one of its fields as the key, e.g. '{key}:{fields[0]}' (fields: {', '.join(fields)})"
                 if fields else "")
+        if kind and not why:
+            hint = "; SharedH5Dataset serves variable-length rows, this reader (H5LazyDataset, the compat preload) does not"
         raise UnsupportedDataset(
             f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float, complex "
             f"and fixed-length byte string data is served{hint}"
@@ -254,6 +271,35 @@ def inspect_dataset(f: h5py.File, key: str) -> DatasetInfo:
         chunked=bool(chunks),
         field=field,
         virtual_sources=sources,
+    )
+
+
+def _inspect_vlen(f: h5py.File, obj: h5py.Dataset, key: str, field: str, kind: str, base: np.dtype | None,
+                  why: str, ndim: int, linked: str) -> DatasetInfo:
+    """The DatasetInfo of variable-length rows (``inspect_dataset`` with ``vlen``).
+
+    Raised when their base type cannot be served, or they have more than one dimension:
+    UnsupportedDataset.
+    """
+    if why or base is None:
+        raise UnsupportedDataset(
+            f"dataset {key!r} in {f.filename} holds {why}: only variable-length sequences of bool, integer, "
+            "float and complex values, and variable-length strings, are served"
+        )
+    if ndim != 1:
+        raise UnsupportedDataset(
+            f"dataset {key!r} in {f.filename} holds variable-length rows in {ndim} dimensions: only one-dimensional "
+            "variable-length datasets (one sequence or string per row) are served"
+        )
+    _check_filters(obj, key)
+    _check_storage(obj, key)
+    rows = int(obj.shape[0])
+    chunks = obj.chunks
+    reader = FieldRows(obj, field) if field else obj
+    return DatasetInfo(
+        key=key, rows=rows, row_shape=(), dtype=base, chunk_rows=int(chunks[0]) if chunks else max(rows, 1),
+        linked_file=linked, chunked=bool(chunks), field=field, vlen=kind,
+        mean_length=estimate_mean_length(reader, kind, base, rows),
     )
 
 
@@ -471,8 +517,13 @@ def check_cast(info: DatasetInfo, requested: np.dtype | None) -> np.dtype:
     """The dtype ``info``'s rows are returned in: ``requested``, else the source dtype.
 
     Raised when a dtype is requested for byte strings (they are served as ``bytes``, or
-    ``str`` with ``encoding=``): UnsupportedDataset.
+    ``str`` with ``encoding=``) or variable-length strings (served as ``str``): UnsupportedDataset.
     """
+    if info.is_text and requested is not None:
+        raise UnsupportedDataset(
+            f"dataset {info.key!r} holds variable-length strings ({info.vlen}), which cannot be cast to {requested}; "
+            "leave its dtype unset: rows come as str"
+        )
     if info.is_bytes and requested is not None:
         raise UnsupportedDataset(
             f"dataset {info.key!r} holds fixed-length byte strings ({info.dtype.str}), which cannot be cast to "

@@ -338,10 +338,11 @@ def _two_other_files(f: h5py.File, name: str) -> None:
 
 # key -> (builder, error class, regex the message must match)
 REFUSED = {
-    "vlen_strings": (lambda f, n: f.create_dataset(n, data=["a", "bb", "ccc"], dtype=h5py.string_dtype()),
-                     UnsupportedDataset, "variable length strings"),
-    "vlen_ints": (lambda f, n: f.create_dataset(n, (4,), dtype=h5py.vlen_dtype(np.int32)), UnsupportedDataset,
-                  "variable length sequences"),
+    # variable-length rows are served (tests/test_vlen.py), but not of every base type or shape
+    "vlen_refs": (lambda f, n: f.create_dataset(n, (4,), dtype=h5py.vlen_dtype(h5py.ref_dtype)),
+                  UnsupportedDataset, "variable-length sequences of object references"),
+    "vlen_2d": (lambda f, n: f.create_dataset(n, (4, 2), dtype=h5py.vlen_dtype(np.int32)), UnsupportedDataset,
+                "variable-length rows in 2 dimensions"),
     "compound": (lambda f, n: f.create_dataset(n, data=np.zeros(5, [("a", "<i4"), ("b", "<f8")])),
                  UnsupportedDataset, r"compound.*select one of its fields as the key, e\.g\. 'compound:a'"),
     "array_dtype": (lambda f, n: f.create_dataset(n, (4,), dtype=np.dtype(("i4", (2,)))), UnsupportedDataset,
@@ -415,7 +416,7 @@ def test_damaged_chunk_daemon_load_names_the_rows(tmp_path: Path, shared_daemon:
 def test_daemon_still_serves_after_refusals(shared_daemon: Daemon, served_file: Path, tmp_path: Path) -> None:
     """The refusals (these, and those above on the same module daemon) leave the daemon
     answering and loading."""
-    for key in ("scalar", "compound", "vlen_strings", "dangling_external", "chained_external", "external_raw"):
+    for key in ("scalar", "compound", "vlen_refs", "dangling_external", "chained_external", "external_raw"):
         build, error, match = REFUSED[key]
         path = tmp_path / f"{key}.h5"
         with h5py.File(path, "w") as f:

@@ -24,7 +24,8 @@ import h5serve.client.files  # noqa: F401 - imported before tests drop privilege
 from h5serve.client import SharedH5Dataset, collate
 from h5serve.client.connection import DaemonClient
 from h5serve.daemon.loader import MIN_PART_ENV
-from h5serve.errors import AccessDenied, ConfigError, DataError, KeyNotFound, LengthMismatch, ProtocolError, SourceNotFound
+from h5serve.errors import (AccessDenied, ConfigError, DataError, KeyNotFound, LengthMismatch, ProtocolError,
+                            SourceNotFound, UnsupportedDataset)
 from h5serve.files import MAX_FILES, expand_paths
 from h5serve.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 from h5serve.segments import HEADER_SIZE, SegmentMeta, attach_segment, create_segment, read_meta
@@ -474,3 +475,19 @@ def test_ddp_torchrun_over_a_five_file_glob(tmp_path: Path) -> None:
     assert [r["backend"] for r in lazy] == ["lazy", "lazy"]
     assert [r["epochs"] for r in lazy] == [r["epochs"] for r in shm]
     json.dumps(shm)  # reports are plain data
+
+
+def test_variable_length_rows_from_many_files_are_refused(tmp_path: Path, backend: str,
+                                                          request: pytest.FixtureRequest) -> None:
+    """Variable-length rows are served from one file; a multi-file set of them is a clear
+    UnsupportedDataset naming the file, never a crash or wrong rows."""
+    paths = []
+    for i in range(2):
+        path = tmp_path / f"v_{i}.h5"
+        with h5py.File(path, "w") as f:
+            d = f.create_dataset("tokens", (3,), dtype=h5py.vlen_dtype(np.float32))
+            for r in range(3):
+                d[r] = np.arange(r + 1, dtype=np.float32)
+        paths.append(path)
+    with pytest.raises(UnsupportedDataset, match="variable-length"):
+        open_ds(backend, daemon_for(backend, request), paths, "tokens")

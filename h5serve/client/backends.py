@@ -1,7 +1,9 @@
 """Where a dataset's rows come from: shared memory, lazy h5py reads, or private memory.
 
 Every backend answers ``gather(positions) -> [one column per key]`` with fresh, writable
-tensors in the output dtypes (byte strings: NumPy arrays), for an int64 tensor of valid local positions in this rank's shard. The shm
+tensors in the output dtypes (byte strings: NumPy arrays; variable-length rows: a
+``RaggedColumn``), for an int64 tensor of valid local positions in this rank's shard.
+``vlen_kinds`` says which keys hold variable-length rows (h5serve/vlen.py). The shm
 backend's rows are gathered out of a read-only mapping, so nothing a caller does to them can
 reach another process.
 """
@@ -32,6 +34,8 @@ from ..source import DatasetInfo, check_cast, check_lengths, check_row_counts, i
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from ..connection import POLL_INTERVAL_S, DaemonClient
 from .gather import RowSource, as_column
+from .ragged import RaggedColumn, RaggedSource, read_ragged
+from .vlencache import VlenCache
 
 if TYPE_CHECKING:
     from .files import FilesLazyBackend
@@ -140,6 +144,7 @@ class ArrayBackend:
     def __init__(self, arrays: list[np.ndarray], out_dtypes: list[np.dtype], total_rows: int) -> None:
         self.out_dtypes = out_dtypes
         self.total_rows = total_rows
+        self.vlen_kinds = [""] * len(arrays)
         self.arrays = arrays
 
     @property
@@ -150,7 +155,7 @@ class ArrayBackend:
     def arrays(self, arrays: list[np.ndarray]) -> None:
         self._sources = [RowSource(a, d) for a, d in zip(arrays, self.out_dtypes)]
 
-    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray]:
+    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         return [source.take(positions) for source in self._sources]
 
     def close(self) -> None:
@@ -210,6 +215,10 @@ class ShmBackend(ArrayBackend):
         super().__init__([s.data for s in segments], out, segments[0].meta.total_rows)
         self.spec = spec
         self.segments = segments
+        self.vlen_kinds = [s.meta.vlen for s in segments]
+        if any(self.vlen_kinds):  # offsets (``data``) and values: gathered by RaggedSource
+            self._sources = [RaggedSource(s.data, s.values, d, s.meta.vlen) if s.meta.vlen else source
+                             for s, d, source in zip(segments, out, self._sources)]
 
     @classmethod
     def connect(cls, spec: BackendSpec, rank_for_logs: int = 0) -> "ShmBackend":
@@ -337,14 +346,15 @@ class LazyBackend:
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         with open_h5(spec.path) as f:  # metadata only; closed before any fork
-            self.infos: list[DatasetInfo] = [inspect_dataset(f, key) for key in spec.keys]
+            self.infos: list[DatasetInfo] = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
         check_lengths(*self.infos)
         self.out_dtypes = [check_cast(info, requested) for info, requested in zip(self.infos, spec.dtypes)]
         self.total_rows = self.infos[0].rows
+        self.vlen_kinds = [info.vlen for info in self.infos]
         self.indices = spec.selection.indices(self.total_rows)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
         self.rows = spec.selection.rows(self.total_rows)
-        need = sum(ChunkCache.nbytes_for(info, self.rows) for info in self.infos)
+        need = sum((VlenCache if info.vlen else ChunkCache).nbytes_for(info, self.rows) for info in self.infos)
         self.cached = need <= budget
         options = dict(spec.h5_options)
         if not self.cached:
@@ -352,21 +362,25 @@ class LazyBackend:
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
         self.handle = H5Handle(spec.path, options)
-        self._caches: list[ChunkCache] | None = None
+        self._caches: list[ChunkCache | VlenCache] | None = None
 
-    def _chunk_caches(self) -> list[ChunkCache]:
+    def _chunk_caches(self) -> list[ChunkCache | VlenCache]:
         if self._caches is None:
-            self._caches = [ChunkCache(info, self.rows, d) for info, d in zip(self.infos, self.out_dtypes)]
+            self._caches = [(VlenCache if info.vlen else ChunkCache)(info, self.rows, d)
+                            for info, d in zip(self.infos, self.out_dtypes)]
         return self._caches
 
-    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray]:
+    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         if self.cached:
             return [cache.take(self.handle.dataset, positions) for cache in self._chunk_caches()]
         rows = self.indices[positions.numpy()]
-        out = []
+        out: list[torch.Tensor | np.ndarray | RaggedColumn] = []
         for info, d in zip(self.infos, self.out_dtypes):
-            dset, stored = self.handle.located(info)
-            out.append(as_column(read_rows(dset, info, rows, d, stored)))
+            if info.vlen:  # one h5py read of the batch's rows, each once, in increasing order
+                out.append(read_ragged(self.handle.dataset(info.key), info, rows, d))
+            else:
+                dset, stored = self.handle.located(info)
+                out.append(as_column(read_rows(dset, info, rows, d, stored)))
         return out
 
     def close(self) -> None:

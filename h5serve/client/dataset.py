@@ -55,6 +55,13 @@ class SharedH5Dataset(Dataset):
     in every mode and backend (they must agree on keys, row shape and dtype, or cast safely to
     ``dtype_x``/``dtype_y``; ``ds.files`` lists them).
 
+    Variable-length rows (``h5py.vlen_dtype(np.float32)``, variable-length strings): a
+    sample is a 1-D tensor (strings: ``str``); a batch is, by ``ragged``, ``"list"`` a list
+    of 1-D tensors, ``"pad"`` ``Padded(values, lengths)`` (a ``(batch, longest)`` tensor
+    filled with ``pad_value``, default 0, past each row's end, and int64 lengths),
+    ``"nested"`` a nested tensor (torch's jagged layout); strings are always a list of
+    ``str`` (decoded with the encoding HDF5 records). h5serve/client/ragged.py.
+
     ``mode``: ``"contiguous"`` (balanced slices), ``"interleave"`` (rows ``r, r+W, ...``) or
     ``"global"``: every rank's dataset is the whole file (``len(ds)`` is every row,
     ``ds.indices`` is ``arange(total)``), one segment set per node shared by every rank and
@@ -92,6 +99,8 @@ class SharedH5Dataset(Dataset):
         dtypes: dict[str, Any] | None = None,
         transforms: dict[str, Callable[[Any], Any]] | None = None,
         encoding: str | None = None,
+        ragged: str = "list",
+        pad_value: Any = None,
         mode: str = "contiguous",
         rank: int | None = None,
         world_size: int | None = None,
@@ -114,6 +123,7 @@ class SharedH5Dataset(Dataset):
         self.fields: FieldSet = parse_fields(
             x_key, y_key, keys, dtype_x=dtype_x, dtype_y=dtype_y, transform=transform,
             target_transform=target_transform, dtypes=dtypes, transforms=transforms, encoding=encoding,
+            ragged=ragged, pad_value=pad_value,
         )
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.layout = None  # node mode: the NodeLayout this rank's node was resolved from
@@ -145,6 +155,7 @@ class SharedH5Dataset(Dataset):
         self._backend: Backend = self._open_backend()
         try:
             self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
+            self.fields.check_ragged(self._backend.vlen_kinds, self._backend.out_dtypes)
         except ConfigError:
             self._backend.close()
             raise

@@ -19,8 +19,10 @@ hook, keyed on h5serve's own types only). With a transform, each sample is made 
 transformed, and collated as usual.
 
 Byte strings (``S16``) come as a list of ``bytes`` per batch (``str`` with ``encoding=``),
-which is what ``default_collate`` makes of per-sample ``bytes`` too. A later kind of column
-(variable-length rows) is one more case of ``Field.batch_column``/``Field.rows``.
+which is what ``default_collate`` makes of per-sample ``bytes`` too. Variable-length rows come
+gathered as a ``RaggedColumn`` (h5serve/client/ragged.py), which ``Field.batch_column`` turns
+into what ``ragged=`` names (a list of tensors, ``Padded``, a nested tensor; strings: a list
+of ``str``) and ``Field.rows`` into one tensor (or ``str``) per row.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.utils.data._utils.collate import default_collate, default_collate_fn_
 from ..errors import ConfigError, DataError
 from ..source import resolve_dtype
 from . import ring
+from .ragged import LIST, RaggedColumn, check_ragged, parse_ragged
 
 __all__ = [
     "Field",
@@ -60,36 +63,62 @@ XY, TUPLE, DICT = "xy", "tuple", "dict"
 class Field:
     """One field of a sample: ``name`` (the dict key; in messages), the HDF5 ``key``, the
     requested ``dtype`` (None: the source dtype), a per-sample ``transform`` and, for byte
-    strings, the ``encoding`` that turns them into ``str`` (None: ``bytes``)."""
+    strings, the ``encoding`` that turns them into ``str`` (None: ``bytes``); for
+    variable-length rows, the form of a batch (``ragged``: h5serve/client/ragged.py) and the
+    ``pad_value`` of ``ragged="pad"``."""
 
     name: str
     key: str
     dtype: np.dtype | None = None
     transform: Callable[[Any], Any] | None = None
     encoding: str | None = None
+    ragged: str = LIST
+    pad_value: Any = 0
 
-    def batch_column(self, column: torch.Tensor | np.ndarray) -> Any:
-        """A gathered column as a batch returns it: the tensor, or the byte strings as a list.
+    def batch_column(self, column: torch.Tensor | np.ndarray | RaggedColumn) -> Any:
+        """A gathered column as a batch returns it: the tensor, the byte strings as a list, or
+        variable-length rows in the form ``ragged`` names.
 
-        Raised when byte strings do not decode with ``encoding``: DataError.
+        Raised when byte strings do not decode with ``encoding`` (variable-length strings:
+        with their HDF5 encoding): DataError.
         """
         if isinstance(column, torch.Tensor):
             return column
+        if isinstance(column, RaggedColumn):
+            try:
+                return column.batch(self.ragged, self.pad_value)
+            except UnicodeDecodeError as exc:
+                raise self._undecodable(exc, column.kind) from exc
         values = column.tolist()  # bytes, trailing NULs dropped (as h5py and numpy read them)
         if self.encoding is None:
             return values
         try:
             return _decode(values, self.encoding)
         except UnicodeDecodeError as exc:
-            raise DataError(
-                f"key {self.key!r}: a row's bytes are not valid {self.encoding} ({exc.reason} at byte {exc.start}); "
-                "pass the encoding the file was written with, or leave encoding unset to get bytes"
-            ) from exc
+            raise self._undecodable(exc, self.encoding) from exc
 
-    def rows(self, column: torch.Tensor | np.ndarray) -> Sequence[Any]:
-        """A gathered column as one value per row (tensor rows are views of the batch)."""
+    def _undecodable(self, exc: UnicodeDecodeError, encoding: str) -> DataError:
+        if encoding != self.encoding:  # variable-length strings: the encoding is the file's
+            return DataError(
+                f"key {self.key!r}: a row's bytes are not valid {encoding}, the encoding HDF5 records for these "
+                f"variable-length strings ({exc.reason} at byte {exc.start}); the file was written with another "
+                "encoding: rewrite the dataset with the right one"
+            )
+        return DataError(
+            f"key {self.key!r}: a row's bytes are not valid {self.encoding} ({exc.reason} at byte {exc.start}); "
+            "pass the encoding the file was written with, or leave encoding unset to get bytes"
+        )
+
+    def rows(self, column: torch.Tensor | np.ndarray | RaggedColumn) -> Sequence[Any]:
+        """A gathered column as one value per row (tensor rows are views of the batch;
+        variable-length rows: 1-D tensors, or ``str``, whatever ``ragged`` says)."""
         if isinstance(column, torch.Tensor):
             return column.unbind(0)
+        if isinstance(column, RaggedColumn):
+            try:
+                return column.rows()
+            except UnicodeDecodeError as exc:
+                raise self._undecodable(exc, column.kind) from exc
         return self.batch_column(column)
 
     def apply(self, value: Any) -> Any:
@@ -173,8 +202,15 @@ class FieldSet:
             return TupleBatch(tuple(values))
         tensors = all(isinstance(v, torch.Tensor) for v in values)
         if len(values) == 1:
+            if isinstance(x, RaggedColumn):
+                return ColumnSamples(self.fields[0].rows(x) if self.fields[0].ragged != LIST else values[0], values[0])
             return SampleList(values[0]) if tensors else values[0]  # bytes: already the list of rows
         return Batch(*values) if tensors else TupleBatch(tuple(values))
+
+    def check_ragged(self, vlen_kinds: Sequence[str], out_dtypes: Sequence[np.dtype]) -> None:
+        """Raised when ``ragged=``/``pad_value=`` ask for what no key has (no numeric
+        variable-length key), or ``pad_value`` does not fit a key's dtype: ConfigError."""
+        check_ragged(self.fields, self.keys, vlen_kinds, out_dtypes)
 
     def check_encoding(self, out_kinds: Sequence[str]) -> None:
         """Raised when ``encoding=`` was given but no key holds byte strings: ConfigError."""
@@ -230,6 +266,8 @@ def parse_fields(
     dtypes: object = None,
     transforms: object = None,
     encoding: object = None,
+    ragged: object = LIST,
+    pad_value: object = None,
 ) -> FieldSet:
     """The FieldSet of SharedH5Dataset's arguments: ``x_key``/``y_key`` (with ``dtype_x``,
     ``dtype_y``, ``transform``, ``target_transform``), or ``keys`` (with ``dtypes`` and
@@ -238,6 +276,7 @@ def parse_fields(
     Raised when they are mixed, missing, or malformed: ConfigError.
     """
     enc = _check_encoding(encoding)
+    shape = parse_ragged(ragged, pad_value)
     if keys is None:
         if dtypes is not None or transforms is not None:
             raise ConfigError("dtypes= and transforms= go with keys=; with x_key/y_key use dtype_x/dtype_y and "
@@ -247,10 +286,10 @@ def parse_fields(
         if isinstance(x_key, (list, tuple, dict)):
             raise ConfigError(f"x_key must be one key, got {type(x_key).__name__}; for several keys pass "
                               "keys=[...] (tuples) or keys={name: key} (dicts)")
-        fields = [Field("x", _check_key("x_key", x_key), resolve_dtype(dtype_x, "dtype_x"), transform, enc)]
+        fields = [Field("x", _check_key("x_key", x_key), resolve_dtype(dtype_x, "dtype_x"), transform, enc, *shape)]
         if y_key is not None:
             fields.append(Field("y", _check_key("y_key", y_key), resolve_dtype(dtype_y, "dtype_y"),
-                                target_transform, enc))
+                                target_transform, enc, *shape))
         elif dtype_y is not None or target_transform is not None:
             raise ConfigError("dtype_y and target_transform need a y_key")
         return FieldSet(tuple(fields), XY)
@@ -285,7 +324,7 @@ def parse_fields(
         if fn is not None and not callable(fn):
             raise ConfigError(f"transforms[{name!r}] must be callable, got {type(fn).__name__}")
     fields = tuple(
-        Field(name, key, resolve_dtype(wanted.get(name), f"dtypes[{name!r}]"), steps.get(name), enc)
+        Field(name, key, resolve_dtype(wanted.get(name), f"dtypes[{name!r}]"), steps.get(name), enc, *shape)
         for name, key in pairs
     )
     return FieldSet(fields, layout)
@@ -341,6 +380,18 @@ class SampleList(list):
 
     def __init__(self, x: torch.Tensor) -> None:
         super().__init__(x.unbind(0))
+        self.x = x
+        self.y = None
+
+
+class ColumnSamples(SampleList):
+    """What ``__getitems__`` returns for x-only variable-length rows: the per-sample rows as a
+    list (1-D tensors, or ``str``), carrying the batch ``x`` (in the form ``ragged=`` names)
+    that ``collate`` returns. ``default_collate`` stacks the rows, as it does any samples:
+    that needs rows of one length (or strings); use ``collate``, or ``keys=[...]``."""
+
+    def __init__(self, rows: Sequence[Any], x: Any) -> None:  # noqa: D107 - no unbind: rows are given
+        list.__init__(self, rows)
         self.x = x
         self.y = None
 

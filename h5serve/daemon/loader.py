@@ -45,7 +45,7 @@ import select
 import signal
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
@@ -63,6 +63,7 @@ from ..files import plan_file_parts
 from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from .checksum import FollowingCrc
 from .fileset import read_files_part
+from .vlenload import load_vlen
 
 __all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
@@ -418,10 +419,11 @@ def _run(job: LoadJob, reply: Connection) -> None:
     try:
         meta = job.meta
         t0 = time.monotonic_ns()
-        writer = create_segment(job.shm_dir, job.tmp_name, meta, job.group)
+        # variable-length rows: created with no values (meta.values is the store's estimate), grown as read
+        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group)
         started = time.monotonic_ns()
         rows = meta.row_range
-        spans = _spans(meta, rows, job.load_processes)
+        spans = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
@@ -447,7 +449,10 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 shown = total
 
         with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
-            first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source, job.drop_page_cache)
+            if meta.vlen:
+                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
+            else:
+                first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source, job.drop_page_cache)
             copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:
@@ -461,12 +466,14 @@ def _run(job: LoadJob, reply: Connection) -> None:
             read_done = time.monotonic_ns()
             # every part is reaped: nothing writes into the rows any more
             checksum = writer.store_checksum(_joined_crc(first, spans, parts, writer)) if job.checksum else ""
-            # (a multi-file load dropped each file's pages as it was read)
-            fd, extents = _read_extents(source, meta, rows) if job.drop_page_cache and not meta.files else (-1, [])
+            # (a multi-file load dropped each file's pages as it was read; vlen: the rows' values
+            # sit in HDF5's heaps, which data_extents does not describe)
+            drop = job.drop_page_cache and not meta.files and not meta.vlen
+            fd, extents = _read_extents(source, meta, rows) if drop else (-1, [])
             stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
                      "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
                      "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9,
-                     "page_cache_drop_bytes": sum(size for _, size in extents)}
+                     "page_cache_drop_bytes": sum(size for _, size in extents), "values": writer.meta.values}
             if not identities_unchanged(meta.identities()):
                 raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
             if daemon_gone():

@@ -210,7 +210,7 @@ class Resolver:
         if cached is not None:
             return cached
         with open_h5_verified(ident) as f:
-            info = inspect_dataset(f, key)
+            info = inspect_dataset(f, key, vlen=True)
         # another file's metadata (a link's target, a virtual source) can change under the same outer identity
         if not info.linked_file and not info.virtual_sources:
             with self._lock:

@@ -12,7 +12,7 @@ import os
 import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import Process
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -223,6 +223,8 @@ class SegmentStore:
             dtype=stored.str, source_dtype=info.dtype.str,
             linked=resolved.linked.as_tuple() if resolved.linked else (), span=req.span,
             depends=tuple(source.as_tuple() for source in resolved.sources),
+            # variable-length rows: values estimated for the budget until the load counts them
+            vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
         ))
 
     def _acquire_meta(self, req: Acquire, meta: SegmentMeta) -> AcquireResult:
@@ -422,6 +424,8 @@ class SegmentStore:
         return True
 
     def _loaded(self, entry: Entry, stats: dict[str, Any]) -> None:
+        if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
+            entry.meta = replace(entry.meta, values=int(stats.get("values", 0)))
         try:  # the header as published: every later hit compares the file with it
             entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
         except SegmentError as exc:
@@ -497,7 +501,8 @@ class SegmentStore:
                 "key": m.key, "rank": rank,
                 "world_size": world_size, "mode": mode, "modes": sorted(entry.modes or {m.mode}),
                 "selection": str(m.row_range), "whole_file": m.row_range.covers(m.total_rows),
-                "dtype": str(m.np_dtype),
+                "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
+                f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
                 "source_dtype": str(np.dtype(m.source_dtype)),
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
