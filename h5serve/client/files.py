@@ -85,6 +85,7 @@ class FilesLazyBackend:
         check_file_lengths(spec.files, spec.keys, counts)
         self.out_dtypes = [requested or dtype for dtype, requested in zip(set_dtypes, spec.dtypes)]
         self.total_rows = sum(counts[0])
+        self.vlen_kinds = [""] * len(spec.keys)  # many files of variable-length rows are refused (files.check_agreement)
         self.rows = spec.selection.rows(self.total_rows)
         self.indices = spec.selection.indices(self.total_rows)
         self.pieces = pieces(self.rows, counts[0])
