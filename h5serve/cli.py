@@ -408,6 +408,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(rows=args.rows, nproc=args.nproc, seconds=args.seconds, steps=args.steps)
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .daemon.config import parse_size
+    from .inspect import format_report, inspect_file
+
+    report = inspect_file(
+        args.file, keys=args.key, world_size=args.world_size, ranks_per_node=args.ranks_per_node, mode=args.mode,
+        max_memory=parse_size(args.max_memory) if args.max_memory is not None else None,
+        shm_dir=args.shm_dir, runtime_dir=args.runtime_dir,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._plan_cli import add_plan_arguments, run_plan
 
@@ -485,6 +498,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="which global ranks run on this node (from SLURM variables or arguments)")
     add_plan_arguments(p)
     p.set_defaults(func=run_plan)
+
+    p = with_runtime(sub.add_parser("inspect", help="preflight: what FILE holds, the memory each mode needs per "
+                                    "node, this node's /dev/shm and limits, advice"))
+    p.add_argument("file", help="the HDF5 file")
+    p.add_argument("--key", action="append", metavar="K",
+                   help="only this dataset (repeatable; default: every dataset in the file)")
+    p.add_argument("--world-size", type=_at_least_one, default=1, metavar="W", help="ranks in the job (default 1)")
+    p.add_argument("--ranks-per-node", type=_at_least_one, metavar="R",
+                   help="of them on this node (default: all W)")
+    p.add_argument("--mode", choices=["contiguous", "interleave", "node", "global"],
+                   help="the mode the job will use (default: show every mode; advice for global)")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="check against this budget (default: the running daemon's, else 80%% of the free shm space)")
+    p.add_argument("--shm-dir", help="the daemon's shm dir (default: $H5SERVE_SHM_DIR, else /dev/shm)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("demo", help="why h5serve: a real 2-rank torchrun job from the daemon, again, and the "
                        "predecessor's way, measured side by side (about a minute)")
