@@ -33,7 +33,8 @@ __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmRep
 SCHEMA_VERSION = 1
 DOCKER_SHM_BYTES = 64 * 1024**2  # Docker's default --shm-size
 MAX_LISTED = 1000  # datasets listed from one file
-ONE_ROW_CHUNK_MIN_ROWS = 2  # one-row chunks hurt once there is more than one row
+ONE_ROW_CHUNK_MIN_ROWS = 2  # one-row chunks hurt once there is more than one row ...
+ONE_ROW_CHUNK_MAX_BYTES = 256 * 1024  # ... of rows this small (a chunk lookup per MiB-sized row costs little)
 TARGET_CHUNK_BYTES = 1024**2  # what the one-row-chunk advice suggests per chunk
 LOW_NOFILE = 4096  # a daemon's hard open-file limit below this holds few clients at once
 # HDF5's built-in filters by id; third-party ones are named by source.KNOWN_FILTERS.
@@ -314,7 +315,7 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
                                                        f"is not available here: {fix}"))
         if d.problem and not missing:
             out.append(Advice("unservable", d.key, d.problem))
-        if d.chunk_rows == 1 and d.rows >= ONE_ROW_CHUNK_MIN_ROWS:
+        if d.chunk_rows == 1 and d.rows >= ONE_ROW_CHUNK_MIN_ROWS and d.row_bytes < ONE_ROW_CHUNK_MAX_BYTES:
             rows = min(d.rows, max(1, TARGET_CHUNK_BYTES // max(d.row_bytes, 1)))
             shape = "x".join(str(n) for n in (rows, *d.row_shape))
             out.append(Advice("one_row_chunks", d.key, (
