@@ -424,7 +424,7 @@ def _limit(value: int) -> int:
 def _dataset_line(d: DatasetReport) -> list[str]:
     shape = "x".join(str(n) for n in d.row_shape)
     if d.chunk_rows is not None:
-        layout = f"chunks of {d.chunk_rows:,} rows ({format_bytes(d.chunk_bytes or 0)})"
+        layout = f"chunks of {d.chunk_rows:,} row{'s' if d.chunk_rows != 1 else ''} ({format_bytes(d.chunk_bytes or 0)})"
     else:
         layout = d.layout
     filters = ", ".join(f.name + ("" if f.available else " (MISSING plugin)") for f in d.filters) or "no filters"
