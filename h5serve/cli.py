@@ -518,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="why h5serve: a real 2-rank torchrun job from the daemon, again, and the "
                        "predecessor's way, measured side by side (about a minute)")
     p.add_argument("--rows", type=int, default=DEMO_ROWS,
-                   help=f"rows of 3x32x32 uint8 images in the sample file (default {DEMO_ROWS}: 307 MB)")
+                   help=f"rows of 3x32x32 uint8 images in the sample file (default {DEMO_ROWS}: 294 MiB)")
     p.add_argument("--nproc", type=_at_least_one, default=2, help="ranks per job (default 2)")
     p.add_argument("--seconds", type=_positive_seconds, default=2.0,
                    help="how long each rank draws batches to measure the data rate (default 2)")
