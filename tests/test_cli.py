@@ -207,26 +207,6 @@ def test_preload_node_mode_loads_the_nodes_block_once(daemon: Daemon, h5file: Pa
     assert gap.returncode == 1 and "consecutive" in gap.stderr
 
 
-@pytest.mark.timeout(240)
-def test_demo_runs_three_real_jobs() -> None:
-    """The README's first command: a 2-rank torchrun job from the daemon, a second one that
-    attaches, a third without a daemon; the same rows give the same loss on every backend."""
-    done = h5serve_cli("demo", "--rows", "4000", "--epochs", "1", timeout=220)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 8]
-    assert [r[1] for r in rows] == ["shm", "shm", "shm", "shm", "lazy", "lazy"], done.stdout
-    assert [r[2] for r in rows] == ["2000"] * 6 and [r[3] for r in rows] == ["0", "2000"] * 3
-    losses = {(r[0], r[7]) for r in rows}
-    assert len(losses) == 2, f"each rank must see the same loss on every backend: {losses}"
-    assert "shared memory vs lazy h5py" in done.stdout
-
-
-def test_demo_refuses_bad_sizes() -> None:
-    for args, match in ((["--nproc", "0"], "--nproc must be at least 1"), (["--rows", "1"], "--rows must be at least 2")):
-        done = h5serve_cli("demo", *args)
-        assert done.returncode == 1 and match in done.stderr
-
-
 def test_concurrent_starts_give_one_daemon_and_both_succeed() -> None:
     d = Daemon()
     try:

@@ -1,0 +1,7 @@
+"""``h5serve demo``: a real torchrun job served by a real daemon, the same job again, and the
+predecessor's way without a daemon, measured side by side (``run.py``; each rank runs
+``train.py``)."""
+
+from .run import DEFAULT_ROWS, DemoResult, make_sample_file, run_demo
+
+__all__ = ["run_demo", "make_sample_file", "DemoResult", "DEFAULT_ROWS"]
