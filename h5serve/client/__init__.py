@@ -10,6 +10,7 @@ from .dataset import Batch, SampleList, SharedH5Dataset, collate
 from .lazy import H5LazyDataset, h5_worker_init_fn
 from .loader import make_loader, seed_worker
 from .node_sampler import NodePlace, NodeShuffleSampler
+from .ragged import Padded, RaggedList
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 from .stats import LoaderSnapshot, LoaderStats
 
@@ -32,6 +33,8 @@ __all__ = [
     "shard_indices",
     "Batch",
     "SampleList",
+    "Padded",
+    "RaggedList",
     "collate",
     "DaemonClient",
 ]
