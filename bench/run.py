@@ -32,7 +32,7 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
 from .common import BenchDaemon, Row, log, make_files
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
-GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch")
+GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -218,6 +218,14 @@ asserted in tests.
   multiple of the data's native size. Baseline: the seed's private float32 preload per rank (and
   the file it leaves cached). h5serve drops the file's pages once a load is published.
 - **first batch**: a fresh `torchrun --nproc-per-node 2` job from launch to rank 0's first batch.
+- **small files** (`bench/manyfiles.py`): 1,000 files of 16 rows each (x uint8 3x32x32, y int64)
+  as one global-mode dataset, from `SharedH5Dataset("…/part_*.h5")` to x and y attached, on a
+  fresh daemon each time (every file resolved, checked and loaded). Baseline: h5py opening every
+  file and reading x and y in one process. The files are in the page cache.
+- **variable-length rows** (`bench/vlen.py`): 1M rows of float32 sequences, mean length 32.
+  Load: request to ready vs h5py reading the same rows (`dset[a:b]`). Iteration: make_loader
+  (batch 256, shuffled; a list of tensors, or padded) vs h5py reading each batch's rows with a
+  sorted fancy index, as a user would.
 - **memory: a 2-rank job in global mode** (`bench/modes.py`): `/dev/shm` blocks of the daemon's
   segments (as `h5serve status --json` names them) once both ranks of a world-size-2 job have
   attached the global dataset, as a multiple of x.nbytes + y.nbytes. Baseline: the same job's
@@ -308,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
             qualities = run_shuffle(args.data_dir)
         elif group == "memory":
             rows += memory(files)
+        elif group == "data-model":
+            from .manyfiles import many_files
+            from .vlen import vlen_rows
+
+            log("many small files as one dataset")
+            rows += many_files(args.data_dir, min(args.repeat, 2))
+            log("variable-length rows")
+            rows += vlen_rows(args.data_dir)
         else:
             log("first batch of a torchrun job")
             rows += first_batch(files, args.repeat)
