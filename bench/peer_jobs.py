@@ -172,7 +172,7 @@ def check(labels: list[np.ndarray], kept: list[tuple[np.ndarray, np.ndarray]], s
         c.missing_on_node = n - len(np.unique(np.concatenate(labels)))
         if c.missing_on_node > BATCH * world:
             c.failed.append(f"{c.missing_on_node} rows seen by no rank")
-        if np.mean(np.diff(mine) == 1) > 0.5:
+        if np.mean(np.diff(mine) > 0) > 0.9:
             c.failed.append("labels come in file order (not shuffled)")
         for x, y in kept:
             order = np.argsort(y)
@@ -212,11 +212,12 @@ def run(args: argparse.Namespace) -> int:
             gathered = [None] * world
             dist.all_gather_object(gathered, np.concatenate(seen) if seen else np.empty(0, np.int64))
             labels = gathered
-    checks = check(labels, kept, args.source, world) if rank == 0 and args.epochs else Checks()
     if args.hold:
         print("ready", flush=True)
         while not os.path.exists(args.hold):
             time.sleep(0.1)
+    # after the hold: the checks read the source file, whose page cache the parent counts for h5serve
+    checks = check(labels, kept, args.source, world) if rank == 0 and args.epochs else Checks()
     dist.barrier()
     if rank == 0:
         print("result " + json.dumps({"first_batch": first, "epoch_times": times,
