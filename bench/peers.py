@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,37 +139,44 @@ class Job:
         if threads is not None:  # else torchrun's default for 2 ranks: OMP_NUM_THREADS=1
             env["OMP_NUM_THREADS"] = str(threads)
         self.system, self.started = system, time.time()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        self.err = tempfile.TemporaryFile()  # a file, not a pipe: chatty ranks never block on it
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=ROOT,
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = JOB_TIMEOUT) -> None:
-        """Wait for both ranks' ``ready`` line (with ``hold``)."""
-        deadline, ready = time.time() + timeout, 0
-        while ready < 2:
-            line = self.proc.stdout.readline()
-            if not line or time.time() > deadline:
-                raise RuntimeError(f"{self.system} job ended or stalled before both ranks were ready")
-            ready += line.strip() == "ready"
+        """Wait for both ranks' ``ready`` line (with ``hold``); raw reads, so the deadline holds."""
+        deadline, seen = time.time() + timeout, b""
+        fd = self.proc.stdout.fileno()
+        while seen.count(b"ready\n") < 2:
+            left = deadline - time.time()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise RuntimeError(f"{self.system} job: its ranks were not ready within {timeout:.0f} s")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"{self.system} job ended before both ranks were ready")
+            seen += chunk
 
     def result(self, timeout: float = JOB_TIMEOUT) -> dict:
         try:
-            out, err = self.proc.communicate(timeout=timeout)
+            out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise RuntimeError(f"{self.system} job timed out after {timeout:.0f} s") from None
         lines = [line for line in out.splitlines() if line.startswith("result ")]
         if self.proc.returncode != 0 or not lines:
-            tail = [line for line in err.splitlines() if line.strip()][-3:]
+            self.err.seek(0)
+            tail = [line for line in self.err.read().decode(errors="replace").splitlines() if line.strip()][-3:]
             raise RuntimeError(f"{self.system} job failed (exit {self.proc.returncode}): {' | '.join(tail)[-600:]}")
         return json.loads(lines[0][len("result "):])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, 9)  # torchrun and its ranks: the session this job started
+                os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and its ranks: the session this job started
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        self.err.close()
 
 
 def checked(result: dict) -> str:
@@ -212,17 +222,15 @@ def node_memory(system: str, data: Path, source: Path) -> tuple[int, dict]:
     """Bytes of node memory of a 2-rank x 2-worker job after one epoch, every process alive: PSS
     of every process (mappings of the data files and h5serve's segments left out), h5serve's
     segments once, and the page cache of the data files. Starts with those files evicted."""
-    daemon = BenchDaemon() if system == "h5serve" else None
     files = data_files(data)
     for f in files:
         drop_page_cache(f)
-    release = Path(tempfile.mkdtemp(prefix="h5s-peers-")) / "release"
-    job = None
-    try:
-        if daemon is not None:
-            daemon.__enter__()
-        runtime = daemon.runtime_dir if daemon else None
-        job = Job(system, data, source, runtime, workers=2, epochs=1, hold=release)
+    with ExitStack() as stack:
+        daemon = stack.enter_context(BenchDaemon()) if system == "h5serve" else None
+        release = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="h5s-peers-"))) / "release"
+        stack.callback(release.touch)  # the ranks' hold ends, whatever happens here
+        job = Job(system, data, source, daemon.runtime_dir if daemon else None, workers=2, epochs=1, hold=release)
+        stack.callback(job.kill)
         job.wait_ready()
         time.sleep(0.5)
         pids = _tree(job.proc.pid) + (_tree(daemon.pid) if daemon else [])
@@ -234,14 +242,7 @@ def node_memory(system: str, data: Path, source: Path) -> tuple[int, dict]:
         cache = sum(cached_bytes(f) for f in files)
         release.touch()
         failed = checked(job.result())
-        return pss + shm + cache, {"pss": pss, "segments": shm, "page_cache": cache, "failed": failed}
-    finally:
-        release.touch()
-        if job is not None:
-            job.kill()
-        if daemon is not None:
-            daemon.__exit__(None, None, None)
-        subprocess.run(["rm", "-rf", str(release.parent)], check=False)
+    return pss + shm + cache, {"pss": pss, "segments": shm, "page_cache": cache, "failed": failed}
 
 
 def memory(system: str, data: Path, control: Path, source: Path, control_source: Path, native: int) -> Outcome:
