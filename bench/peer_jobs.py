@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
             dist.all_gather_object(gathered, np.concatenate(seen) if seen else np.empty(0, np.int64))
             labels = gathered
     if args.hold:
-        print("ready", flush=True)
+        sys.stdout.write("ready\n")  # one write: under torchrun (python -u) print's two writes of 2 ranks interleave
+        sys.stdout.flush()
         while not os.path.exists(args.hold):
             time.sleep(0.1)
     # after the hold: the checks read the source file, whose page cache the parent counts for h5serve

@@ -147,7 +147,7 @@ class Job:
         """Wait for both ranks' ``ready`` line (with ``hold``); raw reads, so the deadline holds."""
         deadline, seen = time.time() + timeout, b""
         fd = self.proc.stdout.fileno()
-        while seen.count(b"ready\n") < 2:
+        while seen.count(b"ready") < 2:
             left = deadline - time.time()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 raise RuntimeError(f"{self.system} job: its ranks were not ready within {timeout:.0f} s")
@@ -300,7 +300,8 @@ def run_peers(files: dict[str, Path], repeat: int, report: dict) -> list[PeerRow
             for s in systems:
                 for f in data_files(data[s]) if s != "h5serve" else []:
                     warm_page_cache(f)
-                outcomes.setdefault(name, {})[s] = iterate(s, data[s], source, daemon.runtime_dir, **job)
+                outcome = outcomes.setdefault(name, {})[s] = iterate(s, data[s], source, daemon.runtime_dir, **job)
+                log(f"peers:   {NAMES[s]}: {outcome.value:,.0f} samples/s {outcome.failed}")
         log("peers: first batch of a fresh 2-rank job")
         outcomes["first"] = {s: first_batch(s, data[s], source, daemon.runtime_dir, repeat) for s in systems}
     log("peers: node memory, 2 ranks x 2 workers (data and a 1,024-row control)")
