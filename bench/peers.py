@@ -271,6 +271,7 @@ def clean_streaming() -> None:
 
 def run_peers(files: dict[str, Path], repeat: int, report: dict) -> list[PeerRow]:
     """The group's rows; ``report`` gets the peers' versions and the skip line, if any."""
+    report["load"] = [os.getloadavg()[0]]
     found = versions()
     report.update(versions=found, repeat=repeat)
     peers = [s for s in PEERS if not found[s].startswith("unavailable")]
@@ -308,6 +309,7 @@ def run_peers(files: dict[str, Path], repeat: int, report: dict) -> list[PeerRow
     outcomes["memory"] = {s: memory(s, data[s], control[s], source, control_source, native) for s in systems}
     if "streaming" in peers and any(o.failed for o in (v.get("streaming") for v in outcomes.values()) if o):
         clean_streaming()
+    report["load"].append(os.getloadavg()[0])
     report["outcomes"] = {k: {s: o.__dict__ for s, o in v.items()} for k, v in outcomes.items()}
     return rows(outcomes, peers, native)
 
@@ -370,7 +372,11 @@ def peers_section(rows: list[Row], report: dict, command: str, machine: str) -> 
         return report["skipped"] + "."
     found = ", ".join(v for v in report["versions"].values() if not v.startswith("unavailable"))
     left = "".join(f" {NAMES[s]} was left out: {why}." for s, why in report.get("left_out", {}).items())
-    return f"""Made by `{command}` on {machine}; peers: {found}.{left}
+    load = report.get("load", [])
+    busy = (f" The 1-minute load average was {load[0]:.1f} as the group started and {load[-1]:.1f} at its end "
+            f"({os.cpu_count()} cores): other work shares this machine, so take the ratios, not the absolute "
+            "figures." if load else "")
+    return f"""Made by `{command}` on {machine}; peers: {found}.{left}{busy}
 
 {peers_table(rows)}
 
@@ -394,7 +400,9 @@ docs recommend for local data:
 
 *1 torch thread* is torchrun's default for 2 ranks (`OMP_NUM_THREADS=1`); *torch's default
 threads* sets `OMP_NUM_THREADS` to the core count. *Workers=2*: 2 DataLoader workers per rank
-(4 for the job), steady state. *Beside a busy process*: a pure-Python spin loop on one core
+(4 for the job), steady state; every batch then crosses from a worker to its rank through
+DataLoader's queues, for h5serve too, which is why h5serve is fastest with `num_workers=0`
+(docs/performance.md). *Beside a busy process*: a pure-Python spin loop on one core
 runs throughout. *First batch*: the median over {report.get('repeat', 1)} launches, from launching torchrun to rank 0's first
 batch, with the data in the page cache and, for h5serve, the rows already in the daemon.
 *Node memory*: 2 ranks x 2 workers after one full epoch, every process alive, the data files
