@@ -5,6 +5,7 @@ table of ratios.
     python -m bench --write-docs           # ... and write docs/benchmarks.md, benchmarks.png, shuffle.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
+    python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
 
 Data files are made on first use under --data-dir and kept. Speed is measured here, never
 asserted in tests; rows with a target say whether this run met it.
@@ -32,7 +33,7 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
 from .common import BenchDaemon, Row, log, make_files
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
-GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model")
+GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "peers")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,10 +130,11 @@ def chart(rows: list[Row], out: Path) -> bool:
     labels = [r.scenario.split(" (")[0] for r in shown]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(shown) + 1.5), sharey=True)
     y = np.arange(len(shown))
-    ax1.barh(y, [r.ratio or 0 for r in shown], color="#3b7dd8")
+    ax1.barh(y, [r.ratio or 0 for r in shown], color=["#2a9d8f" if getattr(r, "peer", "") else "#3b7dd8" for r in shown])
     ax1.set_xscale("log")
     ax1.axvline(1, color="grey", lw=0.8)
-    ax1.set_xlabel("h5serve vs baseline (seed-style; mode rows: contiguous) (x, log scale; > 1 is better)")
+    ax1.set_xlabel("h5serve vs baseline (seed-style; mode rows: contiguous; green: the named peer) (x, log scale; "
+                   "> 1 is better)")
     ax2.barh(y, [r.vs_limit or 0 for r in shown], color="#e3872d")
     ax2.set_xscale("log")
     ax2.axvline(1, color="grey", lw=0.8)
@@ -166,7 +168,9 @@ against the seed, measured back to back rather than interleaved, move with the l
 
 
 def write_docs(rows: list[Row], qualities: list[Quality], command: str, took: float, loads: dict[str, float],
-               png: bool, shuffle_png: bool) -> None:
+               png: bool, shuffle_png: bool, peers: dict | None = None) -> None:
+    from .peers import peers_section
+
     docs = ROOT / "docs"
     text = f"""# Benchmarks
 
@@ -248,6 +252,10 @@ asserted in tests.
   faults (once per process). Later epochs gather from a mapping twice the size, a few percent
   slower at most (page-table walks; 4 KiB tmpfs pages).
 
+## Peers: MosaicML Streaming and LitData
+
+{peers_section(rows, peers or {}, command, machine())}
+
 ## Shuffle quality per mode
 
 {shuffle_section(qualities, shuffle_png)}
@@ -304,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     qualities: list[Quality] = []
     loads: dict[str, float] = {}
+    peers: dict = {}
     for group in GROUPS:
         if group not in groups:
             continue
@@ -324,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += many_files(args.data_dir, min(args.repeat, 2))
             log("variable-length rows")
             rows += vlen_rows(args.data_dir)
+        elif group == "peers":
+            from .peers import run_peers
+
+            rows += run_peers(files, args.repeat, peers)
         else:
             log("first batch of a torchrun job")
             rows += first_batch(files, args.repeat)
@@ -336,12 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     if results is not None:
         results.write_text(json.dumps(
             {"machine": machine(), "argv": sys.argv, "seconds": took, "load_average": loads,
-             "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities)}, indent=1))
+             "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities), "peers": peers}, indent=1))
     if args.write_docs:
         command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         docs = ROOT / "docs"
         write_docs(rows, qualities, command.strip(), took, loads, chart(rows, docs / "benchmarks.png"),
-                   bool(qualities) and shuffle_chart(qualities, docs / "shuffle.png"))
+                   bool(qualities) and shuffle_chart(qualities, docs / "shuffle.png"), peers)
     return 0 if all(r.met is not False for r in rows) else 1
 
 

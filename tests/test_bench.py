@@ -79,3 +79,71 @@ def test_bench_runs_as_a_script_from_anywhere(tmp_path: Path) -> None:
         done = subprocess.run(cmd, cwd=tmp_path if "run.py" in cmd[1] else ROOT, capture_output=True, text=True,
                               timeout=50)
         assert done.returncode == 2 and "unknown groups ['nothing']" in done.stderr, (cmd, done.stderr[-2000:])
+
+
+def _id_file(tmp_path: Path, rows: int = 2048) -> Path:
+    """Bench-style rows whose labels are their row ids (what the peers group writes for each peer)."""
+    from bench.common import _image_rows
+
+    path = tmp_path / "ids.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=_image_rows(0, rows, np.random.default_rng(0)))
+        f.create_dataset("y", data=np.arange(rows, dtype=np.int64))
+    return path
+
+
+def test_peers_checks_catch_a_wrong_epoch(tmp_path: Path) -> None:
+    """The peers group's correctness check passes a right epoch of rank 0 of 2 and fails wrong
+    labels, a short share, extra duplicates, file order and bytes that are not the labels' rows."""
+    from bench.peer_jobs import check
+
+    path = _id_file(tmp_path)
+    with h5py.File(path, "r") as f:
+        x = f["x"][...]
+    order = np.random.default_rng(1).permutation(2048)
+    mine, other = order[:1024], order[1024:]
+    batch = np.sort(mine[:256])
+    right = check([mine, other], [(x[batch], batch)], str(path), world=2)
+    assert right.failed == [] and right.samples == 1024 and right.distinct == 1024 and right.bytes_checked == 256
+
+    def failures(labels: list[np.ndarray], kept=((x[batch], batch),)) -> str:
+        return "; ".join(check(labels, list(kept), str(path), world=2).failed)
+
+    assert "outside" in failures([np.append(mine[:-1], 2048), other])
+    assert "its share is 1024" in failures([mine[:700], other])
+    assert "duplicate" in failures([np.append(mine[:-1], mine[0]), other])
+    assert "seen by no rank" in failures([mine, other[:-600]])
+    assert "not shuffled" in failures([np.sort(mine), other])
+    assert "image bytes" in failures([mine, other], [(x[batch][::-1].copy(), batch)])
+
+
+def test_peers_table_shows_each_peer_and_fails_a_failed_check() -> None:
+    from bench.peers import PeerRow, peers_table
+    from bench.run import table
+
+    rows = [PeerRow("peers vs Streaming: iterate, workers=2 (rank 0 of 2)", "samples/s", 1000.0, 10.0, peer="streaming"),
+            PeerRow("peers vs LitData: iterate, workers=2 (rank 0 of 2)", "samples/s", 1000.0, 100.0, peer="litdata",
+                    failed="LitData: 3 rows seen by no rank")]
+    assert rows[0].met is None and rows[1].met is False and rows[1].as_dict()["group"] == "peers"
+    text = peers_table(rows)
+    assert "| h5serve | Streaming | LitData | vs Streaming | vs LitData |" in text
+    assert "| 1,000 | 10 | 100 | 100.00x | 10.00x | **failed**: LitData: 3 rows seen by no rank |" in text
+    assert "**no**" in table(rows)  # the main table: the failed row did not meet
+
+
+@pytest.mark.timeout(200)
+def test_peers_group_says_in_one_line_when_the_extra_is_missing(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("streaming") or importlib.util.find_spec("litdata"):
+        pytest.skip("a peer is installed here: the group would run rather than skip")
+    results = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--only", "peers", "--rows", "600", "--float-rows", "300",
+         "--data-dir", str(tmp_path / "data"), "--results", str(results)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    skipped = [line for line in done.stderr.splitlines() if "peers: skipped" in line]
+    assert len(skipped) == 1 and "-c bench/constraints-peers.txt" in skipped[0], done.stderr[-2000:]
+    report = json.loads(results.read_text())
+    assert report["rows"] == [] and report["peers"]["skipped"] in skipped[0]
