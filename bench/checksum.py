@@ -2,7 +2,8 @@
 
 1. Every hash the standard library offers, over a ~300 MiB segment already in /dev/shm
    (read through a read-only mapping, as ``status --verify`` does), one thread; crc32 also
-   with the threads the daemon would use (one per core, blocks joined by ``crc32_combine``).
+   with the threads the daemon would use (one per core, blocks joined by ``CrcKind.combine``),
+   and crc32c (the crc32c package, the kind loads record where it runs in hardware).
 2. Real loads of a ~300 MiB uncompressed and a gzip-compressed shard by a real daemon, with
    and without ``--no-checksum``: request to ready, and the loader's own checksum time.
 
@@ -32,7 +33,8 @@ if not __package__:
 
 from h5serve.connection import DaemonClient
 from h5serve.protocol import Acquire
-from h5serve.segments import data_crc32
+from h5serve.crc import CRC32, CRC32C, CrcKind
+from h5serve.segments import data_checksum
 
 SIZE = 300 * 2**20
 ROWS, ROW_SHAPE = 25_600, (64, 64, 3)  # 12 KiB rows: 300 MiB
@@ -57,8 +59,8 @@ def hashes() -> dict[str, float]:
                         h.update(view[off:off + (32 << 20)])
                 return 0.0
 
-            def crc(threads: int) -> float:
-                data_crc32(m, 0, SIZE, threads)
+            def crc(threads: int, kind: CrcKind = CRC32) -> float:
+                data_checksum(m, 0, SIZE, threads, kind=kind)
                 return 0.0
 
             def adler() -> float:
@@ -70,6 +72,8 @@ def hashes() -> dict[str, float]:
 
             cases = {"crc32 (zlib)": lambda: crc(1), f"crc32 (zlib), {_cores()} threads": lambda: crc(_cores()),
                      "adler32 (zlib)": adler}
+            if CRC32C is not None:
+                cases["crc32c (crc32c package)"] = lambda: crc(1, CRC32C)
             for name in ("md5", "sha1", "sha256", "sha512", "blake2b-128", "blake2s"):
                 cases[name] = lambda name=name: stdlib(name)
             bytes(m[:: 4096])  # fault the pages in once

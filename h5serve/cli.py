@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kill a load that makes no progress for this long (a stopped loader, a hung file system) "
                    "and fail it, so jobs read lazily and later loads run (default 120)")
     p.add_argument("--no-checksum", action="store_true",
-                   help="do not store a crc32 of each segment's rows (saves ~0.1 s per 300 MiB loaded; "
+                   help="do not store a checksum (crc32c, else crc32) of each segment's rows (hashed during the copy; "
                    "`status --verify` then cannot check content)")
     p.add_argument("--keep-page-cache", action="store_true",
                    help="leave the source files' pages a load read in the page cache (default: drop them once the "

@@ -10,7 +10,7 @@ A segment is one file in the shm dir (``/dev/shm`` by default)::
 
 A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
 with ``fchmod`` before the rename, so no process (root aside) can open a published segment
-for writing. The content checksum (crc32 of the rows, when the loader computed one) lets
+for writing. The content checksum (crc32c or crc32 of the rows, h5serve/crc.py; when the loader computed one) lets
 ``verify_content`` tell whether anything wrote into a segment after it was published.
 
 Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
@@ -39,7 +39,6 @@ import secrets
 import stat
 import struct
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
@@ -49,6 +48,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .crc import KINDS, LOAD_CRC, CrcKind
 from .errors import ConfigError, SegmentError, ShmFull
 from .safeio import NOFOLLOW_FLAGS, describe_owner, flocks, open_regular
 from .sharding import RowRange, Selection
@@ -73,8 +73,7 @@ __all__ = [
     "read_activity",
     "check_published",
     "verify_content",
-    "data_crc32",
-    "crc32_combine",
+    "data_checksum",
     "try_evict",
     "count_leases",
     "format_bytes",
@@ -94,9 +93,9 @@ _CHECKSUM_OFFSET = 36
 _ACTIVITY = struct.Struct("<Q")
 _ACTIVITY_OFFSET = 56
 _META_OFFSET = 64
-CHECKSUM_NONE, CHECKSUM_CRC32 = 0, 1
-_CHECKSUM_NAMES = {CHECKSUM_NONE: "none", CHECKSUM_CRC32: "crc32"}
-_CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per crc32 call: threads hash blocks, crc32_combine joins them
+CHECKSUM_NONE = 0
+_CHECKSUM_NAMES = {CHECKSUM_NONE: "none", 1: "crc32", 2: "crc32c"}  # h5serve/crc.py: the kinds' codes
+_CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per hash call: threads hash blocks, CrcKind.combine joins them
 _PUBLISHED_MODE_MASK = 0o440  # a temporary's 0600 / 0640 becomes 0400 / 0440
 _TMP_MARK = ".tmp-"
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype", "vlen"})
@@ -337,56 +336,18 @@ def _values_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray | None:
     return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values, offset=meta.header_size + values_offset(meta.rows))
 
 
-# ----- crc32 of large buffers, in parallel ----------------------------------------------------
-_CRC_POLY = 0xEDB88320  # zlib's crc32, reflected
-
-
-def _gf2_multiply(a: int, b: int) -> int:
-    """a * b modulo the crc32 polynomial (reflected bit order), as zlib's multmodp."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-
-
-def _x_pow_2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _gf2_multiply(p, p)
-    return table
-
-
-_X2N = _x_pow_2n_table()  # x^(2^k) modulo the polynomial
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's
-    zlib does not expose): lets several threads hash parts of one buffer."""
-    p, k, n = 1 << 31, 3, len2  # x^0; a byte is x^8 = x^(2^3)
-    while n:
-        if n & 1:
-            p = _gf2_multiply(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _gf2_multiply(p, crc1) ^ crc2
-
-
-def data_crc32(buffer: Any, offset: int, length: int, threads: int = 1,
-               progress: Callable[[int], None] | None = None) -> int:
-    """zlib.crc32 of ``buffer[offset:offset + length]``, hashed in blocks by up to ``threads``
-    threads (zlib releases the GIL); ``progress(bytes)`` is called after each block."""
+# ----- checksums of large buffers, in parallel (h5serve/crc.py: the kinds) -------------------
+def data_checksum(buffer: Any, offset: int, length: int, threads: int = 1,
+                  progress: Callable[[int], None] | None = None, kind: CrcKind = LOAD_CRC) -> int:
+    """``kind``'s crc of ``buffer[offset:offset + length]``, hashed in blocks by up to
+    ``threads`` threads (both kinds release the GIL); ``progress(bytes)`` after each block."""
     starts = list(range(offset, offset + length, _CHECKSUM_BLOCK))
     with memoryview(buffer) as view:  # released on return, so the caller can close its mapping
 
         def one(start: int) -> int:
             end = min(start + _CHECKSUM_BLOCK, offset + length)
             with view[start:end] as block:
-                crc = zlib.crc32(block)
+                crc = kind.update(block, 0)
             if progress is not None:
                 progress(end - start)
             return crc
@@ -398,15 +359,16 @@ def data_crc32(buffer: Any, offset: int, length: int, threads: int = 1,
             crcs = [one(start) for start in starts]
     total = 0
     for start, crc in zip(starts, crcs):
-        total = crc32_combine(total, crc, min(_CHECKSUM_BLOCK, offset + length - start))
+        total = kind.combine(total, crc, min(_CHECKSUM_BLOCK, offset + length - start))
     return total
 
 
-def _checksum_text(kind: int, value: bytes) -> str:
-    """``crc32:1a2b3c4d`` (the form ``status`` shows), or "" when there is none."""
-    if kind == CHECKSUM_CRC32:
-        return f"crc32:{struct.unpack_from('<I', value)[0]:08x}"
-    return ""
+def _checksum_text(code: int, value: bytes) -> str:
+    """``crc32:1a2b3c4d`` or ``crc32c:...`` (the form ``status`` shows), or "" when there is none."""
+    name = _CHECKSUM_NAMES.get(code)
+    if code == CHECKSUM_NONE or name is None:
+        return ""
+    return f"{name}:{struct.unpack_from('<I', value)[0]:08x}"
 
 
 class SegmentWriter:
@@ -436,10 +398,10 @@ class SegmentWriter:
         self._map[_ACTIVITY_OFFSET:_ACTIVITY_OFFSET + _ACTIVITY.size] = _ACTIVITY.pack(self._activity)
 
     def compute_checksum(self, threads: int = 1) -> str:
-        """crc32 of the rows as written, stored in the header (``crc32:...``). Call once every
+        """The crc of the rows as written (``LOAD_CRC``), stored in the header. Call once every
         row is in place: ``verify_content`` compares the rows against it later."""
-        return self.store_checksum(data_crc32(self._map, self.meta.header_size, self.meta.nbytes, threads,
-                                              lambda _: self.mark_activity()))
+        return self.store_checksum(data_checksum(self._map, self.meta.header_size, self.meta.nbytes, threads,
+                                                 lambda _: self.mark_activity()))
 
     def reserve(self, offset: int, length: int) -> None:
         """Reserve ``length`` more bytes of the data area from ``offset`` (``posix_fallocate``,
@@ -460,11 +422,11 @@ class SegmentWriter:
         self._map[_META_LENGTH_OFFSET:_META_LENGTH_OFFSET + 4] = struct.pack("<I", len(blob))
         self.meta = meta
 
-    def store_checksum(self, crc: int) -> str:
-        """Store ``crc`` (the crc32 of the rows as written) in the header; ``crc32:...``."""
+    def store_checksum(self, crc: int, kind: CrcKind = LOAD_CRC) -> str:
+        """Store ``crc`` (``kind``'s crc of the rows as written) in the header; ``crc32c:...``."""
         value = struct.pack("<I", crc).ljust(16, b"\0")
-        self._map[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + _CHECKSUM.size] = _CHECKSUM.pack(CHECKSUM_CRC32, value)
-        return _checksum_text(CHECKSUM_CRC32, value)
+        self._map[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + _CHECKSUM.size] = _CHECKSUM.pack(kind.code, value)
+        return _checksum_text(kind.code, value)
 
     def publish(self, final_name: str) -> Path:
         """Mark complete, make read-only and rename to ``final_name`` in the same directory (atomic).
@@ -760,11 +722,16 @@ def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
             return f"its header records checksum {recorded or 'none'}, the daemon recorded {expected}"
         if not recorded:
             return ""  # loaded without a checksum: nothing to compare with
+        code = _CHECKSUM.unpack_from(header, _CHECKSUM_OFFSET)[0]
+        kind = KINDS.get(code)
+        if kind is None:
+            return (f"its header records a {recorded.split(':')[0]} checksum, which this h5serve cannot compute "
+                    f"(python -m pip install crc32c)")
         with mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
-            crc = data_crc32(buffer, meta.header_size, meta.nbytes, threads)
+            crc = data_checksum(buffer, meta.header_size, meta.nbytes, threads, kind=kind)
     finally:
         os.close(fd)
-    actual = _checksum_text(CHECKSUM_CRC32, struct.pack("<I", crc).ljust(16, b"\0"))
+    actual = kind.text(crc)
     return "" if actual == recorded else f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"
 
 

@@ -127,3 +127,17 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def expected_checksum(data: bytes | np.ndarray) -> str:
+    """The checksum a load records for rows ``data``, computed with the hashing library itself
+    (not h5serve's code): crc32c where the crc32c package hashes in hardware, else zlib's crc32."""
+    import zlib
+
+    from h5serve.crc import LOAD_CRC
+
+    if LOAD_CRC.name == "crc32c":
+        import crc32c
+
+        return f"crc32c:{crc32c.crc32c(bytes(data)):08x}"
+    return f"crc32:{zlib.crc32(bytes(data)):08x}"

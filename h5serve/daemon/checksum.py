@@ -1,22 +1,22 @@
-"""The crc32 of a segment's rows, hashed while they are being written.
+"""The crc of a segment's rows (h5serve/crc.py's LOAD_CRC), hashed while they are being written.
 
 A load used to copy every row and then read the whole segment again for its crc32: on a
 2-core machine that second pass took as long as the copy itself (~0.15 s for 293 MiB). Now
 each loader process hashes the rows of its own part in a thread that follows the copy, a
 block behind it: the crc is ready a block after the last row is written, and the parts'
-crcs are joined in row order with ``crc32_combine`` (h5serve.segments).
+crcs are joined in row order with ``LOAD_CRC.combine``.
 
 Rows are written in ascending local order within a part (reads.read_shard_into), and a part
 reports ``progress(n)`` only once its first ``n`` rows are in place, so the thread never
-hashes a byte before it is written. zlib releases the GIL while it hashes.
+hashes a byte before it is written. Both kinds release the GIL while they hash.
 """
 
 from __future__ import annotations
 
 import threading
-import zlib
-
 import numpy as np
+
+from ..crc import LOAD_CRC
 
 __all__ = ["FollowingCrc"]
 
@@ -57,7 +57,7 @@ class FollowingCrc:
                         return
                     end = self._ready
                 if end > self._hashed:
-                    self._crc = zlib.crc32(self._data[self._hashed:end], self._crc)
+                    self._crc = LOAD_CRC.update(self._data[self._hashed:end], self._crc)
                     self._hashed = end
                 if end >= self._stop:
                     return

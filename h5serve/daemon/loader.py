@@ -44,7 +44,6 @@ import pickle
 import select
 import signal
 import time
-import zlib
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,7 +56,8 @@ from ..compound import rows_dataset
 from ..errors import SegmentError, SourceChanged, code_for
 from ..rawcopy import data_extents, drop_cached
 from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
-from ..segments import SegmentMeta, SegmentWriter, crc32_combine, create_segment
+from ..crc import LOAD_CRC
+from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..files import plan_file_parts
 from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
@@ -347,7 +347,7 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
     if meta.files:
         copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache)
-        return PartResult(copied, zlib.crc32(flat[k0 * row:k1 * row]) if checksum else -1)
+        return PartResult(copied, LOAD_CRC.update(flat[k0 * row:k1 * row], 0) if checksum else -1)
     if f is None:
         with open_h5(meta.source_path) as f:
             return _read_part(meta, rows, writer, span, progress, checksum, f)
@@ -378,7 +378,7 @@ def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: _
     for index, span in enumerate(spans[1:], 1):
         assert span is not None
         k0, k1 = local_range(*span, rows.start, rows.step, len(writer.data))
-        total = crc32_combine(total, int(parts.crcs[index]), (k1 - k0) * row)
+        total = LOAD_CRC.combine(total, int(parts.crcs[index]), (k1 - k0) * row)
     return total
 
 

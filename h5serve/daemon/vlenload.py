@@ -21,7 +21,6 @@ meanwhile. The cost is HDF5's conversion, a few microseconds a row.
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable
 
 import h5py
@@ -30,7 +29,8 @@ import numpy as np
 from ..compound import rows_dataset
 from ..errors import SourceChanged
 from ..rawcopy import write_all
-from ..segments import SegmentMeta, SegmentWriter, crc32_combine
+from ..crc import LOAD_CRC
+from ..segments import SegmentMeta, SegmentWriter
 from ..source import inspect_dataset
 from ..vlen import read_vlen, values_offset
 
@@ -83,7 +83,7 @@ def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: 
             raw = memoryview(values.view(np.uint8))
             write_all(fd, raw, data_at + at)
             if checksum:
-                crc = zlib.crc32(raw, crc)
+                crc = LOAD_CRC.update(raw, crc)
         count += values.size
         k += n
         progress(k)
@@ -93,4 +93,4 @@ def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: 
     writer.set_values(count)
     if not checksum:
         return -1, count
-    return crc32_combine(zlib.crc32(offsets), crc, count * stored.itemsize), count
+    return LOAD_CRC.combine(LOAD_CRC.update(offsets, 0), crc, count * stored.itemsize), count
