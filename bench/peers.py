@@ -42,7 +42,7 @@ from .peer_jobs import PEERS
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = {"h5serve": "h5serve", "streaming": "Streaming", "litdata": "LitData"}
 INSTALL = "pip install -e '.[bench-peers]' -c bench/constraints-peers.txt"
-CONTROL_ROWS = 1024
+CONTROL_ROWS = 4096  # 2,048 rows a rank: 8 batches, so every worker fills its prefetch buffers as on the data
 JOB_TIMEOUT = 900
 EPOCHS = 3
 
@@ -290,6 +290,7 @@ def run_peers(files: dict[str, Path], repeat: int, report: dict) -> list[PeerRow
     control = {"h5serve": control_source, **{s: peer_dir(control_source, s) for s in peers}}
     with h5py.File(source, "r") as f:
         native = f["x"].size * f["x"].dtype.itemsize + f["y"].size * f["y"].dtype.itemsize
+    native -= CONTROL_ROWS * (native // len(f["y"]))  # the control holds its own rows once: data minus control
     outcomes: dict[str, dict[str, Outcome]] = {}
     systems = ["h5serve", *peers]
     if "streaming" in peers:
@@ -305,7 +306,7 @@ def run_peers(files: dict[str, Path], repeat: int, report: dict) -> list[PeerRow
                 log(f"peers:   {NAMES[s]}: {outcome.value:,.0f} samples/s {outcome.failed}")
         log("peers: first batch of a fresh 2-rank job")
         outcomes["first"] = {s: first_batch(s, data[s], source, daemon.runtime_dir, repeat) for s in systems}
-    log("peers: node memory, 2 ranks x 2 workers (data and a 1,024-row control)")
+    log(f"peers: node memory, 2 ranks x 2 workers (data and a {CONTROL_ROWS:,}-row control)")
     outcomes["memory"] = {s: memory(s, data[s], control[s], source, control_source, native) for s in systems}
     if "streaming" in peers and any(o.failed for o in (v.get("streaming") for v in outcomes.values()) if o):
         clean_streaming()
@@ -409,7 +410,8 @@ batch, with the data in the page cache and, for h5serve, the rows already in the
 evicted from the page cache before the job: PSS of torchrun, the ranks, their workers and the
 daemon (mappings of the data files and of h5serve's segments left out), plus h5serve's segments
 once, plus the data files' pages in the page cache (mincore), minus the same job on a
-1,024-row copy of each (interpreter, torch and library overhead), as a multiple of the rows'
+4,096-row copy of each (interpreter, torch and library overhead, and every worker's prefetch
+buffers, which 8 batches a rank fill as the data does), as a multiple of the extra rows'
 native size (x + y). h5serve's daemon evicts the HDF5 file's pages after its load.
 
 *checks*: epoch 0 of every job, on rank 0: every label is a row id, rank 0 got half the rows

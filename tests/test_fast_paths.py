@@ -455,3 +455,34 @@ def test_make_loader_batches_are_pinned_on_cuda(images: Path, shared_daemon: Dae
         assert x.is_pinned() and y.is_pinned()
         assert torch.equal(x.cuda(non_blocking=True).cpu(), x)
     ds.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ("shm", "lazy-cached"))
+def test_make_loader_without_workers_is_torchs_loop_and_profilable(backend: str, images: Path,
+                                                                    shared_daemon: Daemon) -> None:
+    """make_loader's ShmDataLoader skips torch's per-batch profiler record only while no
+    profiler runs: the same batches as a plain DataLoader, and under torch.profiler every
+    batch still shows up as torch's ``enumerate(DataLoader)`` record."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from h5serve.client import ShmDataLoader
+
+    ds = open_dataset(backend, images, shared_daemon, x_key="x", y_key="y")
+    try:
+        loader = make_loader(ds, 7, seed=3)
+        assert type(loader) is ShmDataLoader and isinstance(loader, DataLoader)
+        plain = DataLoader(ds, batch_sampler=loader.batch_sampler, collate_fn=collate)
+        for epoch in range(2):
+            loader.batch_sampler.set_epoch(epoch)
+            got = [(x.clone(), y.clone()) for x, y in loader]
+            want = [(x.clone(), y.clone()) for x, y in plain]
+            assert len(got) == len(want) == len(loader)
+            for (gx, gy), (wx, wy) in zip(got, want):
+                assert torch.equal(gx, wx) and torch.equal(gy, wy)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            batches = sum(1 for _ in loader)
+        records = [e for e in prof.events() if e.name.startswith("enumerate(DataLoader)")]
+        assert batches == len(loader) and len(records) >= batches
+    finally:
+        ds.close()

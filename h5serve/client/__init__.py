@@ -8,7 +8,7 @@ from .compat import RankMemCachedH5Dataset
 from .connection import DaemonClient
 from .dataset import Batch, SampleList, SharedH5Dataset, collate
 from .lazy import H5LazyDataset, h5_worker_init_fn
-from .loader import make_loader, seed_worker
+from .loader import ShmDataLoader, make_loader, seed_worker
 from .node_sampler import NodePlace, NodeShuffleSampler
 from .ragged import Padded, RaggedList
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
@@ -19,6 +19,7 @@ __all__ = [
     "NodeShuffleSampler",
     "SharedH5Dataset",
     "make_loader",
+    "ShmDataLoader",
     "EpochShuffleSampler",
     "EpochBatchSampler",
     "DistributedShuffleSampler",
