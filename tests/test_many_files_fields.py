@@ -445,3 +445,41 @@ def test_compat_preload_refuses_vlen_from_many_files(files: list[Path]) -> None:
         mp.setenv("H5SERVE_RUNTIME_DIR", NOWHERE)
         with pytest.raises(UnsupportedDataset, match="variable-length.*SharedH5Dataset serves"):
             RankMemCachedH5Dataset([str(p) for p in files], "tokens", log_fn=lambda _: None)
+
+
+# ----- DDP: torchrun, 2 ranks over gloo, a 5-file glob, 3 fields ------------------------------
+
+
+@pytest.mark.slow
+def test_ddp_torchrun_five_file_glob_three_fields(tmp_path: Path) -> None:
+    """tests/ddp_job.py --keys, global mode through make_loader: every rank's rows byte-equal to
+    h5py's, the ranks together cover every row once per epoch; then lazily, the same order."""
+    from .test_ddp import run_torchrun
+
+    paths = write_files(tmp_path / "d", (201, 0, 300, 99, 404))  # 1004 rows: two ranks split them evenly
+    total = 1004
+    pattern = tmp_path / "d" / "run_*.h5"
+    keys = {"image": "img", "mask": "mask", "label": "label"}
+    extra = ("--keys", ",".join(f"{n}={k}" for n, k in keys.items()), "--feature", "image", "--workers", "1")
+    want = {name: h5_all(paths, key) for name, key in keys.items()}
+    d = Daemon().start()
+    try:
+        shm = run_torchrun(pattern, tmp_path / "shm", d.runtime_dir, "global", 2, *extra)
+        segments = d.status()["segments"]
+        assert len(segments) == 3 and all(len(s["files"]) == 5 for s in segments)  # one per key, shared
+    finally:
+        d.stop()
+    assert [r["backend"] for r in shm] == ["shm", "shm"], [r["warnings"] for r in shm]
+    assert all(r["files"] == [str(p) for p in paths] for r in shm)
+    for epoch in range(2):
+        assert sorted(shm[0]["epochs"][epoch] + shm[1]["epochs"][epoch]) == list(range(total))
+        for rank in range(2):
+            got = np.load(tmp_path / "shm" / f"rank{rank}_epoch{epoch}.npz")
+            rows = got["label"]
+            assert rows.tolist() == shm[rank]["epochs"][epoch]
+            for name in keys:
+                assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name][rows].tobytes()
+    assert shm[0]["epochs"][0] != shm[0]["epochs"][1]  # reshuffled per epoch
+    lazy = run_torchrun(pattern, tmp_path / "lazy", Path(NOWHERE), "global", 2, *extra)
+    assert [r["backend"] for r in lazy] == ["lazy", "lazy"]
+    assert [r["epochs"] for r in lazy] == [r["epochs"] for r in shm]
