@@ -417,11 +417,17 @@ def _mismatch(tmp_path: Path, kind: str) -> tuple[list[Path], dict, type, str]:
                 n = len(f["label"])
             _rewrite(p, "mask", np.zeros((n + 1, 4), bool))
         return paths, {"keys": ["mask", "label"]}, LengthMismatch, r"'mask' has 18 rows, 'label' has 15 rows"
+    if kind == "bytes_dtype":  # no dtype for byte strings, many files or one
+        return paths, {"keys": ["names", "label"], "dtypes": {"names": "float32"}}, UnsupportedDataset, \
+            r"'names' holds fixed-length byte strings \(\|S16\), which cannot be cast to float32"
+    if kind == "text_dtype":
+        return paths, {"keys": ["text", "label"], "dtypes": {"text": "int64"}}, UnsupportedDataset, \
+            r"'text' holds variable-length strings \(utf-8\), which cannot be cast to int64"
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("kind", ["names_length", "vlen_base", "vlen_vs_fixed", "field_missing", "field_shape",
-                                  "key_lengths"])
+                                  "key_lengths", "bytes_dtype", "text_dtype"])
 def test_files_that_disagree_are_refused(tmp_path: Path, where: dict, kind: str) -> None:
     paths, kwargs, error, match = _mismatch(tmp_path, kind)
     with pytest.raises(error, match=match):
