@@ -344,6 +344,26 @@ def test_vlen_segments_hold_every_files_values(files: list[Path], shared_daemon:
         ds.close()
 
 
+def test_vlen_field_of_compound_datasets_from_many_files(tmp_path: Path, where: dict) -> None:
+    """``"events:hits"``, a variable-length field of a compound dataset in every file."""
+    paths = []
+    for i, n in enumerate((3, 0, 4)):
+        paths.append(tmp_path / f"c_{i}.h5")
+        with h5py.File(paths[-1], "w") as f:
+            ev = f.create_dataset("events", (n,), dtype=[("e", "<f8"), ("hits", h5py.vlen_dtype(np.int32))])
+            for r in range(n):
+                ev[r] = (r + 10 * i, np.arange(r, dtype=np.int32) + 100 * i)
+    want_hits, want_e = h5_all(paths, "events:hits"), h5_all(paths, "events:e")
+    ds = open_ds(paths, where, keys=["events:hits", "events:e"], mode="global")
+    try:
+        local = np.array([6, 0, 3, 2, 5])
+        hits, e = collate(ds.__getitems__(local))
+        assert_same(hits, pick(list(want_hits), local))
+        assert_same(e, want_e[local])
+    finally:
+        ds.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,ragged,context", [("shm", "list", "spawn"), ("shm", "pad", "fork"),
                                                     ("lazy", "list", "fork"), ("lazy", "pad", "spawn")])
