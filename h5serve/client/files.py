@@ -147,14 +147,17 @@ class FilesLazyBackend:
         """Each file's rows of the batch (a vectorised gather each), then one more gather into
         the batch's order."""
         d, kind = self.out_dtypes[k], self.vlen_kinds[k]
-        columns, order = [], []
+        columns: list[RaggedColumn] = []
+        order = []
         for j, at in groups:
             piece = self.pieces[j]
             local = pos[at] - piece.k0
             handle = self.handles.get(piece.index)
             info = self.infos[k][piece.index]
             if self.cached:
-                column = self._cache(k, j).take(handle.dataset, torch.from_numpy(local))
+                cache = self._cache(k, j)
+                assert isinstance(cache, VlenCache)
+                column = cache.take(handle.dataset, torch.from_numpy(local))
             else:
                 column = read_ragged(handle.dataset(info.key), info, piece.local.start + local * piece.local.step, d)
             columns.append(column)

@@ -95,7 +95,8 @@ def _quick_info(dset: h5py.Dataset | FieldRows, key: str) -> DatasetInfo:
     already inspected under the same identity."""
     chunks = dset.chunks
     rows = int(dset.shape[0])
-    dtype, extra, field = dset.dtype, (), ""
+    dtype, field = dset.dtype, ""
+    extra: tuple[int, ...] = ()
     if isinstance(dset, FieldRows):  # the field's dtype; its own shape follows the dataset's dimensions
         sub = dset.dtype.fields[dset.field][0]
         dtype, extra, field = sub.base, tuple(int(n) for n in sub.shape), dset.field
