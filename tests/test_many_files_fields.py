@@ -7,7 +7,9 @@ the files a clear error naming the file."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import DataError, KeyNotFound, LengthMismatch, UnsupportedDataset
 from h5serve.sharding import GLOBAL, NODE
 
-from .helpers import Daemon
+from .helpers import Daemon, h5serve_cli, wait_for
 
 SIZES = (7, 0, 12, 3, 9)  # an empty file too: 31 rows
 TOTAL = sum(SIZES)
@@ -360,6 +362,49 @@ def test_vlen_field_of_compound_datasets_from_many_files(tmp_path: Path, where: 
         hits, e = collate(ds.__getitems__(local))
         assert_same(hits, pick(list(want_hits), local))
         assert_same(e, want_e[local])
+    finally:
+        ds.close()
+
+
+@pytest.mark.slow
+def test_vlen_sets_verified_adopted_and_never_stale(tmp_path: Path, daemon: Daemon) -> None:
+    """Multi-file vlen segments: ``status --verify`` checks them, a killed daemon's successor
+    adopts them (no load), and a file of the set replaced means new rows, never the old ones."""
+    paths = write_files(tmp_path / "d", (5, 0, 6))
+    kwargs = {"keys": ["tokens", "text", "label"], "mode": "contiguous", "rank": 1, "world_size": 2,
+              "runtime_dir": daemon.runtime_dir, "fallback": "error"}
+
+    def check(ds: SharedH5Dataset) -> None:
+        tokens, text, label = collate(ds.__getitems__(list(range(len(ds)))))
+        assert_same(tokens, pick(h5_all(paths, "tokens"), ds.indices))
+        assert text == pick(h5_all(paths, "text"), ds.indices) and label.tolist() == ds.indices.tolist()
+
+    ds = SharedH5Dataset(paths, **kwargs)
+    try:
+        check(ds)
+    finally:
+        ds.close()
+    verify = h5serve_cli("status", "--verify", env=daemon.env)
+    assert verify.returncode == 0 and "verified 3 segments" in verify.stdout, verify.stdout + verify.stderr
+    before = daemon.segment_files()
+    os.kill(daemon.pid, signal.SIGKILL)
+    assert wait_for(lambda: not daemon.alive(), 10)
+    daemon.start()
+    assert daemon.status()["counters"]["adopted"] == 3 and daemon.segment_files() == before
+    ds = SharedH5Dataset(paths, **kwargs)
+    try:
+        check(ds)
+        assert daemon.status()["counters"]["loads"] == 0
+    finally:
+        ds.close()
+    new = write_files(tmp_path / "new", (5, 0, 6), tokens=h5py.vlen_dtype(np.float32))[2]
+    with h5py.File(new, "a") as f:
+        f["tokens"][1] = np.full(9, 7.5, np.float32)  # row 6: other values, same dtype and rows
+    os.replace(new, paths[2])
+    ds = SharedH5Dataset(paths, **kwargs)
+    try:
+        check(ds)
+        assert ds[ds.indices.tolist().index(6)][0].tolist() == [7.5] * 9
     finally:
         ds.close()
 
