@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, DataError, LengthMismatch, SourceNotFound, UnsupportedDataset
+from .errors import ConfigError, DataError, LengthMismatch, SourceNotFound
 from .protocol import MAX_FILES, MAX_FILES_FRAME_BYTES, MAX_PATH_CHARS
 from .sharding import RowRange
-from .source import DatasetInfo
+from .source import DatasetInfo, check_cast
+from .vlen import SEQ
 
 __all__ = [
     "MAX_FILES",
@@ -123,22 +124,47 @@ def describe_files(paths: Sequence[str], shown: str = "", limit: int = 2) -> str
     return f"{head}({len(paths)} files: {paths[0]} ... {paths[-1]})"
 
 
+def _rows_of(info: DatasetInfo) -> str:
+    """What a file's rows of a key are, for messages: ``rows of shape (3, 4) (uint8)``,
+    ``variable-length rows of float32``, ``variable-length utf-8 strings``."""
+    if info.vlen == SEQ:
+        return f"variable-length rows of {info.dtype}"
+    if info.vlen:
+        return f"variable-length {info.vlen} strings"
+    return f"rows of shape {info.row_shape} ({info.dtype})"
+
+
 def set_dtype(paths: Sequence[str], infos: Sequence[DatasetInfo], requested: np.dtype | None) -> np.dtype:
     """The dtype rows of the set are held in before any requested cast: the files' common
-    dtype, or ``requested`` when they differ (each file's rows are then cast to it with numpy's
-    rules). Raised when they differ and no requested dtype holds every file's values: DataError
-    naming the first file whose dtype differs from the first file's."""
+    dtype (variable-length rows: their common base dtype), or ``requested`` when they differ
+    (each file's rows are then cast to it with numpy's rules). Raised when they differ and no
+    requested dtype holds every file's values: DataError naming the first file whose dtype
+    differs from the first file's."""
     first = infos[0].dtype
     if all(info.dtype == first for info in infos):
         return first
+    i = next(i for i, info in enumerate(infos) if info.dtype != first)
+    if first.kind == "S" and infos[i].dtype.kind == "S":
+        # no dtype can be requested for byte strings (source.check_cast): say what to change in the files
+        raise DataError(
+            f"{paths[i]}: dataset {infos[i].key!r} holds byte strings of {infos[i].dtype.itemsize} bytes, but "
+            f"{paths[0]} has {first.itemsize}: the files of a multi-file dataset must hold byte strings of the same "
+            f"length; rewrite the shorter ones with the longest length (e.g. h5py.string_dtype(length="
+            f"{max(x.dtype.itemsize for x in infos)}))"
+        )
     if requested is not None and all(np.can_cast(info.dtype, requested, "safe") for info in infos):
         return requested
-    i = next(i for i, info in enumerate(infos) if info.dtype != first)
     if requested is None:
         fix = f"pass a dtype every file casts to safely (e.g. {np.result_type(*(x.dtype for x in infos)).name!r})"
     else:
         j = next(j for j, info in enumerate(infos) if not np.can_cast(info.dtype, requested, "safe"))
         fix = f"the requested {requested} cannot hold every {infos[j].dtype} value of {paths[j]}"
+    if infos[i].vlen:
+        raise DataError(
+            f"{paths[i]}: dataset {infos[i].key!r} holds {_rows_of(infos[i])}, but {paths[0]} has "
+            f"{_rows_of(infos[0])}: the files of a multi-file dataset must agree on the values' dtype, or all cast "
+            f"safely to the dtype requested; {fix}"
+        )
     raise DataError(
         f"{paths[i]}: dataset {infos[i].key!r} has dtype {infos[i].dtype}, but {paths[0]} has {first}: the files of a "
         f"multi-file dataset must agree on dtype, or all cast safely to the dtype requested; {fix}"
@@ -146,23 +172,23 @@ def set_dtype(paths: Sequence[str], infos: Sequence[DatasetInfo], requested: np.
 
 
 def check_agreement(paths: Sequence[str], infos: Sequence[DatasetInfo], requested: np.dtype | None) -> np.dtype:
-    """Raised when a file's rows have another shape than the first file's, or dtypes differ
-    in a way ``set_dtype`` refuses: DataError naming the first file that differs; when a file
-    holds variable-length rows: UnsupportedDataset. Returns the set's dtype (``set_dtype``)."""
+    """Raised when a file's rows are of another kind (fixed, variable-length, strings) or
+    shape than the first file's, or dtypes differ in a way ``set_dtype`` refuses: DataError
+    naming the first file that differs; when a dtype is requested for strings:
+    UnsupportedDataset (source.check_cast). Returns the set's dtype (``set_dtype``)."""
     first = infos[0]
-    for path, info in zip(paths, infos):
-        if info.vlen:
-            raise UnsupportedDataset(
-                f"{path}: dataset {info.key!r} holds variable-length rows, which h5serve serves from one file "
-                "only (not yet from many files as one dataset): open each file as its own SharedH5Dataset and "
-                "join them with torch.utils.data.ConcatDataset, or copy the rows into one file"
-            )
     for path, info in zip(paths[1:], infos[1:]):
+        if info.vlen != first.vlen:
+            raise DataError(
+                f"{path}: dataset {info.key!r} holds {_rows_of(info)}, but {paths[0]} has {_rows_of(first)}: the "
+                "files of a multi-file dataset must agree on the kind of rows (fixed-shape, variable-length, strings)"
+            )
         if info.row_shape != first.row_shape:
             raise DataError(
                 f"{path}: dataset {info.key!r} has rows of shape {info.row_shape}, but {paths[0]} has "
                 f"{first.row_shape}: the files of a multi-file dataset must agree on row shape"
             )
+    check_cast(first, requested)
     return set_dtype(paths, infos, requested)
 
 

@@ -25,7 +25,7 @@ from h5serve.client import SharedH5Dataset, collate
 from h5serve.client.connection import DaemonClient
 from h5serve.daemon.loader import MIN_PART_ENV
 from h5serve.errors import (AccessDenied, ConfigError, DataError, KeyNotFound, LengthMismatch, ProtocolError,
-                            SourceNotFound, UnsupportedDataset)
+                            SourceNotFound)
 from h5serve.files import MAX_FILES, expand_paths
 from h5serve.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 from h5serve.segments import HEADER_SIZE, SegmentMeta, attach_segment, create_segment, read_meta
@@ -477,17 +477,25 @@ def test_ddp_torchrun_over_a_five_file_glob(tmp_path: Path) -> None:
     json.dumps(shm)  # reports are plain data
 
 
-def test_variable_length_rows_from_many_files_are_refused(tmp_path: Path, backend: str,
-                                                          request: pytest.FixtureRequest) -> None:
-    """Variable-length rows are served from one file; a multi-file set of them is a clear
-    UnsupportedDataset naming the file, never a crash or wrong rows."""
+def test_variable_length_rows_from_many_files_are_served(tmp_path: Path, backend: str,
+                                                         request: pytest.FixtureRequest) -> None:
+    """Variable-length rows of many files: each file's rows in turn, as h5py reads them; a
+    file whose sequences hold another dtype is a DataError naming it."""
     paths = []
-    for i in range(2):
+    for i, base in enumerate((np.float32, np.float32, np.int32)):
         path = tmp_path / f"v_{i}.h5"
         with h5py.File(path, "w") as f:
-            d = f.create_dataset("tokens", (3,), dtype=h5py.vlen_dtype(np.float32))
+            d = f.create_dataset("tokens", (3,), dtype=h5py.vlen_dtype(base))
             for r in range(3):
-                d[r] = np.arange(r + 1, dtype=np.float32)
+                d[r] = np.arange(r + i, dtype=base) + 10 * i
         paths.append(path)
-    with pytest.raises(UnsupportedDataset, match="variable-length"):
+    ds = open_ds(backend, daemon_for(backend, request), paths[:2], "tokens", mode="global")
+    try:
+        got = collate(ds.__getitems__([5, 0, 3, 2]))
+        want = [np.arange(r + i, dtype=np.float32) + 10 * i for i in range(2) for r in range(3)]
+        assert [g.numpy().tobytes() for g in got] == [want[r].tobytes() for r in (5, 0, 3, 2)]
+    finally:
+        ds.close()
+    with pytest.raises(DataError, match=rf"{re.escape(str(paths[2]))}: dataset 'tokens' holds variable-length rows "
+                                        r"of int32, but .* has variable-length rows of float32"):
         open_ds(backend, daemon_for(backend, request), paths, "tokens")

@@ -3,7 +3,9 @@
 The same rows in the same order as the daemon's segments: the files' rows concatenated
 (h5serve.files), the shard a RowRange over them, each file's part of it a ``Piece``. A batch
 is gathered piece by piece: through a chunk cache per file when the shard fits the budget,
-else read a chunk run at a time, as one file's lazy backend does. At most MAX_OPEN_FILES
+else read a chunk run at a time, as one file's lazy backend does. Variable-length rows: each
+piece's rows of the batch gathered (a VlenCache per piece, or one h5py read), then put in the
+batch's order with one more vectorised gather. At most MAX_OPEN_FILES
 h5py handles stay open per process (least recently used closed first).
 """
 
@@ -16,10 +18,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..compound import rows_dataset
+from ..errors import UnsupportedDataset
 from ..files import check_agreement, check_file_lengths, pieces
-from ..reads import read_rows, read_shard_into, row_bytes
-from ..source import DatasetInfo, inspect_dataset, open_h5
+from ..reads import read_rows, read_shard_into
+from ..source import DatasetInfo, check_row_counts, inspect_dataset, open_h5
+from ..vlen import gather as vlen_gather
+from ..vlen import offsets_of
 from .chunkcache import ChunkCache, auto_cache_bytes
+from .gather import as_column
+from .ragged import RaggedColumn, read_ragged
+from .vlencache import VlenCache
 
 if TYPE_CHECKING:
     from .backends import BackendSpec, H5Handle
@@ -60,7 +69,8 @@ class _Handles:
 
 
 def inspect_files(spec: "BackendSpec") -> list[list[DatasetInfo]]:
-    """``infos[k][i]``: key ``k`` of file ``i``, each file opened once and closed.
+    """``infos[k][i]``: key ``k`` of file ``i`` (variable-length rows included), each file
+    opened once and closed.
 
     Raised when a file or key is missing or cannot be served: the DataError naming that file.
     """
@@ -68,7 +78,7 @@ def inspect_files(spec: "BackendSpec") -> list[list[DatasetInfo]]:
     for path in spec.files:
         with open_h5(path) as f:
             for k, key in enumerate(spec.keys):
-                infos[k].append(inspect_dataset(f, key))
+                infos[k].append(inspect_dataset(f, key, vlen=True))
     return infos
 
 
@@ -82,55 +92,104 @@ class FilesLazyBackend:
         self.infos = inspect_files(spec)
         set_dtypes = [check_agreement(spec.files, infos, requested) for infos, requested in zip(self.infos, spec.dtypes)]
         counts = [[info.rows for info in infos] for infos in self.infos]
+        check_row_counts(spec.keys, [sum(c) for c in counts])  # each key's length, as the shm backend says it
         check_file_lengths(spec.files, spec.keys, counts)
         self.out_dtypes = [requested or dtype for dtype, requested in zip(set_dtypes, spec.dtypes)]
         self.total_rows = sum(counts[0])
-        self.vlen_kinds = [""] * len(spec.keys)  # many files of variable-length rows are refused (files.check_agreement)
+        self.vlen_kinds = [infos[0].vlen for infos in self.infos]  # the files agree (files.check_agreement)
         self.rows = spec.selection.rows(self.total_rows)
         self.indices = spec.selection.indices(self.total_rows)
         self.pieces = pieces(self.rows, counts[0])
         self._starts = np.array([p.k0 for p in self.pieces], dtype=np.int64)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
-        need = sum(len(self.rows) * row_bytes(infos[0]) for infos in self.infos)
+        need = sum((VlenCache if infos[0].vlen else ChunkCache).nbytes_for(infos[p.index], p.local)
+                   for infos in self.infos for p in self.pieces)
         self.cached = need <= budget
         if not self.cached:
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
         self.handles = _Handles(spec.files, dict(spec.h5_options))
-        self._caches: dict[tuple[int, int], ChunkCache] = {}
+        self._caches: dict[tuple[int, int], ChunkCache | VlenCache] = {}
 
-    def _cache(self, k: int, j: int) -> ChunkCache:
+    def _cache(self, k: int, j: int) -> ChunkCache | VlenCache:
         cache = self._caches.get((k, j))
         if cache is None:
             piece = self.pieces[j]
-            cache = self._caches[(k, j)] = ChunkCache(self.infos[k][piece.index], piece.local, self.out_dtypes[k])
+            info = self.infos[k][piece.index]
+            cache = self._caches[(k, j)] = (VlenCache if info.vlen else ChunkCache)(info, piece.local,
+                                                                                     self.out_dtypes[k])
         return cache
 
-    def gather(self, positions: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         pos = positions.numpy()
         which = np.searchsorted(self._starts, pos, "right") - 1
-        out = [np.empty((len(pos), *infos[0].row_shape), dtype=d) for infos, d in zip(self.infos, self.out_dtypes)]
-        for j in np.unique(which).tolist():
-            at = np.flatnonzero(which == j)
+        groups = [(j, np.flatnonzero(which == j)) for j in np.unique(which).tolist()]
+        return [self._gather_vlen(k, groups, pos) if self.vlen_kinds[k] else self._gather_fixed(k, groups, pos)
+                for k in range(len(self.infos))]
+
+    def _gather_fixed(self, k: int, groups: list[tuple[int, np.ndarray]], pos: np.ndarray) -> torch.Tensor | np.ndarray:
+        d = self.out_dtypes[k]
+        out = np.empty((len(pos), *self.infos[k][0].row_shape), dtype=d)
+        for j, at in groups:
             piece = self.pieces[j]
             local = pos[at] - piece.k0
             handle = self.handles.get(piece.index)
-            for k, (infos, d) in enumerate(zip(self.infos, self.out_dtypes)):
-                info = infos[piece.index]
-                if self.cached:
-                    out[k][at] = self._cache(k, j).take(handle.dataset, torch.from_numpy(local)).numpy()
-                else:
-                    dset, stored = handle.located(info)
-                    out[k][at] = read_rows(dset, info, piece.local.start + local * piece.local.step, d, stored)
-        return [torch.from_numpy(o) for o in out]
+            if self.cached:
+                column = self._cache(k, j).take(handle.dataset, torch.from_numpy(local))
+                out[at] = column.numpy() if isinstance(column, torch.Tensor) else column  # byte strings: arrays
+            else:
+                dset, stored = handle.located(self.infos[k][piece.index])
+                out[at] = read_rows(dset, self.infos[k][piece.index], piece.local.start + local * piece.local.step, d,
+                                    stored)
+        return as_column(out)
+
+    def _gather_vlen(self, k: int, groups: list[tuple[int, np.ndarray]], pos: np.ndarray) -> RaggedColumn:
+        """Each file's rows of the batch (a vectorised gather each), then one more gather into
+        the batch's order."""
+        d, kind = self.out_dtypes[k], self.vlen_kinds[k]
+        columns: list[RaggedColumn] = []
+        order = []
+        for j, at in groups:
+            piece = self.pieces[j]
+            local = pos[at] - piece.k0
+            handle = self.handles.get(piece.index)
+            info = self.infos[k][piece.index]
+            if self.cached:
+                cache = self._cache(k, j)
+                assert isinstance(cache, VlenCache)
+                column = cache.take(handle.dataset, torch.from_numpy(local))
+            else:
+                column = read_ragged(handle.dataset(info.key), info, piece.local.start + local * piece.local.step, d)
+            columns.append(column)
+            order.append(at)
+        if len(columns) == 1:  # one file: already in the batch's order
+            return columns[0]
+        if not columns:
+            return RaggedColumn(np.empty(0, dtype=d), np.zeros(0, dtype=np.int64), kind)
+        where = np.empty(len(pos), dtype=np.int64)
+        where[np.concatenate(order)] = np.arange(len(pos))
+        flat, lengths = vlen_gather(offsets_of(np.concatenate([c.lengths for c in columns])),
+                                    np.concatenate([c.values for c in columns]), where)
+        return RaggedColumn(flat, lengths, kind)
 
     def read_all(self) -> list[np.ndarray]:
-        """The whole shard of every key, in the output dtypes (the compat dataset's private copy)."""
+        """The whole shard of every key, in the output dtypes (the compat dataset's private copy).
+
+        Raised for variable-length rows, which that copy does not hold: UnsupportedDataset.
+        """
+        for k, key in enumerate(self.spec.keys):
+            if self.vlen_kinds[k]:
+                raise UnsupportedDataset(
+                    f"dataset {key!r} in {self.spec.files[0]} holds variable-length rows; SharedH5Dataset serves "
+                    "variable-length rows, this reader (the compat preload) does not: use SharedH5Dataset"
+                )
         arrays = [np.empty((len(self.rows), *infos[0].row_shape), dtype=d) for infos, d in zip(self.infos, self.out_dtypes)]
         for piece in self.pieces:
             with open_h5(self.spec.files[piece.index], **self.spec.h5_options) as f:
                 for k, key in enumerate(self.spec.keys):
-                    read_shard_into(f[key], self.infos[k][piece.index], piece.local, arrays[k][piece.k0:piece.k1])
+                    # a compound field: read through the helper every other path reads with
+                    read_shard_into(rows_dataset(f, key), self.infos[k][piece.index], piece.local,
+                                    arrays[k][piece.k0:piece.k1])
         return arrays
 
     def close(self) -> None:

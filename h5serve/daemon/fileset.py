@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
+from ..compound import FieldRows, rows_dataset
 from ..errors import SourceChanged
 from ..files import check_agreement, pieces
 from ..protocol import Acquire
@@ -61,7 +62,8 @@ def _depends(resolved: ResolvedFiles) -> tuple[tuple, ...]:
 def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
     """The segment metadata for ``req``'s rows of the concatenated files.
 
-    Raised when the files disagree on row shape or dtype: DataError naming the first that differs.
+    Raised when the files disagree on the kind of rows, row shape or dtype: DataError naming
+    the first that differs. Variable-length rows: one segment of every file's rows (vlenload.py).
     """
     members = resolved.members
     infos = [m.info for m in members]
@@ -70,26 +72,37 @@ def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
     source_dtype = check_agreement(paths, infos, requested)
     total = sum(info.rows for info in infos)
     first = members[0].ident
+    rows = Selection(req.mode, req.world_size, req.rank, req.span).count(total)
+    # variable-length rows: values estimated for the budget (each file's mean row length, by its
+    # rows) until the load counts them
+    mean = sum(info.mean_length * info.rows for info in infos) / max(total, 1)
     return SegmentMeta(
         source_path=first.path, source_dev=first.dev, source_ino=first.ino, source_size=first.size,
         source_mtime_ns=first.mtime_ns, key=req.key, mode=req.mode, world_size=req.world_size, rank=req.rank,
-        total_rows=total, rows=Selection(req.mode, req.world_size, req.rank, req.span).count(total),
+        total_rows=total, rows=rows,
         row_shape=infos[0].row_shape, dtype=storage_dtype(source_dtype, requested).str,
         source_dtype=source_dtype.str, span=req.span,
         files=tuple((*m.ident.as_tuple(), m.info.rows) for m in members), depends=_depends(resolved),
+        vlen=infos[0].vlen, values=round(mean * rows) if infos[0].vlen else 0,
     )
 
 
 SMALL_PIECE_BYTES = 4 * 1024 * 1024  # a file's rows below this are read without rawcopy or a full inspection
 
 
-def _quick_info(dset: h5py.Dataset, key: str) -> DatasetInfo:
-    """``inspect_dataset``'s description of a dataset already inspected under the same identity."""
+def _quick_info(dset: h5py.Dataset | FieldRows, key: str) -> DatasetInfo:
+    """``inspect_dataset``'s description of a dataset (or a field of one: compound.FieldRows)
+    already inspected under the same identity."""
     chunks = dset.chunks
     rows = int(dset.shape[0])
-    return DatasetInfo(key=key, rows=rows, row_shape=tuple(int(n) for n in dset.shape[1:]),
-                       dtype=dset.dtype.newbyteorder("="), chunk_rows=int(chunks[0]) if chunks else max(rows, 1),
-                       chunked=bool(chunks))
+    dtype, field = dset.dtype, ""
+    extra: tuple[int, ...] = ()
+    if isinstance(dset, FieldRows):  # the field's dtype; its own shape follows the dataset's dimensions
+        sub = dset.dtype.fields[dset.field][0]
+        dtype, extra, field = sub.base, tuple(int(n) for n in sub.shape), dset.field
+    return DatasetInfo(key=key, rows=rows, row_shape=tuple(int(n) for n in (*dset.shape[1:], *extra)),
+                       dtype=dtype.newbyteorder("="), chunk_rows=int(chunks[0]) if chunks else max(rows, 1),
+                       chunked=bool(chunks), field=field)
 
 
 def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
@@ -111,7 +124,7 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
         with open_h5_verified(FileIdentity(*entry[:5])) as f:
             # the resolver inspected this very file (same device and inode; size and mtime are
             # checked once the load is done): a small piece skips the full inspection
-            dset = f[meta.key]
+            dset = rows_dataset(f, meta.key)  # a compound field: read through the one-file path's helper
             info = _quick_info(dset, meta.key) if small else inspect_dataset(f, meta.key)
             if info.rows != entry[5] or info.row_shape != meta.row_shape:
                 raise SourceChanged(f"{entry[0]} changed while it was being loaded (dataset {meta.key!r} now has "

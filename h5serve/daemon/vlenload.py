@@ -12,6 +12,11 @@ full /dev/shm is a ShmFull naming the bytes, never a SIGBUS, and the segment gro
 exact size. Nothing here writes through a mapping; the header's metadata gets the number of
 values at the end (``SegmentWriter.set_values``), before the loader publishes.
 
+Many files as one dataset: each file's rows of the shard are read in turn (each file opened
+and checked to be the one resolved, as daemon/fileset.py does for fixed rows) into the same
+values and offsets, offsets running on across files: the segment is what one file holding
+every file's rows one after the other would give.
+
 One process (``--load-processes`` does not split a vlen load yet): where a part's values go
 depends on the lengths of every row before it, so parts would need a barrier (each part
 reads its rows into memory and publishes their lengths, the loader sums them and reserves the
@@ -21,17 +26,20 @@ meanwhile. The cost is HDF5's conversion, a few microseconds a row.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import h5py
 import numpy as np
 
 from ..compound import rows_dataset
 from ..errors import SourceChanged
+from ..files import pieces
 from ..rawcopy import write_all
 from ..crc import LOAD_CRC
 from ..segments import SegmentMeta, SegmentWriter
-from ..source import inspect_dataset
+from ..sharding import RowRange
+from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified
 from ..vlen import read_vlen, values_offset
 
 __all__ = ["load_vlen", "BLOCK_VALUE_BYTES"]
@@ -48,47 +56,79 @@ def _block_rows(value_bytes: float) -> int:
     return int(min(max(BLOCK_VALUE_BYTES // value_bytes, 64), _MAX_BLOCK_ROWS))
 
 
+def _blocks(dset: Any, info: DatasetInfo, key: str, rows: RowRange, base: np.dtype,
+            block: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(lengths, values)`` of ``rows`` of ``dset``, a block of rows (one h5py call) at a time,
+    the values in ``base``; the block aims at BLOCK_VALUE_BYTES once row lengths are seen."""
+    k = 0
+    while k < len(rows):
+        n = min(block, len(rows) - k)
+        a = rows.start + k * rows.step
+        b = a + (n - 1) * rows.step + 1
+        lengths, values = read_vlen(dset, key, info.vlen, info.dtype, slice(a, b, rows.step), a, b)
+        yield lengths, np.ascontiguousarray(values.astype(base, copy=False))
+        k += n
+        if n == block and k < len(rows):
+            block = _block_rows(values.nbytes / n)
+
+
+def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tuple[Any, DatasetInfo, RowRange]]:
+    """Each file's dataset, its description and its rows of the shard, in row order: ``f``
+    alone, or each file of a multi-file set opened in turn (checked to be the one resolved).
+
+    Raised when a file is no longer what the request saw: SourceChanged.
+    """
+    if not meta.files:
+        info = inspect_dataset(f, meta.key, vlen=True)
+        if (info.vlen, info.dtype.str, info.rows) != (meta.vlen, meta.source_dtype, meta.total_rows):
+            raise SourceChanged(f"{meta.source_path}[{meta.key}] is not the dataset the request saw; request it again")
+        yield rows_dataset(f, meta.key), info, meta.row_range
+        return
+    set_dtype = np.dtype(meta.source_dtype)
+    for piece in pieces(meta.row_range, meta.file_rows):
+        entry = meta.files[piece.index]
+        with open_h5_verified(FileIdentity(*entry[:5])) as g:
+            info = inspect_dataset(g, meta.key, vlen=True)
+            if info.vlen != meta.vlen or info.rows != entry[5] or not np.can_cast(info.dtype, set_dtype, "safe"):
+                raise SourceChanged(f"{entry[0]}[{meta.key}] is not the dataset the request saw (it changed while "
+                                    "being loaded); request it again")
+            yield rows_dataset(g, meta.key), info, piece.local
+
+
 def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: Callable[[int], None],
               checksum: bool) -> tuple[int, int]:
-    """Read the shard ``meta`` describes out of ``f`` into ``writer``'s segment (created for
-    no values yet): offsets, then values. Returns ``(crc32 of the data area or -1, values)``.
+    """Read the shard ``meta`` describes out of ``f`` (many files: out of each file of
+    ``meta.files`` in turn, their rows one after the other) into ``writer``'s segment (created
+    for no values yet): offsets, then values. Returns ``(the LOAD_CRC of the data area or -1, values)``.
 
-    Raised when the dataset is no longer what the request saw: SourceChanged. Raised when rows
+    Raised when a dataset is no longer what the request saw: SourceChanged. Raised when rows
     cannot be read: DataError; when /dev/shm is full: ShmFull.
     """
-    info = inspect_dataset(f, meta.key, vlen=True)
-    if (info.vlen, info.dtype.str, info.rows) != (meta.vlen, meta.source_dtype, meta.total_rows):
-        raise SourceChanged(f"{meta.source_path}[{meta.key}] is not the dataset the request saw; request it again")
     stored = meta.np_dtype
-    rows = meta.row_range
-    dset = rows_dataset(f, meta.key)
     fd, data_at = writer.data_target()
     first_value = values_offset(meta.rows)
     offsets = np.zeros(first_value // 8, dtype=np.int64)  # the whole offsets region, padding included
     count = 0  # values written
     crc = 0
-    block = _block_rows(info.mean_length * stored.itemsize)
-    k = 0
-    while k < meta.rows:
-        n = min(block, meta.rows - k)
-        a = rows.start + k * rows.step
-        b = a + (n - 1) * rows.step + 1
-        lengths, values = read_vlen(dset, meta.key, meta.vlen, info.dtype, slice(a, b, rows.step), a, b)
-        values = np.ascontiguousarray(values.astype(stored, copy=False))
-        np.cumsum(lengths, out=offsets[k + 1:k + 1 + n])
-        offsets[k + 1:k + 1 + n] += offsets[k]
-        if values.size:
-            at = first_value + count * stored.itemsize
-            writer.reserve(at, values.nbytes)
-            raw = memoryview(values.view(np.uint8))
-            write_all(fd, raw, data_at + at)
-            if checksum:
-                crc = LOAD_CRC.update(raw, crc)
-        count += values.size
-        k += n
-        progress(k)
-        if n == block and k < meta.rows:  # aim the next block at BLOCK_VALUE_BYTES
-            block = _block_rows(values.nbytes / n)
+    k = 0  # rows done
+    for dset, info, rows in _sources(f, meta, stored):
+        for lengths, values in _blocks(dset, info, meta.key, rows, stored, _block_rows(info.mean_length * stored.itemsize)):
+            n = len(lengths)
+            np.cumsum(lengths, out=offsets[k + 1:k + 1 + n])
+            offsets[k + 1:k + 1 + n] += offsets[k]  # shifted past every earlier row, of this file and those before
+            if values.size:
+                at = first_value + count * stored.itemsize
+                writer.reserve(at, values.nbytes)
+                raw = memoryview(values.view(np.uint8))
+                write_all(fd, raw, data_at + at)
+                if checksum:
+                    crc = LOAD_CRC.update(raw, crc)
+            count += values.size
+            k += n
+            progress(k)
+    if k != meta.rows:
+        raise SourceChanged(f"{meta.source_path}[{meta.key}]: {k} rows read where {meta.rows} were expected; "
+                            "request it again")
     write_all(fd, memoryview(offsets.view(np.uint8)), data_at)
     writer.set_values(count)
     if not checksum:
