@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 an h5serve error (the message says what to do); 2 bad u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -15,10 +16,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from . import __version__
-from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError
+from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
 from .protocol import Ping
 from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
 from .segments import format_bytes
@@ -170,7 +172,7 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
         )
     except OSError as exc:
-        raise H5ServeError(f"cannot run {sys.executable} to start the daemon: {exc.strerror}") from exc
+        raise host_error(exc, f"running {sys.executable} to start the daemon") from exc
     finally:
         os.close(log)
 
@@ -527,12 +529,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_errors() -> tuple[type[BaseException], ...]:
+    """The third-party errors an environment problem arrives as: OSError, and ZMQError once a
+    command has imported zmq (only then can it be raised; commands that do not talk never import it)."""
+    zmq = sys.modules.get("zmq")
+    return (OSError,) if zmq is None else (OSError, zmq.ZMQError)
+
+
+@contextlib.contextmanager
+def _environment_errors(command: str) -> Iterator[None]:
+    """Whatever OSError or ZMQError a command did not map where it happened leaves as the
+    HostError that names it and says what to do (errors.host_error), never as a traceback."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise  # the reader of our output went away: nothing to tell it
+    except _os_errors() as exc:
+        raise host_error(exc, f"h5serve {command}") from exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with _environment_errors(args.command):
+            return int(args.func(args))
     except H5ServeError as exc:
         print(f"h5serve: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # `h5serve status | head -1`: quiet, and no second error when Python flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

@@ -120,10 +120,10 @@ class DaemonClient:
 
     def _round_trip(self, request: Request, timeout: float) -> dict[str, Any] | Exception | None:
         """The reply (a result, or the error to raise), or None on timeout."""
-        sock = self._socket()
         self._next_id += 1
         request_id = self._next_id
         try:
+            sock = self._socket()  # inside: a new context can fail too (no open files left)
             sock.send(encode_request(request_id, request), zmq.NOBLOCK)
             deadline = time.monotonic() + timeout
             while (remaining := deadline - time.monotonic()) > 0:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import __version__
-from ..errors import ConfigError
+from ..errors import ConfigError, host_error
 
 __all__ = ["Metrics", "LOAD_SECONDS_BUCKETS"]
 
@@ -50,7 +50,8 @@ class Metrics:
             try:
                 self.server, _thread = start_http_server(port, addr=addr, registry=self.registry)
             except OSError as exc:
-                raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror}; choose another --metrics-port") from exc
+                raise host_error(exc, f"serving metrics on {addr}:{port}",
+                                 fix="choose another --metrics-port (0: any free port)") from exc
             log.info("metrics on http://%s:%d/metrics", addr, self.server.server_port)
 
     @property
