@@ -15,8 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -119,7 +119,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             if process.poll() is None:
                 process.kill()
             raise H5ServeError(
-                f"the daemon did not start on {location.directory}; last log lines:\n  " + "\n  ".join(_log_tail(dir_fd))
+                f"the daemon did not start on {location.directory}; last log lines:\n  "
+                + "\n  ".join(_log_tail(dir_fd))
             )
     finally:
         os.close(dir_fd)
@@ -231,7 +232,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         while client.available() and time.monotonic() < deadline:
             time.sleep(0.05)
         if client.available():
-            raise H5ServeError(f"the daemon (pid {pid}) did not stop within {STOP_TIMEOUT_S:g}s; kill it with `kill {pid}`")
+            raise H5ServeError(f"the daemon (pid {pid}) did not stop within {STOP_TIMEOUT_S:g}s; "
+                               f"kill it with `kill {pid}`")
     print(f"h5serve daemon stopped (pid {pid})")
     return EXIT_OK
 
@@ -281,7 +283,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             info = client.status()
         except DaemonUnavailable as exc:
-            print(json.dumps({"running": False, "runtime_dir": str(client.location.directory)}) if args.json else str(exc))
+            stopped = {"running": False, "runtime_dir": str(client.location.directory)}
+            print(json.dumps(stopped) if args.json else str(exc))
             return EXIT_NOT_RUNNING
     report = _verify_segments(info) if args.verify else None
     if args.json:
@@ -459,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", help="run as this user (start as root, e.g. from a SLURM prolog)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     p.add_argument("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote scrapes)")
-    p.add_argument("--metrics-textfile", metavar="DIR", help="write h5serve.prom there for node_exporter's textfile collector")
+    p.add_argument("--metrics-textfile", metavar="DIR",
+                   help="write h5serve.prom there for node_exporter's textfile collector")
     p.add_argument("--stall-timeout", type=_positive_seconds, metavar="SECONDS",
                    help="kill a load that makes no progress for this long (a stopped loader, a hung file system) "
                    "and fail it, so jobs read lazily and later loads run (default 120)")
@@ -487,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--y-key", help="dataset of targets (optional)")
     p.add_argument("--world-size", type=int, help="ranks in the job (with --plan: default from SLURM)")
     p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
-    p.add_argument("--plan", action="store_true", help="load exactly the ranks that run on this node (see `h5serve plan`)")
+    p.add_argument("--plan", action="store_true",
+                   help="load exactly the ranks that run on this node (see `h5serve plan`)")
     p.add_argument("--mode", choices=["contiguous", "interleave", "node", "global"], default="contiguous",
                    help="the sharding the training job uses (default contiguous; node: one block of the rows of "
                         "this node's ranks, from --plan or --ranks (default every rank); global: the whole file, "

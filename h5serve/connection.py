@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -56,7 +57,7 @@ class DaemonClient:
         self._sock: zmq.Socket | None = None
         self._next_id = 0
 
-    def __enter__(self) -> "DaemonClient":
+    def __enter__(self) -> DaemonClient:
         return self
 
     def __exit__(self, *_: object) -> None:

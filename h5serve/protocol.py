@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -93,7 +93,7 @@ class Acquire:
     world_size: int
     rank: int
     mode: str = "contiguous"
-    dtype: Union[str, None] = None
+    dtype: str | None = None
     span: int = 1  # mode="node": the node's ranks are rank .. rank + span - 1
     files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
 
@@ -121,7 +121,7 @@ class Acquire:
             _check_str("dtype", self.dtype, MAX_DTYPE_CHARS)
 
 
-Request = Union[Ping, Status, Shutdown, Acquire]
+Request = Ping | Status | Shutdown | Acquire
 REQUEST_TYPES: dict[str, type] = {cls.OP: cls for cls in (Ping, Status, Shutdown, Acquire)}
 
 
@@ -144,7 +144,7 @@ class AcquireResult:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_wire(cls, result: dict[str, Any]) -> "AcquireResult":
+    def from_wire(cls, result: dict[str, Any]) -> AcquireResult:
         try:
             value = cls(**result)
         except TypeError as exc:

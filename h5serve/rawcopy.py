@@ -193,7 +193,7 @@ class FileCopier:
             self._pipe = None
         self._buffer = None
 
-    def __enter__(self) -> "FileCopier":
+    def __enter__(self) -> FileCopier:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -149,7 +149,8 @@ def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> i
             try:
                 os.fchown(fd, -1, group)
             except OSError as exc:
-                raise ConfigError(f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
+                raise ConfigError(
+                    f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
         wanted = 0o700 if group is None else 0o750
         if stat.S_IMODE(st.st_mode) != wanted:
             os.fchmod(fd, wanted)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable
 
 from .errors import H5ServeError, OutOfResources, host_error
 

@@ -222,7 +222,7 @@ class SegmentMeta:
         return out
 
     @classmethod
-    def from_wire(cls, data: object) -> "SegmentMeta":
+    def from_wire(cls, data: object) -> SegmentMeta:
         names = {f.name for f in fields(cls)}
         if isinstance(data, dict):  # written before node mode (span 1), or without these fields
             data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, **data}
@@ -334,7 +334,8 @@ def _values_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray | None:
     """The values of variable-length rows (None for fixed rows)."""
     if not meta.vlen:
         return None
-    return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values, offset=meta.header_size + values_offset(meta.rows))
+    return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values,
+                         offset=meta.header_size + values_offset(meta.rows))
 
 
 # ----- crc32 of large buffers, in parallel ----------------------------------------------------
@@ -722,7 +723,8 @@ def check_published(path: Path, meta: SegmentMeta, mode: int, header: bytes | No
             raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}: "
                                "something made it writable")
         if st.st_size != meta.file_size:
-            raise SegmentError(f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
+            raise SegmentError(
+                f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
         raw = _read_header(fd)
     finally:
         os.close(fd)
@@ -765,7 +767,9 @@ def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
     finally:
         os.close(fd)
     actual = _checksum_text(CHECKSUM_CRC32, struct.pack("<I", crc).ljust(16, b"\0"))
-    return "" if actual == recorded else f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"
+    if actual == recorded:
+        return ""
+    return f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"
 
 
 class AttachedSegment:
@@ -839,7 +843,8 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
         expected_owner = os.getuid() if owner is None else owner
         if st.st_uid != expected_owner:  # before the lease: another user's file could be locked forever
             raise SegmentError(
-                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: refusing to map it"
+                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: "
+                "refusing to map it"
             )
         _take_lease(fd, path)
         if os.fstat(fd).st_nlink == 0:

@@ -159,7 +159,7 @@ def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
     return f
 
 
-def identities_unchanged(identities: "Iterable[tuple]") -> bool:
+def identities_unchanged(identities: Iterable[tuple]) -> bool:
     """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded."""
     try:
         return all(file_identity(ident[0]).as_tuple() == tuple(ident[:5]) for ident in identities)
@@ -252,7 +252,8 @@ def inspect_dataset(f: h5py.File, key: str, vlen: bool = False) -> DatasetInfo:
         hint = (f"; select one of its fields as the key, e.g. '{key}:{fields[0]}' (fields: {', '.join(fields)})"
                 if fields else "")
         if kind and not why:
-            hint = "; SharedH5Dataset serves variable-length rows, this reader (H5LazyDataset, the compat preload) does not"
+            hint = ("; SharedH5Dataset serves variable-length rows, this reader (H5LazyDataset, the compat preload) "
+                    "does not")
         raise UnsupportedDataset(
             f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float, complex "
             f"and fixed-length byte string data is served{hint}"

@@ -21,9 +21,9 @@ from h5serve.errors import (
     H5ServeError,
     KeyNotFound,
     LengthMismatch,
+    RemoteError,
     ShmFull,
     SourceNotFound,
-    RemoteError,
     UnsupportedDataset,
     error_from_code,
     falls_back,
@@ -121,7 +121,8 @@ def test_daemon_survives_malformed_frames(shared_daemon: Daemon) -> None:
         sock.connect(f"ipc://{shared_daemon.runtime_dir}/h5serve.sock")
         garbage = [
             b"", b"\xc1", os.urandom(100), msgpack.packb([1, 2]), msgpack.packb({"v": 1, "id": 1, "op": "nope"}),
-            msgpack.packb({"v": 1, "id": 2, "op": "acquire", "path": 5}), msgpack.packb({"v": 99, "id": 3, "op": "ping"}),
+            msgpack.packb({"v": 1, "id": 2, "op": "acquire", "path": 5}),
+            msgpack.packb({"v": 99, "id": 3, "op": "ping"}),
             msgpack.packb({"v": 1, "id": 4, "op": "acquire", "path": "/x", "key": "k", "world_size": 2, "rank": 5}),
             b"\xdb\xff\xff\xff\xff",  # str of 4 GiB declared
         ]

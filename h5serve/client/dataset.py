@@ -10,16 +10,16 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError, H5ServeError, falls_back
-from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..files import describe_files, expand_paths
+from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields

@@ -4,7 +4,8 @@ The hot path of every backend that keeps rows in memory (a read-only shm mapping
 backend's chunk cache, the compat preload): per array and batch, one single-threaded
 ``np.take`` (a memcpy per row, no Python per row) into a freshly allocated array, handed
 over as a tensor (``torch.from_numpy``: no copy), and, when another dtype was asked for, one
-``astype`` of the gathered batch only, so every cast follows NumPy's rules. The source array (a read-only mapping) is only ever read; every batch is new
+``astype`` of the gathered batch only, so every cast follows NumPy's rules. The source array
+(a read-only mapping) is only ever read; every batch is new
 memory, so in-place transforms of a batch are safe and reach nothing else.
 
 Why single-threaded, and why not torch: ``torch.index_select`` (and ``.to`` for the cast)

@@ -45,27 +45,28 @@ import select
 import signal
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import numpy as np
 
 from ..compound import rows_dataset
 from ..errors import SegmentError, SourceChanged, code_for
+from ..files import plan_file_parts
 from ..rawcopy import data_extents, drop_cached
 from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
 from ..segments import SegmentMeta, SegmentWriter, crc32_combine, create_segment
 from ..sharding import RowRange, Selection
-from ..files import plan_file_parts
 from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from .checksum import FollowingCrc
 from .fileset import read_files_part
 from .vlenload import load_vlen
 
-__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES",
+           "MIN_PART_ENV"]
 
 _PR_SET_PDEATHSIG = 1
 # A part is worth its own process only above this many bytes of source rows (forking, opening
@@ -163,7 +164,8 @@ def min_part_bytes() -> int:
     return value if value > 0 else MIN_PART_BYTES
 
 
-def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: int, min_part: int | None = None) -> list[tuple[int, int]]:
+def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: int,
+               min_part: int | None = None) -> list[tuple[int, int]]:
     """The global row ranges one load is split into: at most ``processes``, each at least about
     ``min_part`` bytes of source rows, cut at chunk boundaries. One part: no split."""
     first, last = shard_span(info, selection)
@@ -360,7 +362,8 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
         progress(done)
 
     try:
-        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span, dest=writer.data_target())
+        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span,
+                                 dest=writer.data_target())
         return PartResult(copied, -1 if crc is None else crc.result())
     finally:
         if crc is not None:
@@ -503,7 +506,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
 def start_load(ctx: multiprocessing.context.BaseContext, job: LoadJob) -> tuple[multiprocessing.Process, Connection]:
     """Start a loader process for ``job``; the returned pipe end receives (status, code, message[, stats])."""
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}", daemon=True)
+    process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
+                          daemon=True)
     process.start()
     sender.close()
     return process, receiver

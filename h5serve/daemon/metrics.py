@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError, host_error
@@ -113,7 +114,8 @@ class _SnapshotCollector:
             ("h5serve_loads", "loads", "Segments loaded from HDF5"),
             ("h5serve_hits", "hits", "Requests answered by an already loaded segment"),
             ("h5serve_evictions", "evictions", "Segments evicted (memory budget or changed source)"),
-            ("h5serve_refusals", "refusals", "Requests refused (budget, --allow-root, requester may not read the file)"),
+            ("h5serve_refusals", "refusals",
+             "Requests refused (budget, --allow-root, requester may not read the file)"),
             ("h5serve_load_errors", "load_errors", "Loads that failed"),
             ("h5serve_damaged", "damaged", "Published segments found damaged before a hit, and loaded again"),
             ("h5serve_stalled", "stalled", "Loads killed by the stall watchdog"),

@@ -43,6 +43,7 @@ from ..protocol import (
 from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
 from ..safeio import open_regular, read_small
 from ..segments import format_bytes
+from .access import Peer
 from .config import (
     DEFAULT_MEMORY_FRACTION,
     POLL_INTERVAL_S,
@@ -50,7 +51,6 @@ from .config import (
     default_load_processes,
     default_loaders,
 )
-from .access import Peer
 from .loader import start_forkserver
 from .metrics import Metrics
 from .notify import Notifier
@@ -82,7 +82,8 @@ def _lock_pidfile(config: DaemonConfig, dir_fd: int) -> int:
         pid = read_small(fd, 32).decode("ascii", "replace").strip() or "?"
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise DaemonAlreadyRunning(f"an h5serve daemon (pid {pid}) already serves {config.location.directory}") from exc
+            raise DaemonAlreadyRunning(
+                f"an h5serve daemon (pid {pid}) already serves {config.location.directory}") from exc
         raise ConfigError(f"cannot lock {config.location.pidfile}: {exc.strerror}") from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -11,12 +11,13 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from multiprocessing import Process
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -168,7 +169,8 @@ class SegmentStore:
             if complete and unchanged and segment_name(self.namespace, meta, self.secret) == path.name:
                 self.entries[path.name] = Entry(path.name, meta, "ready")
                 self.counters["adopted"] += 1
-                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank, meta.world_size)
+                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank,
+                         meta.world_size)
             else:
                 remove_if(path, keep=_not_ours)
 
@@ -484,7 +486,8 @@ class SegmentStore:
             f"the daemon's load of {m.source_path}[{m.key}] rank {m.rank}/{m.world_size} made no progress for "
             f"{self.stall_timeout:g}s ({entry.activity[0]} of {m.rows} rows; a stopped loader or a hung file system), "
             f"so the daemon stopped it. Check that the file reads (e.g. `cat FILE > /dev/null`); the daemon loads it "
-            f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately that slow)"))
+            f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately "
+            "that slow)"))
 
     # ----- reporting and shutdown ----------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import argparse
 import gc
 import json
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
