@@ -190,12 +190,12 @@ def _unpack_map(frame: bytes, max_bytes: int) -> dict[str, Any]:
     _check_int("id", message.get("id"), 0, 2**63 - 1)
     version = message.get("v")
     if type(version) is not int or version != VERSION:
-        exc = ProtocolError(
+        error = ProtocolError(
             f"protocol version {version!r} is not this side's {VERSION}: the daemon and the client run "
             "different h5serve versions; restart the daemon with the client's version (h5serve stop; h5serve start)"
         )
-        exc.request_id = message["id"]  # so the peer can match the error to its request
-        raise exc
+        error.request_id = message["id"]  # so the peer can match the error to its request
+        raise error
     return message
 
 

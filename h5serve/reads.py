@@ -168,8 +168,9 @@ def read_shard_into(
     stage: np.ndarray | None = None
     copier = FileCopier() if dest is not None else None
     try:
-        staged = dest is not None and copier is not None
-        copy = _row_copier(dset, info, rows, out.dtype, dest, copier) if staged else None
+        copy = None
+        if dest is not None and copier is not None:
+            copy = _row_copier(dset, info, rows, out.dtype, dest, copier)
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
             k0, k1 = local_range(a, b, start, step, len(out))
             if k1 <= k0:
@@ -180,7 +181,7 @@ def read_shard_into(
                 if stage is None or len(stage) < k1 - k0:
                     stage = np.empty((k1 - k0, *out.shape[1:]), dtype=out.dtype)
                 buffer = _read_positions(dset, info, start, step, k0, k1, stage[: k1 - k0], buffer)
-                write_all(dest[0], memoryview(stage[: k1 - k0].reshape(-1).view(np.uint8)), dest[1] + k0 * out_row)
+                write_all(dest[0], stage[: k1 - k0].reshape(-1).view(np.uint8).data, dest[1] + k0 * out_row)
             else:
                 buffer = _read_positions(dset, info, start, step, k0, k1, out[k0:k1], buffer)
             done += k1 - k0

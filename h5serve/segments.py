@@ -230,7 +230,7 @@ class SegmentMeta:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():
             expected = str if name in _STR_FIELDS else (list if name in _LIST_FIELDS else int)
-            if type(value) is not expected or (expected is int and value < 0):
+            if type(value) is not expected or (isinstance(value, int) and value < 0):
                 raise SegmentError(f"segment metadata field {name!r} has a bad value {value!r:.80}")
         if not all(type(n) is int and n >= 0 for n in data["row_shape"]):
             raise SegmentError(f"segment metadata row_shape {data['row_shape']!r:.80} is invalid")
@@ -822,7 +822,7 @@ def _take_lease(fd: int, path: Path) -> None:
             time.sleep(0.005)
 
 
-def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> AttachedSegment:
+def attach_segment(shm_dir: str | os.PathLike[str], name: str, owner: int | None = None) -> AttachedSegment:
     """Open, lease and map a published segment read-only; validates owner, header and size.
     ``owner`` is the daemon's uid (default: ours): a file of anyone else is never mapped.
 
@@ -879,9 +879,9 @@ def count_leases(paths: list[Path]) -> dict[Path, int]:
         wanted[(st.st_dev, st.st_ino)] = path
     counts = dict.fromkeys(paths, 0)
     for lock in flocks():  # none where /proc/locks cannot be read: status reports no holders
-        path = wanted.get((lock.dev, lock.ino))
-        if path is not None and not lock.exclusive:
-            counts[path] += 1
+        held = wanted.get((lock.dev, lock.ino))
+        if held is not None and not lock.exclusive:
+            counts[held] += 1
     return counts
 
 
@@ -897,7 +897,7 @@ def try_evict(path: Path, owner: int | None = None) -> bool:
     except FileNotFoundError:
         return True
     except OSError as exc:  # a symlink (ELOOP), a socket (ENXIO), unreadable...
-        return _not_ours(path, owner, exc.strerror)
+        return _not_ours(path, owner, exc.strerror or str(exc))
     try:
         st = os.fstat(fd)
         if not is_own_file(st, owner):

@@ -13,6 +13,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -20,6 +21,9 @@ import numpy as np
 from .compound import FieldRows, split_field
 from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
 from .vlen import estimate_mean_length, is_text, vlen_kind
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = [
     "FileIdentity",
@@ -198,7 +202,7 @@ def _dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
     return names
 
 
-def resolve_dtype(dtype: object, what: str) -> np.dtype | None:
+def resolve_dtype(dtype: DTypeLike | None, what: str) -> np.dtype | None:
     """A requested dtype as a servable numpy dtype (native order), or None.
 
     Raised when numpy cannot parse it, or it is an array, structured, non-numeric or
@@ -306,6 +310,8 @@ def _inspect_vlen(f: h5py.File, obj: h5py.Dataset, key: str, field: str, kind: s
 
 def _numeric_fields(dtype: np.dtype) -> list[str]:
     """The fields of a compound dtype that can be served, in order."""
+    if dtype.fields is None:
+        return []
     return [name for name in dtype.names or () if not _unservable(dtype.fields[name][0].base)]
 
 

@@ -155,7 +155,7 @@ class ArrayBackend:
 
     @arrays.setter
     def arrays(self, arrays: list[np.ndarray]) -> None:
-        self._sources = [RowSource(a, d) for a, d in zip(arrays, self.out_dtypes)]
+        self._sources: list[RowSource | RaggedSource] = [RowSource(a, d) for a, d in zip(arrays, self.out_dtypes)]
 
     def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         return [source.take(positions) for source in self._sources]
@@ -219,7 +219,7 @@ class ShmBackend(ArrayBackend):
         self.segments = segments
         self.vlen_kinds = [s.meta.vlen for s in segments]
         if any(self.vlen_kinds):  # offsets (``data``) and values: gathered by RaggedSource
-            self._sources = [RaggedSource(s.data, s.values, d, s.meta.vlen) if s.meta.vlen else source
+            self._sources = [_ragged_source(s, d) if s.meta.vlen else source
                              for s, d, source in zip(segments, out, self._sources)]
 
     @classmethod
@@ -319,7 +319,15 @@ class ShmBackend(ArrayBackend):
         return (_reattach, (self.spec, [(str(s.path.parent), s.name, s.owner) for s in self.segments]))
 
 
-def _reattach(spec: BackendSpec, where: list[tuple[str, str, int]]) -> ArrayBackend | LazyBackend:
+def _ragged_source(segment: AttachedSegment, out_dtype: np.dtype) -> RaggedSource:
+    if segment.values is None:  # the header says variable-length rows, the file has no values part
+        raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: "
+                           "it is damaged; the daemon loads it again once it is removed")
+    return RaggedSource(segment.data, segment.values, out_dtype, segment.meta.vlen)
+
+
+def _reattach(spec: BackendSpec,
+              where: list[tuple[str, str, int]]) -> ArrayBackend | LazyBackend | FilesLazyBackend:
     """Unpickling in a spawned worker: map the same segments by name. If they are gone (the
     daemon stopped or evicted them), read the same rows lazily instead: never fail a worker."""
     try:

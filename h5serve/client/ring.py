@@ -204,13 +204,14 @@ def gather(backend: Any, positions: torch.Tensor) -> RingBatch | list[torch.Tens
     layout, nbytes = _layout(specs)
     ring = _ring_for(nbytes) if len(specs) in (1, 2) else None
     slot = None if ring is None else ring.claim()
-    if slot is None:
+    if ring is None or slot is None:
         return backend.gather(positions) if tensors is None else tensors
     try:
         if tensors is not None:
             for tensor, item in zip(tensors, layout):
                 np.copyto(ring.view(slot, item), tensor.numpy())
         else:
+            assert arrays is not None  # no tensors gathered: the backend has arrays
             index = positions.numpy()
             for array, item in zip(arrays, layout):
                 out = ring.view(slot, item)
@@ -261,7 +262,7 @@ def collate(samples: Any) -> RingBatch | None:
     layout, nbytes = _layout(specs)
     ring = _ring_for(nbytes)
     slot = None if ring is None else ring.claim()
-    if slot is None:
+    if ring is None or slot is None:
         return None
     try:
         for column, item in zip(columns, layout):

@@ -57,7 +57,7 @@ class FollowingCrc:
                         return
                     end = self._ready
                 if end > self._hashed:
-                    self._crc = zlib.crc32(self._data[self._hashed:end], self._crc)
+                    self._crc = zlib.crc32(self._data[self._hashed:end].data, self._crc)
                     self._hashed = end
                 if end >= self._stop:
                     return

@@ -114,7 +114,7 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def loader_context() -> multiprocessing.context.BaseContext:
+def loader_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments", "h5serve.reads", "h5serve.daemon.loader"])
@@ -349,7 +349,7 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
     if meta.files:
         copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache)
-        return PartResult(copied, zlib.crc32(flat[k0 * row:k1 * row]) if checksum else -1)
+        return PartResult(copied, zlib.crc32(flat[k0 * row:k1 * row].data) if checksum else -1)
     if f is None:
         with open_h5(meta.source_path) as f:
             return _read_part(meta, rows, writer, span, progress, checksum, f)
@@ -426,10 +426,11 @@ def _run(job: LoadJob, reply: Connection) -> None:
         writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group)
         started = time.monotonic_ns()
         rows = meta.row_range
-        spans = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
+        spans: list[tuple[int, int] | None] = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
+                assert span is not None  # more than one part: each has its span
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
                          writer: SegmentWriter = writer) -> PartResult:
                     return _read_part(meta, rows, writer, span, progress, job.checksum,
@@ -438,7 +439,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
 
-        def progress(rows_done: int) -> None:
+        def progress(rows_done: int, writer: SegmentWriter = writer) -> None:
             nonlocal shown
             if daemon_gone():
                 raise DaemonGone()
@@ -503,7 +504,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
         reply.close()
 
 
-def start_load(ctx: multiprocessing.context.BaseContext, job: LoadJob) -> tuple[multiprocessing.Process, Connection]:
+def start_load(ctx: multiprocessing.context.ForkServerContext,
+               job: LoadJob) -> tuple[multiprocessing.context.ForkServerProcess, Connection]:
     """Start a loader process for ``job``; the returned pipe end receives (status, code, message[, stats])."""
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",

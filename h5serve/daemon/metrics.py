@@ -39,7 +39,7 @@ class Metrics:
         self._last_refresh = 0.0
         self._last_textfile = 0.0
         self.textfile = textfile_dir / "h5serve.prom" if textfile_dir is not None else None
-        if self.textfile is not None and not textfile_dir.is_dir():
+        if textfile_dir is not None and not textfile_dir.is_dir():
             raise ConfigError(f"--metrics-textfile {textfile_dir} is not a directory")
         self.load_seconds = Histogram(
             "h5serve_load_seconds", "Time to load one segment from HDF5 into shared memory",

@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from multiprocessing import Process
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
     tmp_name: str = ""
-    process: Process | None = None
+    process: ForkServerProcess | None = None  # a loader, started by loader_context()
     reply: Connection | None = None
     load_started: float = 0.0
     load_seconds: float = 0.0
@@ -128,7 +128,7 @@ class SegmentStore:
         self.checksum = checksum  # loaders store a crc32 of the rows (status --verify compares it)
         self.drop_page_cache = drop_page_cache  # loaders drop the source's cached pages of the rows they read
         self._last_stall_check = time.monotonic()
-        self._reaping: list[Process] = []  # loaders that finished or were killed, not yet reaped
+        self._reaping: list[ForkServerProcess] = []  # loaders that finished or were killed, not yet reaped
         self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
         self.location = location
         self.shm_dir = shm_dir
@@ -419,7 +419,7 @@ class SegmentStore:
         entry.process, entry.reply = None, None
 
     @staticmethod
-    def _reaped(process: Process) -> bool:
+    def _reaped(process: ForkServerProcess) -> bool:
         if process.is_alive():
             return False
         process.close()
