@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import h5py
 import numpy as np
@@ -202,7 +202,7 @@ class BenchDaemon:
         return subprocess.run([sys.executable, "-m", "h5serve", *args], env=self.env, capture_output=True,
                               text=True, timeout=timeout)
 
-    def __enter__(self) -> "BenchDaemon":
+    def __enter__(self) -> BenchDaemon:
         done = self.cli("start", *self.flags)
         if done.returncode != 0:
             raise RuntimeError(f"h5serve start failed: {done.stderr}")

@@ -3,7 +3,8 @@
 Memory is PSS (each shared page divided among the processes that map it), summed over every
 rank, worker and the daemon; h5serve's segment files are counted once, whole, whether mapped
 or not; the page cache the data file holds while they run counts too (a reader that leaves
-the file cached holds the data twice). Interpreter, torch and library overhead is taken out by running the same topology on
+the file cached holds the data twice). Interpreter, torch and library overhead is taken out by running the same
+topology on
 a tiny file of the same row shape (the control), so what is left is what the data costs.
 """
 
@@ -79,7 +80,7 @@ def measure(kind: str, path: Path) -> int:
         prefix = segment_prefix(resolve_runtime(daemon.runtime_dir).namespace)
         procs = []
         try:
-            for job in range(JOBS):
+            for _job in range(JOBS):
                 for rank in range(RANKS):
                     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(RANKS)}
                     procs.append(subprocess.Popen(
@@ -137,8 +138,11 @@ def memory(files: dict[str, Path]) -> list[Row]:
         results[kind] = (data - base, data, base)
     h5, seed = results["h5serve"][0], results["seed"][0]
     mib = 1024**2
-    return [Row("memory: 2 jobs x 2 ranks x 2 workers, float32 out, incl. page cache (x of the data's native size)", "x native",
-                h5 / native, seed / native, 1.0, higher_is_better=False, target="<= 1.1x native", target_vs_limit=1 / 1.1,
-                note=(f"PSS + /dev/shm segments + the data file's page cache; native {native / mib:,.0f} MiB; h5serve {h5 / mib:,.0f} MiB, seed {seed / mib:,.0f} MiB "
+    return [Row("memory: 2 jobs x 2 ranks x 2 workers, float32 out, incl. page cache (x of the data's native size)",
+                "x native",
+                h5 / native, seed / native, 1.0, higher_is_better=False, target="<= 1.1x native",
+                target_vs_limit=1 / 1.1,
+                note=(f"PSS + /dev/shm segments + the data file's page cache; native {native / mib:,.0f} MiB; "
+                      f"h5serve {h5 / mib:,.0f} MiB, seed {seed / mib:,.0f} MiB "
                       f"(totals minus a {CONTROL_ROWS:,}-row control, same topology: {results['h5serve'][2] / mib:,.0f} / "
                       f"{results['seed'][2] / mib:,.0f} MiB)"))]

@@ -107,7 +107,8 @@ def peer_dir(source: Path, system: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         tmp.rmdir()  # both writers want to make their output directory themselves
         try:
-            done = subprocess.run([sys.executable, "-m", "bench.peer_jobs", f"write-{'mds' if system == 'streaming' else system}",
+            writer = f"write-{'mds' if system == 'streaming' else system}"
+            done = subprocess.run([sys.executable, "-m", "bench.peer_jobs", writer,
                                    str(source), str(tmp)], capture_output=True, text=True, timeout=1800, cwd=ROOT)
             if done.returncode != 0:
                 raise RuntimeError(f"writing {out} failed: {done.stderr[-2000:]}")
@@ -404,7 +405,8 @@ threads* sets `OMP_NUM_THREADS` to the core count. *Workers=2*: 2 DataLoader wor
 (4 for the job), steady state; every batch then crosses from a worker to its rank through
 DataLoader's queues, for h5serve too, which is why h5serve is fastest with `num_workers=0`
 (docs/performance.md). *Beside a busy process*: a pure-Python spin loop on one core
-runs throughout. *First batch*: the median over {report.get('repeat', 1)} launches, from launching torchrun to rank 0's first
+runs throughout. *First batch*: the median over {report.get('repeat', 1)} launches, from launching torchrun to
+rank 0's first
 batch, with the data in the page cache and, for h5serve, the rows already in the daemon.
 *Node memory*: 2 ranks x 2 workers after one full epoch, every process alive, the data files
 evicted from the page cache before the job: PSS of torchrun, the ranks, their workers and the

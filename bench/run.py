@@ -130,7 +130,8 @@ def chart(rows: list[Row], out: Path) -> bool:
     labels = [r.scenario.split(" (")[0] for r in shown]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(shown) + 1.5), sharey=True)
     y = np.arange(len(shown))
-    ax1.barh(y, [r.ratio or 0 for r in shown], color=["#2a9d8f" if getattr(r, "peer", "") else "#3b7dd8" for r in shown])
+    colors = ["#2a9d8f" if getattr(r, "peer", "") else "#3b7dd8" for r in shown]
+    ax1.barh(y, [r.ratio or 0 for r in shown], color=colors)
     ax1.set_xscale("log")
     ax1.axvline(1, color="grey", lw=0.8)
     ax1.set_xlabel("h5serve vs baseline (seed-style; mode rows: contiguous; green: the named peer) (x, log scale; "
@@ -155,7 +156,8 @@ which runs on torch's thread pool, one thread per core by default, lost up to 13
 busy process: every parallel gather waits for its slowest thread to be scheduled again). The
 limit rows are single-threaded too (a bare `np.take`), and the *beside one busy process* row
 measures the loop with another process spinning on a core. A DDP job with several ranks per node
-runs torch ops with `OMP_NUM_THREADS=1` (torchrun's default). The mode rows measure with one torch thread, batches of the
+runs torch ops with `OMP_NUM_THREADS=1` (torchrun's default). The mode rows measure with one torch thread,
+batches of the
 three modes in turn so that the load falls on each alike, and give the default threads'
 figures in their notes; the other rows use torch's default, and the load rows (MB/s) and ratios
 against the seed, measured back to back rather than interleaved, move with the load too."""
@@ -305,9 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     files = make_files(args.data_dir, args.rows, args.float_rows)
     from .memory import memory, tiny_copy
-    from .scenarios import run_iteration_suite
-
     from .modes import run_modes
+    from .scenarios import run_iteration_suite
     from .shuffle import run_shuffle
 
     rows: list[Row] = []

@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 from h5serve.client import EpochShuffleSampler, SharedH5Dataset, collate, make_loader
 
 from .baselines import SeedH5LazyDataset, SeedRankMemCachedDataset
-from .common import (BenchDaemon, Row, busy_process, clock, drop_page_cache, log, median_time, nbytes_of,
-                     warm_page_cache)
+from .common import BenchDaemon, Row, busy_process, clock, drop_page_cache, log, median_time, nbytes_of, warm_page_cache
 
 BATCH = 256
 MB = 1e6

@@ -86,7 +86,7 @@ def _epoch_rate(ds: SharedH5Dataset, limit: int | None = None) -> float:
     loader = make_loader(ds, BATCH, seed=0)
     n = 0
     t = clock()
-    for i, (tokens, label) in enumerate(loader):
+    for i, (_tokens, label) in enumerate(loader):
         n += len(label)
         if limit is not None and i + 1 >= limit:
             break

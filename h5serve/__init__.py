@@ -16,6 +16,6 @@ from __future__ import annotations
 from . import errors as _errors
 from .errors import *  # noqa: F403 - the exception classes, drawn as a tree in errors.py
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one definition: pyproject.toml reads it (dynamic version)
 
 __all__ = ["__version__", *(name for name in _errors.__all__ if name[0].isupper() and name != "ERROR_CODES")]

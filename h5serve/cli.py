@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 an h5serve error (the message says what to do); 2 bad u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -14,11 +15,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from . import __version__
-from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError
+from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
 from .protocol import Ping
 from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
 from .segments import format_bytes
@@ -117,7 +119,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             if process.poll() is None:
                 process.kill()
             raise H5ServeError(
-                f"the daemon did not start on {location.directory}; last log lines:\n  " + "\n  ".join(_log_tail(dir_fd))
+                f"the daemon did not start on {location.directory}; last log lines:\n  "
+                + "\n  ".join(_log_tail(dir_fd))
             )
     finally:
         os.close(dir_fd)
@@ -170,7 +173,7 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
         )
     except OSError as exc:
-        raise H5ServeError(f"cannot run {sys.executable} to start the daemon: {exc.strerror}") from exc
+        raise host_error(exc, f"running {sys.executable} to start the daemon") from exc
     finally:
         os.close(log)
 
@@ -229,7 +232,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         while client.available() and time.monotonic() < deadline:
             time.sleep(0.05)
         if client.available():
-            raise H5ServeError(f"the daemon (pid {pid}) did not stop within {STOP_TIMEOUT_S:g}s; kill it with `kill {pid}`")
+            raise H5ServeError(f"the daemon (pid {pid}) did not stop within {STOP_TIMEOUT_S:g}s; "
+                               f"kill it with `kill {pid}`")
     print(f"h5serve daemon stopped (pid {pid})")
     return EXIT_OK
 
@@ -279,7 +283,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             info = client.status()
         except DaemonUnavailable as exc:
-            print(json.dumps({"running": False, "runtime_dir": str(client.location.directory)}) if args.json else str(exc))
+            stopped = {"running": False, "runtime_dir": str(client.location.directory)}
+            print(json.dumps(stopped) if args.json else str(exc))
             return EXIT_NOT_RUNNING
     report = _verify_segments(info) if args.verify else None
     if args.json:
@@ -457,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", help="run as this user (start as root, e.g. from a SLURM prolog)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     p.add_argument("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote scrapes)")
-    p.add_argument("--metrics-textfile", metavar="DIR", help="write h5serve.prom there for node_exporter's textfile collector")
+    p.add_argument("--metrics-textfile", metavar="DIR",
+                   help="write h5serve.prom there for node_exporter's textfile collector")
     p.add_argument("--stall-timeout", type=_positive_seconds, metavar="SECONDS",
                    help="kill a load that makes no progress for this long (a stopped loader, a hung file system) "
                    "and fail it, so jobs read lazily and later loads run (default 120)")
@@ -485,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--y-key", help="dataset of targets (optional)")
     p.add_argument("--world-size", type=int, help="ranks in the job (with --plan: default from SLURM)")
     p.add_argument("--ranks", help="e.g. 0-3,5 (default: every rank)")
-    p.add_argument("--plan", action="store_true", help="load exactly the ranks that run on this node (see `h5serve plan`)")
+    p.add_argument("--plan", action="store_true",
+                   help="load exactly the ranks that run on this node (see `h5serve plan`)")
     p.add_argument("--mode", choices=["contiguous", "interleave", "node", "global"], default="contiguous",
                    help="the sharding the training job uses (default contiguous; node: one block of the rows of "
                         "this node's ranks, from --plan or --ranks (default every rank); global: the whole file, "
@@ -527,12 +534,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_errors() -> tuple[type[BaseException], ...]:
+    """The third-party errors an environment problem arrives as: OSError, and ZMQError once a
+    command has imported zmq (only then can it be raised; commands that do not talk never import it)."""
+    zmq = sys.modules.get("zmq")
+    return (OSError,) if zmq is None else (OSError, zmq.ZMQError)
+
+
+@contextlib.contextmanager
+def _environment_errors(command: str) -> Iterator[None]:
+    """Whatever OSError or ZMQError a command did not map where it happened leaves as the
+    HostError that names it and says what to do (errors.host_error), never as a traceback."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise  # the reader of our output went away: nothing to tell it
+    except _os_errors() as exc:
+        raise host_error(exc, f"h5serve {command}") from exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with _environment_errors(args.command):
+            return int(args.func(args))
     except H5ServeError as exc:
         print(f"h5serve: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # `h5serve status | head -1`: quiet, and no second error when Python flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

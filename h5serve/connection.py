@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -56,7 +57,7 @@ class DaemonClient:
         self._sock: zmq.Socket | None = None
         self._next_id = 0
 
-    def __enter__(self) -> "DaemonClient":
+    def __enter__(self) -> DaemonClient:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -120,10 +121,10 @@ class DaemonClient:
 
     def _round_trip(self, request: Request, timeout: float) -> dict[str, Any] | Exception | None:
         """The reply (a result, or the error to raise), or None on timeout."""
-        sock = self._socket()
         self._next_id += 1
         request_id = self._next_id
         try:
+            sock = self._socket()  # inside: a new context can fail too (no open files left)
             sock.send(encode_request(request_id, request), zmq.NOBLOCK)
             deadline = time.monotonic() + timeout
             while (remaining := deadline - time.monotonic()) > 0:

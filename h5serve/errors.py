@@ -16,6 +16,10 @@
     ├── DaemonUnavailable           no daemon answered on the runtime dir in time
     │   └── UntrustedDaemon         the runtime dir, socket or pidfile belongs to someone untrusted
     ├── DaemonAlreadyRunning        ``start --foreground`` found a live daemon on the runtime dir
+    ├── HostError                   the machine refused a file, socket or process h5serve needs (OSError, ZMQError)
+    │   ├── AddressInUse            a port or socket path that something else holds
+    │   ├── NoPermission            the OS refused this user a file, directory or process
+    │   └── OutOfResources          too many open files, no space left, no memory
     ├── ProtocolError               a message that does not follow the wire protocol
     └── RemoteError                 the daemon failed in a way that has no more specific class
 
@@ -27,13 +31,20 @@ UnsupportedDataset, LengthMismatch) does not, because lazy reads would fail the 
 namespace, other permissions); if the job cannot read it either, the lazy reader says so.
 
 Errors from ZeroMQ, the OS and h5py are translated into these classes where they happen
-(``raise ... from exc``), so callers never need to catch third-party exceptions.
+(``raise ... from exc``), so callers never need to catch third-party exceptions. An
+``OSError`` or ``zmq.ZMQError`` becomes a HostError in one place, ``host_error``, which picks
+the class by errno and says what to do; the ``h5serve`` command maps whatever reaches it
+through the same function, so an environment problem is never shown as a traceback.
 
 ``ERROR_CODES`` maps the wire error codes (protocol.py) to classes and back: the daemon
-sends ``code`` + ``message``; the client raises the same class the daemon caught.
+sends ``code`` + ``message``; the client raises the same class the daemon caught. It is
+built from the tree, so a new class is on the wire as soon as it is defined here.
 """
 
 from __future__ import annotations
+
+import errno as _errno
+from collections.abc import Iterator
 
 __all__ = [
     "H5ServeError",
@@ -52,12 +63,18 @@ __all__ = [
     "DaemonUnavailable",
     "UntrustedDaemon",
     "DaemonAlreadyRunning",
+    "HostError",
+    "AddressInUse",
+    "NoPermission",
+    "OutOfResources",
     "ProtocolError",
     "RemoteError",
     "ERROR_CODES",
     "code_for",
     "error_from_code",
     "falls_back",
+    "host_error",
+    "error_classes",
 ]
 
 
@@ -169,6 +186,32 @@ class DaemonAlreadyRunning(H5ServeError):
     code = "already_running"
 
 
+class HostError(H5ServeError):
+    """Raised when the operating system refuses something h5serve needs (a file, directory,
+    socket, port or process) for a reason outside h5serve: made by ``host_error`` from an
+    ``OSError`` or ``zmq.ZMQError``, which it keeps as ``__cause__``."""
+
+    code = "host"
+
+
+class AddressInUse(HostError):
+    """Raised when a port or socket path h5serve would listen on is held by something else."""
+
+    code = "address_in_use"
+
+
+class NoPermission(HostError):
+    """Raised when the OS refuses this user a file, directory or process (EACCES, EPERM)."""
+
+    code = "no_permission"
+
+
+class OutOfResources(HostError):
+    """Raised when the machine runs out of open files, disk or shm space, or memory."""
+
+    code = "out_of_resources"
+
+
 class ProtocolError(H5ServeError):
     """Raised when a message does not follow the h5serve wire protocol. ``request_id`` is
     set when the envelope was readable, so the error reply can carry it."""
@@ -183,29 +226,16 @@ class RemoteError(H5ServeError):
     code = "remote"
 
 
-ERROR_CODES: dict[str, type[H5ServeError]] = {
-    cls.code: cls
-    for cls in (
-        H5ServeError,
-        ConfigError,
-        DataError,
-        SourceNotFound,
-        KeyNotFound,
-        UnsupportedDataset,
-        LengthMismatch,
-        SourceChanged,
-        AccessDenied,
-        CapacityError,
-        ShmFull,
-        BudgetExceeded,
-        SegmentError,
-        DaemonUnavailable,
-        UntrustedDaemon,
-        DaemonAlreadyRunning,
-        ProtocolError,
-        RemoteError,
-    )
-}
+def error_classes() -> Iterator[type[H5ServeError]]:
+    """H5ServeError and every class below it, parents before children."""
+    todo: list[type[H5ServeError]] = [H5ServeError]
+    while todo:
+        cls = todo.pop(0)
+        yield cls
+        todo.extend(cls.__subclasses__())
+
+
+ERROR_CODES: dict[str, type[H5ServeError]] = {cls.code: cls for cls in error_classes()}
 
 
 def code_for(exc: BaseException) -> str:
@@ -221,3 +251,36 @@ def error_from_code(code: str, message: str) -> H5ServeError:
 def falls_back(exc: BaseException) -> bool:
     """True when a client with ``fallback="lazy"`` reads lazily after ``exc`` instead of raising it."""
     return isinstance(exc, H5ServeError) and type(exc).falls_back
+
+
+# errno -> (class, what to do); "{path}" is the file the OS named, or what h5serve was doing.
+_BY_ERRNO: dict[int, tuple[type[HostError], str]] = {
+    _errno.EADDRINUSE: (AddressInUse, "stop what holds it (`ss -lxp` / `ss -ltnp` shows who), or choose another"),
+    _errno.EACCES: (NoPermission, "run h5serve as the user that owns {path}, or give this user access to it"),
+    _errno.EPERM: (NoPermission, "run h5serve as the user that owns {path}, or give this user access to it"),
+    _errno.EROFS: (NoPermission, "{path} is on a read-only file system: choose a writable place"),
+    _errno.EMFILE: (OutOfResources, "raise the open-file limit (`ulimit -n`, systemd LimitNOFILE=) and try again"),
+    _errno.ENFILE: (OutOfResources, "the whole machine is out of open files: close some, or raise fs.file-max"),
+    _errno.ENOSPC: (OutOfResources, "free space on the file system of {path} (`df -h`), or choose another place"),
+    _errno.EDQUOT: (OutOfResources, "this user's disk quota is used up on {path}: free some or choose another place"),
+    _errno.ENOMEM: (OutOfResources, "free memory on this node, or lower --max-memory / --loaders"),
+    _errno.ENOENT: (HostError, "{path} (or a directory above it) does not exist: create it or choose another"),
+    _errno.EEXIST: (HostError, "remove {path}, which is in the way, or choose another place"),
+    _errno.EISDIR: (HostError, "remove the directory {path}, which is in the way, or choose another place"),
+    _errno.ENOTDIR: (HostError, "a part of {path} is a file, not a directory: remove it or choose another place"),
+    _errno.ELOOP: (HostError, "{path} is a symbolic link h5serve will not follow: remove it"),
+}
+
+
+def host_error(exc: BaseException, doing: str, fix: str = "") -> HostError:
+    """The HostError for an ``OSError`` or ``zmq.ZMQError`` (anything with ``errno`` and
+    ``strerror``) met while ``doing`` (e.g. "binding ipc:///run/h5serve/h5serve.sock"): the
+    class by errno, a message naming what failed, the OS's reason and ``fix`` (default: the
+    errno's usual remedy). Raise it ``from exc``."""
+    code = getattr(exc, "errno", None)
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    path = getattr(exc, "filename", None)
+    cls, remedy = _BY_ERRNO.get(code, (HostError, "")) if isinstance(code, int) else (HostError, "")
+    remedy = fix or remedy.format(path=path or "it") or "check the path and this user's rights, then try again"
+    where = f" ({path})" if path and str(path) not in doing else ""
+    return cls(f"{doing}{where} failed: {reason}; {remedy}")

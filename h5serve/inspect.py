@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import h5py
 
@@ -291,7 +292,8 @@ def _daemon_report(runtime_dir: str | os.PathLike[str] | None) -> DaemonReport:
         same = _same_file(f"/proc/{info['pid']}/root{shm_dir}", shm_dir)
         if same is not None:
             visible = same
-            how = f"its {shm_dir} is {'' if same else 'not '}the filesystem at {shm_dir} here (/proc/{info['pid']}/root)"
+            how = (f"its {shm_dir} is {'' if same else 'not '}the filesystem at {shm_dir} here "
+                   f"(/proc/{info['pid']}/root)")
         else:
             how = (f"cannot tell from here (no segment loaded yet, its process is not visible); compare "
                    f"`stat -c '%d:%i' {shm_dir}` in both places")
@@ -320,7 +322,8 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
             shape = "x".join(str(n) for n in (rows, *d.row_shape))
             out.append(Advice("one_row_chunks", d.key, (
                 f"{d.key!r} stores one row per chunk ({d.rows:,} chunks): lazy reads (no daemon, or a fallback) look "
-                f"up a chunk per row and are slow; rewrite it with ~1 MiB chunks, e.g. h5repack -l /{d.key.split(':')[0]}:CHUNK={shape} IN.h5 OUT.h5")))
+                f"up a chunk per row and are slow; rewrite it with ~1 MiB chunks, e.g. "
+                f"h5repack -l /{d.key.split(':')[0]}:CHUNK={shape} IN.h5 OUT.h5")))
         compressors = [f.name for f in d.filters if f.compression]
         if compressors:
             out.append(Advice("compressed", d.key, (
@@ -424,7 +427,8 @@ def _limit(value: int) -> int:
 def _dataset_line(d: DatasetReport) -> list[str]:
     shape = "x".join(str(n) for n in d.row_shape)
     if d.chunk_rows is not None:
-        layout = f"chunks of {d.chunk_rows:,} row{'s' if d.chunk_rows != 1 else ''} ({format_bytes(d.chunk_bytes or 0)})"
+        plural = "s" if d.chunk_rows != 1 else ""
+        layout = f"chunks of {d.chunk_rows:,} row{plural} ({format_bytes(d.chunk_bytes or 0)})"
     else:
         layout = d.layout
     filters = ", ".join(f.name + ("" if f.available else " (MISSING plugin)") for f in d.filters) or "no filters"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -93,7 +93,7 @@ class Acquire:
     world_size: int
     rank: int
     mode: str = "contiguous"
-    dtype: Union[str, None] = None
+    dtype: str | None = None
     span: int = 1  # mode="node": the node's ranks are rank .. rank + span - 1
     files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
 
@@ -121,7 +121,7 @@ class Acquire:
             _check_str("dtype", self.dtype, MAX_DTYPE_CHARS)
 
 
-Request = Union[Ping, Status, Shutdown, Acquire]
+Request = Ping | Status | Shutdown | Acquire
 REQUEST_TYPES: dict[str, type] = {cls.OP: cls for cls in (Ping, Status, Shutdown, Acquire)}
 
 
@@ -144,7 +144,7 @@ class AcquireResult:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_wire(cls, result: dict[str, Any]) -> "AcquireResult":
+    def from_wire(cls, result: dict[str, Any]) -> AcquireResult:
         try:
             value = cls(**result)
         except TypeError as exc:
@@ -190,12 +190,12 @@ def _unpack_map(frame: bytes, max_bytes: int) -> dict[str, Any]:
     _check_int("id", message.get("id"), 0, 2**63 - 1)
     version = message.get("v")
     if type(version) is not int or version != VERSION:
-        exc = ProtocolError(
+        error = ProtocolError(
             f"protocol version {version!r} is not this side's {VERSION}: the daemon and the client run "
             "different h5serve versions; restart the daemon with the client's version (h5serve stop; h5serve start)"
         )
-        exc.request_id = message["id"]  # so the peer can match the error to its request
-        raise exc
+        error.request_id = message["id"]  # so the peer can match the error to its request
+        raise error
     return message
 
 

@@ -193,7 +193,7 @@ class FileCopier:
             self._pipe = None
         self._buffer = None
 
-    def __enter__(self) -> "FileCopier":
+    def __enter__(self) -> FileCopier:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -218,7 +218,7 @@ def copy_rows(stored: StoredRows, lo: int, hi: int, dest_fd: int, dest_offset: i
     c0, c1 = lo // stored.chunk_rows, -(-hi // stored.chunk_rows)
     if (stored.chunk_offsets[c0:c1] < 0).any():
         return False
-    extents = []  # (file offset, bytes), merged where chunks follow each other in the file
+    extents: list[tuple[int, int]] = []  # (file offset, bytes), merged where chunks follow each other in the file
     for c in range(c0, c1):
         a, b = max(lo, c * stored.chunk_rows), min(hi, (c + 1) * stored.chunk_rows)
         start = int(stored.chunk_offsets[c]) + (a - c * stored.chunk_rows) * stored.row_bytes
@@ -324,7 +324,7 @@ def read_stored_rows(stored: StoredRows, rows: np.ndarray, out: np.ndarray) -> b
         return False
     at = starts + (rows - chunks * stored.chunk_rows) * stored.row_bytes
     edges = [0, *(np.flatnonzero(np.diff(at) != stored.row_bytes) + 1).tolist(), len(rows)]
-    flat = memoryview(out.reshape(-1).view(np.uint8))
+    flat = out.reshape(-1).view(np.uint8).data
     size = stored.row_bytes
     for s, e in zip(edges, edges[1:]):
         _read_exactly(stored.fd, flat[s * size : e * size], int(at[s]))

@@ -1,4 +1,5 @@
-"""Reading a row selection (a shard, or the whole file: sharding.RowRange) out of HDF5: chunk-aligned blocks, straight into their destination.
+"""Reading a row selection (a shard, or the whole file: sharding.RowRange) out of HDF5: chunk-aligned
+blocks, straight into their destination.
 
 Shared by the daemon's loaders, the lazy client backend and the in-memory compat backend, so
 all of them read the same rows the same way and cast with the same numpy rule (never HDF5's
@@ -12,7 +13,7 @@ chunks that hold them. Interleaved shards read contiguous blocks and stride them
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import h5py
 import numpy as np
@@ -22,7 +23,8 @@ from .rawcopy import FileCopier, StoredRows, copy_rows, read_stored_rows, stored
 from .sharding import RowRange, Selection, as_rows
 from .source import DatasetInfo
 
-__all__ = ["BLOCK_BYTES", "local_range", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into", "read_rows"]
+__all__ = ["BLOCK_BYTES", "local_range", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into",
+           "read_rows"]
 
 BLOCK_BYTES = 32 * 1024 * 1024  # rows per read are chunk-aligned and about this large
 # ... or this large when rows are pwritten through a staging buffer: small enough to stay in the
@@ -144,7 +146,8 @@ def read_shard_into(
     dest: tuple[int, int] | None = None,
 ) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
-    chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global rows ``[a, b)`` (one
+    chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global
+    rows ``[a, b)`` (one
     part of a parallel load, from split_span); ``progress(n)``: ``n`` rows of this call done.
 
     ``dest``: ``(fd, offset)``, a file that ``out`` maps and the byte offset of ``out[0]`` in
@@ -165,7 +168,9 @@ def read_shard_into(
     stage: np.ndarray | None = None
     copier = FileCopier() if dest is not None else None
     try:
-        copy = _row_copier(dset, info, rows, out.dtype, dest, copier) if dest is not None and copier is not None else None
+        copy = None
+        if dest is not None and copier is not None:
+            copy = _row_copier(dset, info, rows, out.dtype, dest, copier)
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
             k0, k1 = local_range(a, b, start, step, len(out))
             if k1 <= k0:
@@ -176,7 +181,7 @@ def read_shard_into(
                 if stage is None or len(stage) < k1 - k0:
                     stage = np.empty((k1 - k0, *out.shape[1:]), dtype=out.dtype)
                 buffer = _read_positions(dset, info, start, step, k0, k1, stage[: k1 - k0], buffer)
-                write_all(dest[0], memoryview(stage[: k1 - k0].reshape(-1).view(np.uint8)), dest[1] + k0 * out_row)
+                write_all(dest[0], stage[: k1 - k0].reshape(-1).view(np.uint8).data, dest[1] + k0 * out_row)
             else:
                 buffer = _read_positions(dset, info, start, step, k0, k1, out[k0:k1], buffer)
             done += k1 - k0

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, DaemonUnavailable, UntrustedDaemon
+from .errors import ConfigError, DaemonUnavailable, UntrustedDaemon, host_error
 from .safeio import check_dir_stat, describe_owner, flocks, open_regular, read_small
 
 __all__ = [
@@ -149,7 +149,8 @@ def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> i
             try:
                 os.fchown(fd, -1, group)
             except OSError as exc:
-                raise ConfigError(f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
+                raise ConfigError(
+                    f"cannot give runtime dir {location.directory} to group {group}: {exc.strerror}") from exc
         wanted = 0o700 if group is None else 0o750
         if stat.S_IMODE(st.st_mode) != wanted:
             os.fchmod(fd, wanted)
@@ -182,7 +183,7 @@ def trusted_owner(location: RuntimeLocation, trusted: frozenset[int]) -> int | N
             "user that runs this node's shared daemon")
     try:
         st = os.lstat(location.directory)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no dir there (or a file above it): no daemon either
         return None
     except OSError as exc:
         raise _not_accessible(location) from exc
@@ -332,8 +333,11 @@ def signal_daemon(location: RuntimeLocation, owner: int, sig: int) -> int:
                 continue
             signal.pidfd_send_signal(pidfd, sig)
             return pid
-        except ProcessLookupError:
+        except ProcessLookupError:  # exited since the checks: not ours to signal any more
             continue
+        except PermissionError as exc:
+            raise host_error(exc, f"signalling the daemon (pid {pid})",
+                             fix=f"stop it as {describe_owner(owner)} or as root") from exc
         finally:
             os.close(pidfd)
     return 0

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable
 
-from .errors import H5ServeError
+from .errors import H5ServeError, OutOfResources, host_error
 
 __all__ = [
     "NOFOLLOW_FLAGS",
@@ -76,6 +75,7 @@ def open_dir(path: os.PathLike[str] | str, owners: Collection[int], error: type[
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
+        _raise_if_out_of_resources(exc, f"opening directory {path}")
         try:
             st = os.lstat(path, dir_fd=dir_fd)
         except OSError:
@@ -107,6 +107,7 @@ def open_regular(path: os.PathLike[str] | str, error: type[H5ServeError], *, own
     try:
         fd = os.open(path, all_flags, 0o600 if create_mode is None else create_mode, dir_fd=dir_fd)
     except OSError as exc:
+        _raise_if_out_of_resources(exc, f"opening {path}")
         why = "it is a symbolic link" if exc.errno == 40 else exc.strerror  # ELOOP from O_NOFOLLOW
         raise error(f"cannot open {path}: {why}{tail}") from exc
     try:
@@ -119,6 +120,14 @@ def open_regular(path: os.PathLike[str] | str, error: type[H5ServeError], *, own
         os.close(fd)
         raise
     return fd, st
+
+
+def _raise_if_out_of_resources(exc: OSError, doing: str) -> None:
+    """No open files, memory or space left is the machine's problem, not the file's: say so
+    (the caller's ``error`` would blame the path)."""
+    mapped = host_error(exc, doing)
+    if isinstance(mapped, OutOfResources):
+        raise mapped from exc
 
 
 def read_small(fd: int, limit: int = _MAX_SMALL) -> bytes:

@@ -221,7 +221,7 @@ class SegmentMeta:
         return out
 
     @classmethod
-    def from_wire(cls, data: object) -> "SegmentMeta":
+    def from_wire(cls, data: object) -> SegmentMeta:
         names = {f.name for f in fields(cls)}
         if isinstance(data, dict):  # written before node mode (span 1), or without these fields
             data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, **data}
@@ -229,7 +229,7 @@ class SegmentMeta:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():
             expected = str if name in _STR_FIELDS else (list if name in _LIST_FIELDS else int)
-            if type(value) is not expected or (expected is int and value < 0):
+            if type(value) is not expected or (isinstance(value, int) and value < 0):
                 raise SegmentError(f"segment metadata field {name!r} has a bad value {value!r:.80}")
         if not all(type(n) is int and n >= 0 for n in data["row_shape"]):
             raise SegmentError(f"segment metadata row_shape {data['row_shape']!r:.80} is invalid")
@@ -333,7 +333,8 @@ def _values_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray | None:
     """The values of variable-length rows (None for fixed rows)."""
     if not meta.vlen:
         return None
-    return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values, offset=meta.header_size + values_offset(meta.rows))
+    return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values,
+                         offset=meta.header_size + values_offset(meta.rows))
 
 
 # ----- checksums of large buffers, in parallel (h5serve/crc.py: the kinds) -------------------
@@ -684,7 +685,8 @@ def check_published(path: Path, meta: SegmentMeta, mode: int, header: bytes | No
             raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}: "
                                "something made it writable")
         if st.st_size != meta.file_size:
-            raise SegmentError(f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
+            raise SegmentError(
+                f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
         raw = _read_header(fd)
     finally:
         os.close(fd)
@@ -732,7 +734,9 @@ def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
     finally:
         os.close(fd)
     actual = kind.text(crc)
-    return "" if actual == recorded else f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"
+    if actual == recorded:
+        return ""
+    return f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"
 
 
 class AttachedSegment:
@@ -785,7 +789,7 @@ def _take_lease(fd: int, path: Path) -> None:
             time.sleep(0.005)
 
 
-def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> AttachedSegment:
+def attach_segment(shm_dir: str | os.PathLike[str], name: str, owner: int | None = None) -> AttachedSegment:
     """Open, lease and map a published segment read-only; validates owner, header and size.
     ``owner`` is the daemon's uid (default: ours): a file of anyone else is never mapped.
 
@@ -806,7 +810,8 @@ def attach_segment(shm_dir: Path, name: str, owner: int | None = None) -> Attach
         expected_owner = os.getuid() if owner is None else owner
         if st.st_uid != expected_owner:  # before the lease: another user's file could be locked forever
             raise SegmentError(
-                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: refusing to map it"
+                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: "
+                "refusing to map it"
             )
         _take_lease(fd, path)
         if os.fstat(fd).st_nlink == 0:
@@ -841,9 +846,9 @@ def count_leases(paths: list[Path]) -> dict[Path, int]:
         wanted[(st.st_dev, st.st_ino)] = path
     counts = dict.fromkeys(paths, 0)
     for lock in flocks():  # none where /proc/locks cannot be read: status reports no holders
-        path = wanted.get((lock.dev, lock.ino))
-        if path is not None and not lock.exclusive:
-            counts[path] += 1
+        held = wanted.get((lock.dev, lock.ino))
+        if held is not None and not lock.exclusive:
+            counts[held] += 1
     return counts
 
 
@@ -859,7 +864,7 @@ def try_evict(path: Path, owner: int | None = None) -> bool:
     except FileNotFoundError:
         return True
     except OSError as exc:  # a symlink (ELOOP), a socket (ENXIO), unreadable...
-        return _not_ours(path, owner, exc.strerror)
+        return _not_ours(path, owner, exc.strerror or str(exc))
     try:
         st = os.fstat(fd)
         if not is_own_file(st, owner):

@@ -13,6 +13,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -20,6 +21,9 @@ import numpy as np
 from .compound import FieldRows, split_field
 from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
 from .vlen import estimate_mean_length, is_text, vlen_kind
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = [
     "FileIdentity",
@@ -159,7 +163,7 @@ def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
     return f
 
 
-def identities_unchanged(identities: "Iterable[tuple]") -> bool:
+def identities_unchanged(identities: Iterable[tuple]) -> bool:
     """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded."""
     try:
         return all(file_identity(ident[0]).as_tuple() == tuple(ident[:5]) for ident in identities)
@@ -198,7 +202,7 @@ def _dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
     return names
 
 
-def resolve_dtype(dtype: object, what: str) -> np.dtype | None:
+def resolve_dtype(dtype: DTypeLike | None, what: str) -> np.dtype | None:
     """A requested dtype as a servable numpy dtype (native order), or None.
 
     Raised when numpy cannot parse it, or it is an array, structured, non-numeric or
@@ -252,7 +256,8 @@ def inspect_dataset(f: h5py.File, key: str, vlen: bool = False) -> DatasetInfo:
         hint = (f"; select one of its fields as the key, e.g. '{key}:{fields[0]}' (fields: {', '.join(fields)})"
                 if fields else "")
         if kind and not why:
-            hint = "; SharedH5Dataset serves variable-length rows, this reader (H5LazyDataset, the compat preload) does not"
+            hint = ("; SharedH5Dataset serves variable-length rows, this reader (H5LazyDataset, the compat preload) "
+                    "does not")
         raise UnsupportedDataset(
             f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float, complex "
             f"and fixed-length byte string data is served{hint}"
@@ -305,6 +310,8 @@ def _inspect_vlen(f: h5py.File, obj: h5py.Dataset, key: str, field: str, kind: s
 
 def _numeric_fields(dtype: np.dtype) -> list[str]:
     """The fields of a compound dtype that can be served, in order."""
+    if dtype.fields is None:
+        return []
     return [name for name in dtype.names or () if not _unservable(dtype.fields[name][0].base)]
 
 

@@ -54,7 +54,7 @@ class Daemon:
         self.extra = extra
         self.pid = 0
 
-    def start(self) -> "Daemon":
+    def start(self) -> Daemon:
         done = h5serve_cli("start", *self.extra, env=self.env)
         assert done.returncode == 0, done.stderr
         self.pid = int((self.runtime_dir / "h5serve.pid").read_text())

@@ -31,7 +31,8 @@ def test_seed_baselines_read_the_documented_rows(h5file: Path) -> None:
     for mode, rows in (("contiguous", np.arange(334, 667)), ("interleave", np.arange(1, 1000, 3))):
         cached = SeedRankMemCachedDataset(str(h5file), "x", "y", rank=1, world_size=3, mode=mode)
         assert len(cached) == len(rows) and cached.x.dtype == torch.float32  # the seed's default cast
-        assert np.array_equal(cached.x.numpy(), x[rows].astype(np.float32)) and np.array_equal(cached.y.numpy(), y[rows])
+        assert np.array_equal(cached.x.numpy(), x[rows].astype(np.float32))
+        assert np.array_equal(cached.y.numpy(), y[rows])
         xi, yi = cached[5]
         assert torch.equal(xi, cached.x[5]) and int(yi) == y[rows[5]]
 
@@ -41,7 +42,8 @@ def test_seed_baselines_read_the_documented_rows(h5file: Path) -> None:
 def test_bench_iterate_group_runs_end_to_end(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--only", "iterate,modes", "--rows", "3000", "--float-rows", "800", "--repeat", "1",
+        [sys.executable, "-m", "bench", "--only", "iterate,modes", "--rows", "3000", "--float-rows", "800",
+         "--repeat", "1",
          "--epochs", "1", "--data-dir", str(tmp_path / "data"), "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=270)
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: a target missed (tiny data, shared CI machine)
@@ -121,7 +123,8 @@ def test_peers_table_shows_each_peer_and_fails_a_failed_check() -> None:
     from bench.peers import PeerRow, peers_table
     from bench.run import table
 
-    rows = [PeerRow("peers vs Streaming: iterate, workers=2 (rank 0 of 2)", "samples/s", 1000.0, 10.0, peer="streaming"),
+    rows = [PeerRow("peers vs Streaming: iterate, workers=2 (rank 0 of 2)", "samples/s", 1000.0, 10.0,
+                    peer="streaming"),
             PeerRow("peers vs LitData: iterate, workers=2 (rank 0 of 2)", "samples/s", 1000.0, 100.0, peer="litdata",
                     failed="LitData: 3 rows seen by no rank")]
     assert rows[0].met is None and rows[1].met is False and rows[1].as_dict()["group"] == "peers"

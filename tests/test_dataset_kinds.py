@@ -38,7 +38,8 @@ def values(shape: tuple[int, ...], dtype: str | np.dtype, seed: int = 0) -> np.n
         return rng.integers(0, 2, shape).astype(dt)
     if dt.kind in "iu":
         info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, shape, endpoint=True, dtype=np.int64 if dt.kind == "i" else np.uint64).astype(dt)
+        wide = np.int64 if dt.kind == "i" else np.uint64
+        return rng.integers(info.min, info.max, shape, endpoint=True, dtype=wide).astype(dt)
     real = rng.standard_normal(shape) * 100
     flat = real.reshape(-1)
     flat[: min(4, flat.size)] = [np.nan, np.inf, -np.inf, -0.0][: min(4, flat.size)]

@@ -21,9 +21,9 @@ from h5serve.errors import (
     H5ServeError,
     KeyNotFound,
     LengthMismatch,
+    RemoteError,
     ShmFull,
     SourceNotFound,
-    RemoteError,
     UnsupportedDataset,
     error_from_code,
     falls_back,
@@ -121,7 +121,8 @@ def test_daemon_survives_malformed_frames(shared_daemon: Daemon) -> None:
         sock.connect(f"ipc://{shared_daemon.runtime_dir}/h5serve.sock")
         garbage = [
             b"", b"\xc1", os.urandom(100), msgpack.packb([1, 2]), msgpack.packb({"v": 1, "id": 1, "op": "nope"}),
-            msgpack.packb({"v": 1, "id": 2, "op": "acquire", "path": 5}), msgpack.packb({"v": 99, "id": 3, "op": "ping"}),
+            msgpack.packb({"v": 1, "id": 2, "op": "acquire", "path": 5}),
+            msgpack.packb({"v": 99, "id": 3, "op": "ping"}),
             msgpack.packb({"v": 1, "id": 4, "op": "acquire", "path": "/x", "key": "k", "world_size": 2, "rank": 5}),
             b"\xdb\xff\xff\xff\xff",  # str of 4 GiB declared
         ]
@@ -183,14 +184,68 @@ def test_every_error_is_an_h5serve_error() -> None:
 
 
 # Which daemon errors a client with fallback="lazy" reads lazily after, class by class. A new
-# error class fails this test until it is classified here and in errors.py.
+# error class fails these tests until it is classified here (and, if it differs from its
+# parent, by its ``falls_back`` in errors.py).
 FALLS_BACK = {
     "H5ServeError": True, "ConfigError": False, "DataError": False, "SourceNotFound": True,
     "KeyNotFound": False, "UnsupportedDataset": False, "LengthMismatch": False, "SourceChanged": True,
     "AccessDenied": True, "CapacityError": True, "ShmFull": True, "BudgetExceeded": True, "SegmentError": True,
-    "DaemonUnavailable": True, "UntrustedDaemon": True, "DaemonAlreadyRunning": True, "ProtocolError": True,
+    "DaemonUnavailable": True, "UntrustedDaemon": True, "DaemonAlreadyRunning": True, "HostError": True,
+    "AddressInUse": True, "NoPermission": True, "OutOfResources": True, "ProtocolError": True,
     "RemoteError": True,
 }
+
+
+def _every_module_imported() -> None:
+    """Import every h5serve module, so that an error class defined outside errors.py is a
+    subclass the enumeration below can see."""
+    import importlib
+    import pkgutil
+
+    import h5serve
+
+    for module in pkgutil.walk_packages(h5serve.__path__, "h5serve."):
+        if not module.name.endswith("__main__"):  # `python -m` entry points run the CLI on import
+            importlib.import_module(module.name)
+
+
+def _subclasses(cls: type) -> list[type]:
+    """``cls`` and every class below it, by ``__subclasses__``, recursively."""
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found += [c for c in _subclasses(sub) if c not in found]
+    return found
+
+
+_every_module_imported()
+EVERY_ERROR = _subclasses(H5ServeError)
+
+
+@pytest.mark.parametrize("cls", EVERY_ERROR, ids=lambda c: c.__name__)
+def test_every_error_class_is_classified_and_on_the_wire(cls: type[H5ServeError]) -> None:
+    assert cls.__name__ in FALLS_BACK, (
+        f"{cls.__module__}.{cls.__name__} is a new error: decide whether a client with fallback='lazy' reads "
+        "lazily after it (set falls_back in errors.py if it differs from its parent) and add it to FALLS_BACK"
+    )
+    assert falls_back(cls("x")) is FALLS_BACK[cls.__name__]
+    assert cls.__module__ == "h5serve.errors", "every error class lives in errors.py, in its tree"
+    assert "code" in vars(cls) and ERROR_CODES[cls.code] is cls, f"{cls.__name__} needs a wire code of its own"
+    assert type(error_from_code(cls.code, "m")) is cls
+
+
+def test_the_tree_in_errors_py_draws_every_class_where_it_is() -> None:
+    """The tree at the top of errors.py is the map a reader uses: every class on it, at its depth."""
+    import re
+
+    import h5serve.errors as errors_module
+
+    columns = {m.group(2): len(m.group(1)) for m in
+               re.finditer(r"^( *(?:[│ ]   )*(?:[├└]── )?)(\w+) ", errors_module.__doc__ or "", re.M)}
+    for cls in EVERY_ERROR:
+        depth = sum(1 for c in cls.__mro__ if issubclass(c, H5ServeError)) - 1
+        assert cls.__name__ in columns, f"draw {cls.__name__} in the tree at the top of errors.py"
+        assert columns[cls.__name__] == 4 + 4 * depth, f"{cls.__name__} is drawn at the wrong depth"
+    assert set(FALLS_BACK) == {c.__name__ for c in EVERY_ERROR}, "FALLS_BACK names a class that is gone"
 
 
 class ErrorDaemon:
@@ -234,11 +289,12 @@ class ErrorDaemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize("code", sorted(cls.code for cls in ERROR_CODES.values()))
-def test_every_daemon_error_falls_back_or_raises_as_errors_py_decides(code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cls", EVERY_ERROR, ids=lambda c: c.__name__)
+def test_every_daemon_error_falls_back_or_raises_as_errors_py_decides(cls: type[H5ServeError],
+                                                                     tmp_path: Path) -> None:
     import warnings
 
-    cls = ERROR_CODES[code]
+    code = cls.code
     assert cls.__name__ in FALLS_BACK, f"classify {cls.__name__} in FALLS_BACK and errors.py"
     assert falls_back(cls("x")) is FALLS_BACK[cls.__name__]
     data = tmp_path / "data.h5"

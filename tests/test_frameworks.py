@@ -222,7 +222,8 @@ def test_lightning_default_sampler_with_make_loader_never_double_shards(lightnin
 
 
 # With the defaults Lightning would shard a DataLoader of your own over a contiguous or
-# interleave shard a second time, silently: each rank would see half of its shard. "plain" (shuffle=True) gets DistributedSampler(ds): caught by
+# interleave shard a second time, silently: each rank would see half of its shard. "plain"
+# (shuffle=True) gets DistributedSampler(ds): caught by
 # SharedH5Dataset.__len__ refusing DistributedSampler. "epoch" (sampler=EpochShuffleSampler)
 # gets DistributedSamplerWrapper, whose _DatasetSamplerWrapper iterates the EpochShuffleSampler:
 # caught by the sampler's __iter__. (node on one node holds every row, so there it works.)

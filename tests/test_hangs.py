@@ -252,7 +252,7 @@ def _storm(runtime_dir: Path, count: int, wait: float) -> int:
     ctx.set(zmq.MAX_SOCKETS, count + 16)
     try:
         socks = []
-        for i in range(count):
+        for _ in range(count):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"ipc://{runtime_dir}/h5serve.sock")

@@ -138,7 +138,8 @@ def test_stop_mid_iteration_keeps_attached_dataset_working(h5file: Path) -> None
         xs = torch.cat([x for x, _ in got])
         assert xs.numpy().tobytes() == expected(h5file, "x", np.arange(1000)).tobytes()
         # spawned workers can no longer map the segments by name: they read the same rows lazily
-        spawn = DataLoader(ds, batch_size=100, num_workers=2, multiprocessing_context="spawn", collate_fn=collate, timeout=60)
+        spawn = DataLoader(ds, batch_size=100, num_workers=2, multiprocessing_context="spawn", collate_fn=collate,
+                           timeout=60)
         assert torch.cat([y for _, y in spawn]).tolist() == list(range(1000))
     finally:
         d.stop()
@@ -231,7 +232,8 @@ def test_daemon_of_another_protocol_version_means_fallback_with_the_reason(share
         "from h5serve.errors import ProtocolError\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
-        f"    ds = SharedH5Dataset({str(h5file)!r}, 'x', 'y', runtime_dir={str(shared_daemon.runtime_dir)!r}, timeout=30)\n"
+        f"    ds = SharedH5Dataset({str(h5file)!r}, 'x', 'y', "
+        f"runtime_dir={str(shared_daemon.runtime_dir)!r}, timeout=30)\n"
         "try:\n"
         f"    SharedH5Dataset({str(h5file)!r}, 'x', runtime_dir={str(shared_daemon.runtime_dir)!r}, fallback='error')\n"
         "    strict = 'served'\n"

@@ -36,8 +36,8 @@ def node_samplers(total: int, nodes: int, local: int, batch: int, *, seed: int =
     out = []
     for node in range(nodes):
         rows = len(node_selection(world, range(node * local, (node + 1) * local)).rows(total))
-        out.append([NodeShuffleSampler(rows, batch, NodePlace(l, local, node, nodes), sizes, seed=seed,
-                                       shuffle=shuffle, drop_last=drop_last) for l in range(local)])
+        out.append([NodeShuffleSampler(rows, batch, NodePlace(lr, local, node, nodes), sizes, seed=seed,
+                                       shuffle=shuffle, drop_last=drop_last) for lr in range(local)])
     return out
 
 

@@ -24,7 +24,7 @@ def receive(sock: socket.socket, until: str, timeout: float) -> list[str]:
         sock.settimeout(max(deadline - time.monotonic(), 0.01))
         try:
             messages.append(sock.recv(4096).decode())
-        except socket.timeout:
+        except TimeoutError:
             break
         if until in messages[-1]:
             break

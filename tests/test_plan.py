@@ -90,7 +90,8 @@ STEP_2X4_TASK5 = {
 }
 
 # The same step launched with --distribution=cyclic: gpu08 runs tasks 1, 3, 5, 7.
-STEP_2X4_CYCLIC_TASK3 = {**STEP_2X4_TASK5, "SLURM_PROCID": "3", "SLURM_GTIDS": "1,3,5,7", "SLURM_DISTRIBUTION": "cyclic"}
+STEP_2X4_CYCLIC_TASK3 = {**STEP_2X4_TASK5, "SLURM_PROCID": "3", "SLURM_GTIDS": "1,3,5,7",
+                         "SLURM_DISTRIBUTION": "cyclic"}
 
 # A helper step in that job: `srun -N2 -n2 --ntasks-per-node=1 --overlap h5serve ...` on gpu08.
 HELPER_STEP_2X4_NODE1 = {
@@ -326,7 +327,8 @@ def test_plan_explicit(world: int, per_node: int, node: int, ranks: tuple[int, .
 @pytest.mark.parametrize(
     "world, per_node, node, message",
     [
-        (16, 4, 4, "--node-rank 4 is out of range: world size 16 with 4 tasks per node is 4 node(s), so node ranks are 0-3"),
+        (16, 4, 4,
+         "--node-rank 4 is out of range: world size 16 with 4 tasks per node is 4 node(s), so node ranks are 0-3"),
         (16, 4, -1, "out of range"),
         (0, 4, 0, "--world-size"),
         (16, 0, 0, "--tasks-per-node"),
@@ -449,11 +451,13 @@ def test_every_rank_on_exactly_one_node_explicit(world: int, per_node: int) -> N
     [
         ({}, "laptop", "no SLURM variables are set; " + HINT),
         ({"PATH": "/usr/bin"}, "laptop", "no SLURM variables are set"),
-        ({"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1"}, "gpu07", "SLURM_TASKS_PER_NODE is not set; " + HINT),
+        ({"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1"}, "gpu07",
+         "SLURM_TASKS_PER_NODE is not set; " + HINT),
         ({"SLURM_TASKS_PER_NODE": "4(x2)"}, "gpu07", "neither SLURM_NODEID nor a node list"),
         ({**BATCH_2X4, "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_NODELIST": "gpu[07-09]"}, "gpu07",
          "describes 2 node(s) but the node list has 3"),
-        ({**BATCH_2X4, "SLURM_NTASKS": "6"}, "gpu07", "SLURM_NTASKS=6 disagrees with SLURM_TASKS_PER_NODE='4(x2)' (8 tasks)"),
+        ({**BATCH_2X4, "SLURM_NTASKS": "6"}, "gpu07",
+         "SLURM_NTASKS=6 disagrees with SLURM_TASKS_PER_NODE='4(x2)' (8 tasks)"),
         ({**STEP_2X4_TASK5, "SLURM_STEP_NUM_TASKS": "7"}, "gpu08", "SLURM_STEP_NUM_TASKS=7 disagrees"),
         ({**BATCH_2X4, "SLURM_NODEID": "2"}, "gpu07", "SLURM_NODEID=2 is out of range for 2 node(s)"),
         ({**BATCH_2X4, "SLURM_NODEID": "one"}, "gpu07", "SLURM_NODEID='one' is not a non-negative integer"),
@@ -465,7 +469,8 @@ def test_every_rank_on_exactly_one_node_explicit(world: int, per_node: int) -> N
         ({**BATCH_2X4, "SLURM_JOB_NODELIST": "gpu[07-08"}, "gpu07", "never closed"),
         ({**STEP_2X4_TASK5, "SLURM_GTIDS": "4,5,x"}, "gpu08", "SLURM_GTIDS='4,5,x' is not a comma-separated list"),
         ({**STEP_2X4_TASK5, "SLURM_GTIDS": "4,5,6,8"}, "gpu08", "distinct task ids in [0, 7]"),
-        ({**STEP_2X4_TASK5, "SLURM_GTIDS": "4,5,6"}, "gpu08", "lists 3 task(s) but SLURM_STEP_TASKS_PER_NODE gives this node 4"),
+        ({**STEP_2X4_TASK5, "SLURM_GTIDS": "4,5,6"}, "gpu08",
+         "lists 3 task(s) but SLURM_STEP_TASKS_PER_NODE gives this node 4"),
     ],
 )
 def test_plan_from_env_errors(env: dict[str, str], hostname: str, message: str) -> None:
@@ -510,7 +515,8 @@ def test_resolve_from_environment_with_overrides() -> None:
     [
         ((None, 4, 0), {}, "x", "--tasks-per-node N needs --world-size"),
         ((16, 4, None), {}, "x", "--node-rank is missing and SLURM_NODEID / SLURM_JOB_NODELIST are not set"),
-        ((16, 4, None), {"SLURM_JOB_NODELIST": "n[1-4]"}, "login1", "this node (hostname 'login1') is not in SLURM_JOB_NODELIST"),
+        ((16, 4, None), {"SLURM_JOB_NODELIST": "n[1-4]"}, "login1",
+         "this node (hostname 'login1') is not in SLURM_JOB_NODELIST"),
         ((16, 4, None), {"SLURM_JOB_NODELIST": "n[1-3]"}, "n1", "has 3 node(s) but the layout you passed has 4"),
         ((8, 4, None), HELPER_STEP_2X4_NODE1 | {"SLURM_NODEID": "5"}, "gpu08", "SLURM_NODEID=5 is out of range"),
         ((16, "3(x2)", 0), {}, "x", "--world-size 16 disagrees with --tasks-per-node '3(x2)' (6 tasks)"),
@@ -565,8 +571,10 @@ def test_add_plan_arguments_usage_errors() -> None:
 @pytest.mark.parametrize(
     "argv, env, hostname, expected",
     [
-        (["--world-size", "16", "--tasks-per-node", "4", "--node-rank", "0"], {}, "x", "node 0 of 4: ranks 0-3 (world size 16)"),
-        (["--world-size", "10", "--tasks-per-node", "4", "--node-rank", "2"], {}, "x", "node 2 of 3: ranks 8-9 (world size 10)"),
+        (["--world-size", "16", "--tasks-per-node", "4", "--node-rank", "0"], {}, "x",
+         "node 0 of 4: ranks 0-3 (world size 16)"),
+        (["--world-size", "10", "--tasks-per-node", "4", "--node-rank", "2"], {}, "x",
+         "node 2 of 3: ranks 8-9 (world size 10)"),
         ([], STEP_2X4_TASK5, "gpu08", "node 1 of 2: ranks 4-7 (world size 8)"),
         ([], STEP_2X4_CYCLIC_TASK3, "gpu08", "node 1 of 2: ranks 1,3,5,7 (world size 8)"),
         ([], NO_NODEID_HETERO, "node10", "node 3 of 4: ranks 8 (world size 9)"),

@@ -259,7 +259,8 @@ def _lazy(path: Path, key: str, **kwargs) -> SharedH5Dataset:
         return SharedH5Dataset(path, key, runtime_dir=str(path) + "-no-daemon", timeout=0.2, cache_bytes=0, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "chunked", "chunked-float64", "gzip", "big-endian", "partial-row-chunks"])
+@pytest.mark.parametrize("kind", ["contiguous", "chunked", "chunked-float64", "gzip", "big-endian",
+                                  "partial-row-chunks"])
 def test_lazy_uncached_rows(workdir: Path, kind: str) -> None:
     """Uncached lazy reads (a shard over the cache budget) read stored rows from the file
     directly and everything else through h5py: the same rows either way, in any order."""

@@ -421,7 +421,8 @@ def test_kill_daemon_mid_load_loader_dies_with_daemon(reaper: Reaper, big_h5: Pa
 @pytest.mark.parametrize("victim", ["daemon", "daemon-group"])
 def test_kill_daemon_mid_load(reaper: Reaper, big_h5: Path, victim: str) -> None:
     """SIGKILL of the daemon alone (its loader dies with it, see the test above), or of its
-    whole group (the loader surely dies mid-write and leaves its temporary): the waiting client gives up in time, the next start removes temporaries,
+    whole group (the loader surely dies mid-write and leaves its temporary): the waiting client gives up in
+    time, the next start removes temporaries,
     adopts complete segments of unchanged sources only, and serves new clients."""
     work = reaper.tmpdir("h5s-k9-")
     keep, change = make_h5(work / "keep.h5"), make_h5(work / "change.h5")

@@ -1,5 +1,7 @@
 """Unit tests for h5serve.sharding: which global rows belong to which rank."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -62,7 +64,7 @@ def test_contiguous_shards_partition_rows_in_rank_order(total, world):
     # contiguous, adjacent, in rank order, covering [0, total)
     assert bounds[0][0] == 0
     assert bounds[-1][1] == total
-    for (s0, e0), (s1, _e1) in zip(bounds, bounds[1:]):
+    for (_s0, e0), (s1, _e1) in zip(bounds, bounds[1:]):
         assert e0 == s1
     sizes = [e - s for s, e in bounds]
     assert min(sizes) >= 0
@@ -202,7 +204,7 @@ def test_numpy_integers_are_accepted():
 
 def test_selection_is_frozen_and_hashable():
     sel = Selection("interleave", 4, 1)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         sel.rank = 2  # type: ignore[misc]
     assert sel == Selection("interleave", 4, 1)
     assert hash(sel) == hash(Selection("interleave", 4, 1))

@@ -77,11 +77,13 @@ def data(workdir: Path) -> Path:
     return path
 
 
-def run_script(script: Path, job_id: int, user: User, config: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_script(script: Path, job_id: int, user: User, config: Path,
+               timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """As slurmd runs it: root, a bare PATH, the job's id, uid and user name."""
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": str(job_id), "SLURM_JOB_UID": str(user.uid),
            "SLURM_JOB_USER": user.name, "H5SERVE_SLURM_CONFIG": str(config)}
-    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=timeout, cwd="/", check=False)
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=timeout, cwd="/",
+                          check=False)
 
 
 def alive(pid: int) -> bool:

@@ -11,13 +11,13 @@ import gc
 import os
 import signal
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from multiprocessing.reduction import ForkingPickler
 from torch.utils.data import DataLoader
 
 from h5serve.client import SharedH5Dataset, collate, make_loader, ring, seed_worker

@@ -14,14 +14,16 @@ import io
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import h5py
 import numpy as np
 import torch
 
 from ..compound import rows_dataset
+from ..connection import POLL_INTERVAL_S, DaemonClient
 from ..errors import SegmentError, SourceChanged
 from ..files import check_file_lengths
 from ..progress import Progress
@@ -32,7 +34,6 @@ from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
 from ..source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
-from ..connection import POLL_INTERVAL_S, DaemonClient
 from .gather import RowSource, as_column
 from .ragged import RaggedColumn, RaggedSource, read_ragged
 from .vlencache import VlenCache
@@ -50,7 +51,8 @@ class BackendSpec:
     """Everything needed to build any backend for one rank's shard (picklable)."""
 
     path: str  # absolute (many files: the first)
-    keys: tuple[str, ...]  # one per field, in order (x_key, y_key: the first two); "<dataset>:<field>" for compound fields
+    # one per field, in order (x_key, y_key: the first two); "<dataset>:<field>" for compound fields
+    keys: tuple[str, ...]
     selection: Selection
     dtypes: tuple[np.dtype | None, ...]  # requested output dtype of each key (None: the source dtype)
     runtime_dir: str | None = None
@@ -153,7 +155,7 @@ class ArrayBackend:
 
     @arrays.setter
     def arrays(self, arrays: list[np.ndarray]) -> None:
-        self._sources = [RowSource(a, d) for a, d in zip(arrays, self.out_dtypes)]
+        self._sources: list[RowSource | RaggedSource] = [RowSource(a, d) for a, d in zip(arrays, self.out_dtypes)]
 
     def gather(self, positions: torch.Tensor) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         return [source.take(positions) for source in self._sources]
@@ -166,7 +168,7 @@ class MemoryBackend(ArrayBackend):
     """The predecessor's behaviour: the shard read once into this process's private memory."""
 
     @classmethod
-    def load(cls, spec: BackendSpec) -> "MemoryBackend":
+    def load(cls, spec: BackendSpec) -> MemoryBackend:
         if spec.files:
             from .files import FilesLazyBackend
 
@@ -217,11 +219,11 @@ class ShmBackend(ArrayBackend):
         self.segments = segments
         self.vlen_kinds = [s.meta.vlen for s in segments]
         if any(self.vlen_kinds):  # offsets (``data``) and values: gathered by RaggedSource
-            self._sources = [RaggedSource(s.data, s.values, d, s.meta.vlen) if s.meta.vlen else source
+            self._sources = [_ragged_source(s, d) if s.meta.vlen else source
                              for s, d, source in zip(segments, out, self._sources)]
 
     @classmethod
-    def connect(cls, spec: BackendSpec, rank_for_logs: int = 0) -> "ShmBackend":
+    def connect(cls, spec: BackendSpec, rank_for_logs: int = 0) -> ShmBackend:
         """Ask the daemon for the shard's segments (loading them if needed) and attach.
 
         ``spec.timeout`` bounds the whole of it (every request, the wait for the loads, the
@@ -317,7 +319,15 @@ class ShmBackend(ArrayBackend):
         return (_reattach, (self.spec, [(str(s.path.parent), s.name, s.owner) for s in self.segments]))
 
 
-def _reattach(spec: BackendSpec, where: list[tuple[str, str, int]]) -> ArrayBackend | "LazyBackend":
+def _ragged_source(segment: AttachedSegment, out_dtype: np.dtype) -> RaggedSource:
+    if segment.values is None:  # the header says variable-length rows, the file has no values part
+        raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: "
+                           "it is damaged; the daemon loads it again once it is removed")
+    return RaggedSource(segment.data, segment.values, out_dtype, segment.meta.vlen)
+
+
+def _reattach(spec: BackendSpec,
+              where: list[tuple[str, str, int]]) -> ArrayBackend | LazyBackend | FilesLazyBackend:
     """Unpickling in a spawned worker: map the same segments by name. If they are gone (the
     daemon stopped or evicted them), read the same rows lazily instead: never fail a worker."""
     try:
@@ -327,7 +337,7 @@ def _reattach(spec: BackendSpec, where: list[tuple[str, str, int]]) -> ArrayBack
         return lazy_backend(spec)
 
 
-def lazy_backend(spec: BackendSpec) -> "LazyBackend | FilesLazyBackend":
+def lazy_backend(spec: BackendSpec) -> LazyBackend | FilesLazyBackend:
     """The lazy backend for ``spec``: one file's, or many files' (client/files.py)."""
     if spec.files:
         from .files import FilesLazyBackend

@@ -8,7 +8,8 @@ behaves like the predecessor: the rank's shard is read once into this process's 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +59,8 @@ class RankMemCachedH5Dataset(SharedH5Dataset):
         )
         self.log_fn(
             f"[rank {self.rank}/{self.world_size}] cached {len(self)} of {self.total_rows} rows of "
-            f"{os.path.basename(self.spec.path)} ({mode}) in {'shared memory (h5serve daemon)' if self.backend == 'shm' else 'process memory'}"
+            f"{os.path.basename(self.spec.path)} ({mode}) in "
+            f"{'shared memory (h5serve daemon)' if self.backend == 'shm' else 'process memory'}"
         )
 
     def _h5_options(self) -> dict[str, Any]:

@@ -10,21 +10,25 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError, H5ServeError, falls_back
-from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..files import describe_files, expand_paths
+from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions
 from .resharding import check_not_measured_by_distributed_sampler
+
+if TYPE_CHECKING:
+    from ..topology import NodeLayout
+    from .ragged import RaggedColumn
 
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "TupleBatch", "DictBatch", "collate"]
 
@@ -126,7 +130,7 @@ class SharedH5Dataset(Dataset):
             ragged=ragged, pad_value=pad_value,
         )
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
-        self.layout = None  # node mode: the NodeLayout this rank's node was resolved from
+        self.layout: NodeLayout | None = None  # node mode: the layout this rank's node was resolved from
         layout_args = (local_rank, local_world_size, node_rank, num_nodes)
         if mode == NODE:
             selection = self._node_selection(rank, world_size, *layout_args)
@@ -169,10 +173,11 @@ class SharedH5Dataset(Dataset):
         """
         from ..topology import resolve_layout
 
-        self.layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
-                                     local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
-        self.rank, self.world_size = self.layout.rank, self.layout.world_size
-        return node_selection(self.world_size, self.layout.ranks)
+        layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
+                                local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
+        self.layout = layout
+        self.rank, self.world_size = layout.rank, layout.world_size
+        return node_selection(self.world_size, layout.ranks)
 
     # ----- backend choice --------------------------------------------------------------------
     def _h5_options(self) -> dict[str, Any]:
@@ -249,13 +254,14 @@ class SharedH5Dataset(Dataset):
             check_not_measured_by_distributed_sampler(self)
         return len(self.indices)
 
-    def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor) -> list[torch.Tensor | np.ndarray]:
+    def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor,
+                ) -> Sequence[torch.Tensor | np.ndarray | RaggedColumn]:
         return self._backend.gather(as_positions(local, len(self.indices)))
 
     def __getitem__(self, index: int) -> Any:
         return self.fields.sample(self._gather([operator.index(index)]))
 
-    def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Sequence[Any]:
+    def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Sequence[Any] | ring.RingBatch:
         """A whole batch with one vectorised gather per key (DataLoader calls this): a Batch,
         SampleList, TupleBatch or DictBatch for ``collate``, or per-sample results when there
         are transforms (h5serve/client/fields.py). In a make_loader worker, a plain x or (x, y)

@@ -4,7 +4,8 @@ The hot path of every backend that keeps rows in memory (a read-only shm mapping
 backend's chunk cache, the compat preload): per array and batch, one single-threaded
 ``np.take`` (a memcpy per row, no Python per row) into a freshly allocated array, handed
 over as a tensor (``torch.from_numpy``: no copy), and, when another dtype was asked for, one
-``astype`` of the gathered batch only, so every cast follows NumPy's rules. The source array (a read-only mapping) is only ever read; every batch is new
+``astype`` of the gathered batch only, so every cast follows NumPy's rules. The source array
+(a read-only mapping) is only ever read; every batch is new
 memory, so in-place transforms of a batch are safe and reach nothing else.
 
 Why single-threaded, and why not torch: ``torch.index_select`` (and ``.to`` for the cast)
@@ -90,12 +91,12 @@ def as_column(rows: np.ndarray) -> torch.Tensor | np.ndarray:
 # The last positions as_positions returned and their NumPy view: each array of a batch gathers
 # with the same positions, and tensor.numpy() costs ~1.5 us a call (one tuple, swapped whole,
 # so a reader always sees a tensor with its own view, whatever the threads).
-_last: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
+_last: tuple[torch.Tensor, np.ndarray] | None = None
 
 
 def _as_array(positions: torch.Tensor) -> np.ndarray:
     last = _last
-    return last[1] if last[0] is positions else positions.numpy()
+    return last[1] if last is not None and last[0] is positions else positions.numpy()
 
 
 def _remember(positions: torch.Tensor, array: np.ndarray) -> torch.Tensor:
@@ -115,10 +116,10 @@ def as_positions(indices: object, length: int) -> torch.Tensor:
     Raised when an index is out of range, or not an integer: IndexError (as for a list).
     """
     last = _last
-    if last[0] is indices and last[1] is not None:  # made by index_batches, or the last call's: compact int64
+    if last is not None and last[0] is indices:  # made by index_batches, or the last call's: compact int64
         array = last[1]
         if not array.size or np.maximum.reduce(array.view(np.uint64)) < length:
-            return indices
+            return last[0]
         return _remember(*_checked(indices, array, length))
     if isinstance(indices, torch.Tensor):
         if (indices.dtype is torch.int64 and indices.is_cpu and indices.dim() == 1 and not indices.storage_offset()

@@ -7,7 +7,8 @@ across a fork); metadata is read once in a ``with`` block at construction and cl
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

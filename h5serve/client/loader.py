@@ -10,8 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import random
-from collections.abc import Sized
-from typing import Any, Callable
+from collections.abc import Callable, Sized
+from typing import Any
 
 import numpy as np
 import torch
@@ -194,7 +194,8 @@ def make_loader(
     - a node dataset (``SharedH5Dataset(mode="node")``: the node's rows) gets a
       ``NodeShuffleSampler``: the node's rows permuted per epoch and dealt to its ranks, equal
       batches on every rank of every node; torch's ``DistributedSampler`` is refused for it;
-    - other datasets: batches come as index tensors (arrays, with workers) from an EpochBatchSampler over ``sampler`` (default: a new
+    - other datasets: batches come as index tensors (arrays, with workers) from an EpochBatchSampler
+      over ``sampler`` (default: a new
       ``EpochShuffleSampler(len(dataset), seed, shuffle)``); call
       ``loader.batch_sampler.set_epoch(epoch)`` each epoch, and checkpoint with
       ``loader.batch_sampler.state_dict(consumed=...)``;

@@ -5,9 +5,9 @@ batches (h5serve/equalise.py over every rank's shard size)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,7 +131,7 @@ class NodeShuffleSampler(Sampler[torch.Tensor]):
         self.epoch = int(epoch)
 
     @property
-    def sampler(self) -> "NodeShuffleSampler":
+    def sampler(self) -> NodeShuffleSampler:
         """Itself: Lightning sets each epoch through ``loader.batch_sampler.sampler.set_epoch``."""
         return self
 

@@ -185,7 +185,7 @@ def _ring_for(nbytes: int) -> WorkerRing | None:
     return state.ring if nbytes <= state.ring.slot_bytes else None
 
 
-def gather(backend: Any, positions: torch.Tensor) -> "RingBatch | list[torch.Tensor]":
+def gather(backend: Any, positions: torch.Tensor) -> RingBatch | list[torch.Tensor]:
     """The backend's arrays at ``positions`` (checked, as ``as_positions`` returns them)
     written into a free slot of this worker's ring; the tensors gathered as usual when the
     ring cannot take them (none here, the batch does not fit, every slot busy).
@@ -204,13 +204,14 @@ def gather(backend: Any, positions: torch.Tensor) -> "RingBatch | list[torch.Ten
     layout, nbytes = _layout(specs)
     ring = _ring_for(nbytes) if len(specs) in (1, 2) else None
     slot = None if ring is None else ring.claim()
-    if slot is None:
+    if ring is None or slot is None:
         return backend.gather(positions) if tensors is None else tensors
     try:
         if tensors is not None:
             for tensor, item in zip(tensors, layout):
                 np.copyto(ring.view(slot, item), tensor.numpy())
         else:
+            assert arrays is not None  # no tensors gathered: the backend has arrays
             index = positions.numpy()
             for array, item in zip(arrays, layout):
                 out = ring.view(slot, item)
@@ -239,7 +240,7 @@ def _stackable(samples: list[Any]) -> bool:
                and t.shape == first.shape and not t.requires_grad for t in samples)
 
 
-def collate(samples: Any) -> "RingBatch | None":
+def collate(samples: Any) -> RingBatch | None:
     """Per-sample results (a transform's) stacked straight into a free slot, as
     ``default_collate`` stacks them: a list of tensors is one tensor, a list of ``(x, y)``
     tensor pairs is ``[x, y]``. None when this is anything else (other types, ragged shapes,
@@ -261,7 +262,7 @@ def collate(samples: Any) -> "RingBatch | None":
     layout, nbytes = _layout(specs)
     ring = _ring_for(nbytes)
     slot = None if ring is None else ring.claim()
-    if slot is None:
+    if ring is None or slot is None:
         return None
     try:
         for column, item in zip(columns, layout):

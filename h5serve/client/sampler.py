@@ -6,16 +6,16 @@ dataset, as index tensors, checkpointable."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
-from .resharding import check_not_rebuilt, check_not_resharded
 from .gather import index_batches
+from .resharding import check_not_rebuilt, check_not_resharded
 
 __all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples"]
 
@@ -244,7 +244,8 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
         ``consumed_global`` (every rank consumes as many: ``consumed * world_size``)."""
         state = self.sampler.state_dict(consumed)
         if self.world_size is not None:
-            state.update(mode=self.mode, world_size=self.world_size, consumed_global=state["consumed"] * self.world_size)
+            state.update(mode=self.mode, world_size=self.world_size,
+                         consumed_global=state["consumed"] * self.world_size)
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
@@ -296,7 +297,8 @@ def check_state_origin(sampler: Any, state: Any, keys: tuple[str, ...], length_k
         raise ConfigError(f"sampler state must be a dict with keys {keys}, got {state!r:.200}")
     if (state["sampler"], state["mode"]) != (type(sampler).__name__, sampler.mode):
         raise ConfigError(f"sampler state is from a {state['sampler']} in mode {state['mode']!r}, this is a "
-                          f"{type(sampler).__name__} in mode {sampler.mode!r}: resume with the sampler it was saved from")
+                          f"{type(sampler).__name__} in mode {sampler.mode!r}: resume with the sampler it was "
+                          "saved from")
     if state[length_key] != length:
         raise ConfigError(f"sampler state was saved for a dataset of {state[length_key]} rows, this one has "
                           f"{length}: resume with the same file and key")
@@ -362,7 +364,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
         self.epoch = int(epoch)
 
     @property
-    def sampler(self) -> "DistributedShuffleSampler":
+    def sampler(self) -> DistributedShuffleSampler:
         """Itself: Lightning sets each epoch through ``loader.batch_sampler.sampler.set_epoch``."""
         return self
 

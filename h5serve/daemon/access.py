@@ -45,7 +45,7 @@ class Peer:
     pid: int
 
     @classmethod
-    def from_address(cls, address: str | None) -> "Peer | None":
+    def from_address(cls, address: str | None) -> Peer | None:
         """From libzmq's ``Peer-Address`` of an ipc connection (``...:uid:gid:pid``); None when
         the transport did not report credentials."""
         if not address:

@@ -44,28 +44,29 @@ import pickle
 import select
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import numpy as np
 
 from ..compound import rows_dataset
 from ..errors import SegmentError, SourceChanged, code_for
+from ..files import plan_file_parts
 from ..rawcopy import data_extents, drop_cached
 from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
 from ..crc import LOAD_CRC
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
-from ..files import plan_file_parts
 from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from .checksum import FollowingCrc
 from .fileset import read_files_part
 from .vlenload import load_vlen
 
-__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES",
+           "MIN_PART_ENV"]
 
 _PR_SET_PDEATHSIG = 1
 # A part is worth its own process only above this many bytes of source rows (forking, opening
@@ -113,7 +114,7 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def loader_context() -> multiprocessing.context.BaseContext:
+def loader_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments", "h5serve.reads", "h5serve.daemon.loader"])
@@ -163,7 +164,8 @@ def min_part_bytes() -> int:
     return value if value > 0 else MIN_PART_BYTES
 
 
-def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: int, min_part: int | None = None) -> list[tuple[int, int]]:
+def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: int,
+               min_part: int | None = None) -> list[tuple[int, int]]:
     """The global row ranges one load is split into: at most ``processes``, each at least about
     ``min_part`` bytes of source rows, cut at chunk boundaries. One part: no split."""
     first, last = shard_span(info, selection)
@@ -360,7 +362,8 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
         progress(done)
 
     try:
-        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span, dest=writer.data_target())
+        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span,
+                                 dest=writer.data_target())
         return PartResult(copied, -1 if crc is None else crc.result())
     finally:
         if crc is not None:
@@ -423,10 +426,11 @@ def _run(job: LoadJob, reply: Connection) -> None:
         writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group)
         started = time.monotonic_ns()
         rows = meta.row_range
-        spans = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
+        spans: list[tuple[int, int] | None] = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = _Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
+                assert span is not None  # more than one part: each has its span
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
                          writer: SegmentWriter = writer) -> PartResult:
                     return _read_part(meta, rows, writer, span, progress, job.checksum,
@@ -435,7 +439,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
 
-        def progress(rows_done: int) -> None:
+        def progress(rows_done: int, writer: SegmentWriter = writer) -> None:
             nonlocal shown
             if daemon_gone():
                 raise DaemonGone()
@@ -500,10 +504,12 @@ def _run(job: LoadJob, reply: Connection) -> None:
         reply.close()
 
 
-def start_load(ctx: multiprocessing.context.BaseContext, job: LoadJob) -> tuple[multiprocessing.Process, Connection]:
+def start_load(ctx: multiprocessing.context.ForkServerContext,
+               job: LoadJob) -> tuple[multiprocessing.context.ForkServerProcess, Connection]:
     """Start a loader process for ``job``; the returned pipe end receives (status, code, message[, stats])."""
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}", daemon=True)
+    process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
+                          daemon=True)
     process.start()
     sender.close()
     return process, receiver

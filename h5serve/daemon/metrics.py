@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError
+from ..errors import ConfigError, host_error
 
 __all__ = ["Metrics", "LOAD_SECONDS_BUCKETS"]
 
@@ -38,7 +39,7 @@ class Metrics:
         self._last_refresh = 0.0
         self._last_textfile = 0.0
         self.textfile = textfile_dir / "h5serve.prom" if textfile_dir is not None else None
-        if self.textfile is not None and not textfile_dir.is_dir():
+        if textfile_dir is not None and not textfile_dir.is_dir():
             raise ConfigError(f"--metrics-textfile {textfile_dir} is not a directory")
         self.load_seconds = Histogram(
             "h5serve_load_seconds", "Time to load one segment from HDF5 into shared memory",
@@ -50,7 +51,8 @@ class Metrics:
             try:
                 self.server, _thread = start_http_server(port, addr=addr, registry=self.registry)
             except OSError as exc:
-                raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror}; choose another --metrics-port") from exc
+                raise host_error(exc, f"serving metrics on {addr}:{port}",
+                                 fix="choose another --metrics-port (0: any free port)") from exc
             log.info("metrics on http://%s:%d/metrics", addr, self.server.server_port)
 
     @property
@@ -112,7 +114,8 @@ class _SnapshotCollector:
             ("h5serve_loads", "loads", "Segments loaded from HDF5"),
             ("h5serve_hits", "hits", "Requests answered by an already loaded segment"),
             ("h5serve_evictions", "evictions", "Segments evicted (memory budget or changed source)"),
-            ("h5serve_refusals", "refusals", "Requests refused (budget, --allow-root, requester may not read the file)"),
+            ("h5serve_refusals", "refusals",
+             "Requests refused (budget, --allow-root, requester may not read the file)"),
             ("h5serve_load_errors", "load_errors", "Loads that failed"),
             ("h5serve_damaged", "damaged", "Published segments found damaged before a hit, and loaded again"),
             ("h5serve_stalled", "stalled", "Loads killed by the stall watchdog"),

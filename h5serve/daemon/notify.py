@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["Notifier"]
 

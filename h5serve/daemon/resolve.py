@@ -21,10 +21,11 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from 3.11 on
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
 from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
@@ -48,7 +49,8 @@ class _DaemonThreads:
     blocking open never keeps the daemon from exiting."""
 
     def __init__(self, count: int) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue())
         self._count = count
         for i in range(count):
             threading.Thread(target=self._work, name=f"h5serve-resolve-{i}", daemon=True).start()
@@ -109,7 +111,8 @@ class Resolver:
         self._lock = threading.Lock()
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
 
-    def poll(self, path: str, key: str, peer: Peer | None, files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
+    def poll(self, path: str, key: str, peer: Peer | None,
+             files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
         """The resolution of this request: started now if none is in flight, waited for up to
         RESOLVE_WAIT_S; None while it is still running (ask again). ``files``: many files as
         one dataset, every one resolved (fileset.py).

@@ -24,8 +24,10 @@ from ..errors import (
     ConfigError,
     DaemonAlreadyRunning,
     H5ServeError,
+    OutOfResources,
     ProtocolError,
     code_for,
+    host_error,
 )
 from ..protocol import (
     VERSION,
@@ -41,6 +43,7 @@ from ..protocol import (
 from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
 from ..safeio import open_regular, read_small
 from ..segments import format_bytes
+from .access import Peer
 from .config import (
     DEFAULT_MEMORY_FRACTION,
     POLL_INTERVAL_S,
@@ -48,7 +51,6 @@ from .config import (
     default_load_processes,
     default_loaders,
 )
-from .access import Peer
 from .loader import start_forkserver
 from .metrics import Metrics
 from .notify import Notifier
@@ -61,6 +63,7 @@ _MAX_MESSAGES_PER_TICK = 256
 _GUARD_EVERY = 16  # messages answered between two looks at the connection guard
 STATUS_SCHEMA_VERSION = 1
 MAX_PEER_MESSAGE_BYTES = 1024 * 1024
+MIN_OPEN_FILES = 256  # the connection guard keeps max(64, limit // 4) in reserve and resumes 2 reserves under
 
 
 def _lock_pidfile(config: DaemonConfig, dir_fd: int) -> int:
@@ -79,7 +82,8 @@ def _lock_pidfile(config: DaemonConfig, dir_fd: int) -> int:
         pid = read_small(fd, 32).decode("ascii", "replace").strip() or "?"
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise DaemonAlreadyRunning(f"an h5serve daemon (pid {pid}) already serves {config.location.directory}") from exc
+            raise DaemonAlreadyRunning(
+                f"an h5serve daemon (pid {pid}) already serves {config.location.directory}") from exc
         raise ConfigError(f"cannot lock {config.location.pidfile}: {exc.strerror}") from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -202,6 +206,7 @@ class Server:
             drop_page_cache=config.drop_page_cache,
         )
         self._stopping = False
+        self._doing = ""  # what run() is doing, for the message if the OS refuses it
         self.started = time.time()
         self.notifier = Notifier()
         self.metrics: Metrics | None = None
@@ -257,18 +262,47 @@ class Server:
             os.chmod(SOCKET_NAME, 0o660, dir_fd=dir_fd)
 
     def run(self) -> None:
+        """Serve until stopped. An OSError or ZMQError on the way (no open files left, the
+        socket's name taken by a directory, ...) leaves as the HostError that says what to do."""
+        self._doing = f"preparing the runtime dir {self.config.location.directory}"
+        try:
+            self._run()
+        except (OSError, zmq.ZMQError) as exc:
+            raise host_error(exc, self._doing) from exc
+
+    def _run(self) -> None:
         location = self.config.location
         files_limit = raise_open_file_limit()
+        if files_limit < MIN_OPEN_FILES:
+            # below it libzmq can abort the process (an assert, not an error) before a client connects
+            raise OutOfResources(
+                f"the daemon may open at most {files_limit} files (its hard limit) and needs at least "
+                f"{MIN_OPEN_FILES}; raise the open-file limit (`ulimit -Hn`, systemd LimitNOFILE=, "
+                "docker --ulimit nofile=) and start it again"
+            )
         dir_fd = ensure_runtime_dir(location, self.config.group)
-        lock_fd = _lock_pidfile(self.config, dir_fd)
-        ctx = zmq.Context()
         try:
+            self._doing = f"locking {location.pidfile}"
+            lock_fd = _lock_pidfile(self.config, dir_fd)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        ctx: zmq.Context | None = None
+        try:
+            self._doing = f"adopting the segments left in {self.config.shm_dir}"
             self.store.recover()
+            self._doing = "starting the loaders' forkserver"
             start_forkserver()  # before the socket: no request waits for it
+            self._doing = f"removing the stale socket {location.socket_path}"
             try:
                 os.unlink(SOCKET_NAME, dir_fd=dir_fd)  # stale: we hold the lock
             except FileNotFoundError:
                 pass
+            except OSError as exc:  # a directory, or something we may not remove, in the socket's place
+                raise host_error(exc, self._doing, fix=f"remove {location.socket_path} (it is in the way of the "
+                                 "daemon's socket) or choose another --runtime-dir") from exc
+            self._doing = f"listening on {location.endpoint}"
+            ctx = zmq.Context()
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -285,18 +319,22 @@ class Server:
                 format_bytes(self.store.max_memory), self.store.max_loaders, self.store.load_processes, files_limit,
             )
             self.notifier.ready(self._status_line())
+            self._doing = f"serving on {location.endpoint}"
             self._loop(sock)
         finally:
             log.info("stopping: unlinking segments")
             self.notifier.stopping()
             self.store.shutdown()
-            ctx.destroy(linger=0)
+            if ctx is not None:
+                ctx.destroy(linger=0)
             self.store.resolver.close()
             for name in (SOCKET_NAME, PIDFILE_NAME):
                 try:
                     os.unlink(name, dir_fd=dir_fd)
                 except FileNotFoundError:
                     pass
+                except OSError as exc:  # e.g. a directory in the socket's place: the error that stopped us says so
+                    log.warning("could not remove %s: %s", location.directory / name, exc.strerror)
             os.close(lock_fd)
             os.close(dir_fd)
             self.notifier.close()
@@ -355,5 +393,10 @@ def serve(config: DaemonConfig) -> None:
     """Run the daemon in this process until SIGTERM, SIGINT or a shutdown request.
 
     Raised when another daemon already serves the runtime dir: DaemonAlreadyRunning.
+    Raised when the OS refuses something the daemon needs: HostError (a subclass by errno).
     """
-    Server(config).run()
+    try:
+        server = Server(config)
+    except (OSError, zmq.ZMQError) as exc:
+        raise host_error(exc, f"setting up the daemon for {config.location.directory}") from exc
+    server.run()

@@ -11,12 +11,13 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from multiprocessing import Process
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
     tmp_name: str = ""
-    process: Process | None = None
+    process: ForkServerProcess | None = None  # a loader, started by loader_context()
     reply: Connection | None = None
     load_started: float = 0.0
     load_seconds: float = 0.0
@@ -127,7 +128,7 @@ class SegmentStore:
         self.checksum = checksum  # loaders store a crc32 of the rows (status --verify compares it)
         self.drop_page_cache = drop_page_cache  # loaders drop the source's cached pages of the rows they read
         self._last_stall_check = time.monotonic()
-        self._reaping: list[Process] = []  # loaders that finished or were killed, not yet reaped
+        self._reaping: list[ForkServerProcess] = []  # loaders that finished or were killed, not yet reaped
         self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
         self.location = location
         self.shm_dir = shm_dir
@@ -168,7 +169,8 @@ class SegmentStore:
             if complete and unchanged and segment_name(self.namespace, meta, self.secret) == path.name:
                 self.entries[path.name] = Entry(path.name, meta, "ready")
                 self.counters["adopted"] += 1
-                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank, meta.world_size)
+                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank,
+                         meta.world_size)
             else:
                 remove_if(path, keep=_not_ours)
 
@@ -417,7 +419,7 @@ class SegmentStore:
         entry.process, entry.reply = None, None
 
     @staticmethod
-    def _reaped(process: Process) -> bool:
+    def _reaped(process: ForkServerProcess) -> bool:
         if process.is_alive():
             return False
         process.close()
@@ -484,7 +486,8 @@ class SegmentStore:
             f"the daemon's load of {m.source_path}[{m.key}] rank {m.rank}/{m.world_size} made no progress for "
             f"{self.stall_timeout:g}s ({entry.activity[0]} of {m.rows} rows; a stopped loader or a hung file system), "
             f"so the daemon stopped it. Check that the file reads (e.g. `cat FILE > /dev/null`); the daemon loads it "
-            f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately that slow)"))
+            f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately "
+            "that slow)"))
 
     # ----- reporting and shutdown ----------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -26,9 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import numpy as np
@@ -243,7 +243,8 @@ class _Demo:
         out = open(report_dir / "output.txt", "w+b")
         try:
             self.job = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                        cwd=self.workdir, start_new_session=True)  # a group of its own: killed whole below
+                                        # a group of its own: killed whole below
+                                        cwd=self.workdir, start_new_session=True)
             deadline = time.monotonic() + JOB_TIMEOUT_S
             while self.job.poll() is None:
                 if time.monotonic() > deadline:

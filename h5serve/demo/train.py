@@ -17,7 +17,8 @@ import argparse
 import gc
 import json
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from h5serve.client import SharedH5Dataset, make_loader
+from h5serve.client import DistributedShuffleSampler, SharedH5Dataset, make_loader
 from h5serve.runtime import resolve_shm_dir
 
 from .predecessor import PredecessorLazy, PredecessorPreload
@@ -89,12 +90,14 @@ def run_shm(args: argparse.Namespace, skip: str, measure_rate: bool) -> tuple[di
     ds = SharedH5Dataset(args.path, x_key=X_KEY, y_key=Y_KEY, mode="global", dtype_x=np.float32)
     ready_s = time.perf_counter() - t0
     loader = make_loader(ds, args.batch_size, seed=SEED)
+    batches = loader.batch_sampler
+    assert isinstance(batches, DistributedShuffleSampler)  # make_loader's, for a global-mode dataset
     rate = None
     if measure_rate:
         dist.barrier()  # the ranks draw at the same time, as in training
-        rate = draw(loader, args.seconds, loader.batch_sampler.set_epoch)
+        rate = draw(loader, args.seconds, batches.set_epoch)
     grown = pss_bytes(skip) - before
-    loader.batch_sampler.set_epoch(0)
+    batches.set_epoch(0)
     loss = train_steps(loader, int(np.prod(ds[0][0].shape)), args.steps)
     report = {"backend": ds.backend, "rows": len(ds), "ready_s": ready_s, "samples_per_s": rate,
               "pss_growth": grown, "loss": loss}
@@ -113,7 +116,7 @@ def run_predecessor(args: argparse.Namespace, skip: str) -> dict[str, Any]:
     del preloaded
     gc.collect()
     lazy = PredecessorLazy(args.path, X_KEY, Y_KEY)
-    sampler = DistributedSampler(lazy, shuffle=True, seed=SEED)
+    sampler: DistributedSampler[int] = DistributedSampler(lazy, shuffle=True, seed=SEED)
     loader = DataLoader(lazy, batch_size=args.batch_size, sampler=sampler)
     dist.barrier()
     rate = draw(loader, args.seconds, sampler.set_epoch)

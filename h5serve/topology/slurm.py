@@ -263,7 +263,8 @@ def _gtids(env: Mapping[str, str], world: int, expected: int) -> tuple[int, ...]
         raise ConfigError(f"{name}={text!r} must hold distinct task ids in [0, {world - 1}]; {_HINT}")
     if len(ranks) != expected:
         raise ConfigError(
-            f"{name}={text!r} lists {len(ranks)} task(s) but SLURM_STEP_TASKS_PER_NODE gives this node {expected}; {_HINT}"
+            f"{name}={text!r} lists {len(ranks)} task(s) but SLURM_STEP_TASKS_PER_NODE gives this node {expected}; "
+            f"{_HINT}"
         )
     return tuple(ranks)
 
