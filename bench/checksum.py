@@ -32,8 +32,8 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from h5serve.connection import DaemonClient
-from h5serve.protocol import Acquire
 from h5serve.crc import CRC32, CRC32C, CrcKind
+from h5serve.protocol import Acquire
 from h5serve.segments import data_checksum
 
 SIZE = 300 * 2**20

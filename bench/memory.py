@@ -144,5 +144,6 @@ def memory(files: dict[str, Path]) -> list[Row]:
                 target_vs_limit=1 / 1.1,
                 note=(f"PSS + /dev/shm segments + the data file's page cache; native {native / mib:,.0f} MiB; "
                       f"h5serve {h5 / mib:,.0f} MiB, seed {seed / mib:,.0f} MiB "
-                      f"(totals minus a {CONTROL_ROWS:,}-row control, same topology: {results['h5serve'][2] / mib:,.0f} / "
+                      f"(totals minus a {CONTROL_ROWS:,}-row control, same topology: "
+                      f"{results['h5serve'][2] / mib:,.0f} / "
                       f"{results['seed'][2] / mib:,.0f} MiB)"))]

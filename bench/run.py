@@ -222,7 +222,8 @@ asserted in tests.
   and the daemon, h5serve segments counted once, plus the data file's pages in the page cache
   (mincore), minus the same topology on a 4,096-row file (interpreter and torch overhead, and
   every worker's prefetch buffers: make_loader's ring slots, torch's queue, filled by 8 batches
-  a rank as on the data), as a multiple of the extra rows' native size. Baseline: the seed's private float32 preload per rank (and
+  a rank as on the data), as a multiple of the extra rows' native size. Baseline: the seed's
+  private float32 preload per rank (and
   the file it leaves cached). h5serve drops the file's pages once a load is published.
 - **first batch**: a fresh `torchrun --nproc-per-node 2` job from launch to rank 0's first batch.
 - **small files** (`bench/manyfiles.py`): 1,000 files of 16 rows each (x uint8 3x32x32, y int64)

@@ -209,10 +209,11 @@ def lockstep_vs_bare(loader: DataLoader, ds: SharedH5Dataset, epochs: int) -> tu
         loader.batch_sampler.set_epoch(epoch)
         order = EpochShuffleSampler(len(ds))  # make_loader's order (seed 0)
         order.set_epoch(epoch)
-        other = EpochShuffleSampler(len(ds), seed=1)  # the bare gather's: rows make_loader did not just bring into cache
+        # the bare gather's: rows make_loader did not just bring into the CPU's cache
+        other = EpochShuffleSampler(len(ds), seed=1)
         other.set_epoch(epoch)
         it = iter(loader)
-        for positions, bare_positions in zip(order.batches(BATCH), other.batches(BATCH)):
+        for _, bare_positions in zip(order.batches(BATCH), other.batches(BATCH)):
             indices = bare_positions.numpy()
             t0 = clock()
             batch = next(it)  # the previous batch stays alive until this one exists, as in training

@@ -23,7 +23,8 @@ from typing import Any
 
 __all__ = ["CRC32", "CRC32C", "KINDS", "LOAD_CRC", "CrcKind"]
 
-try:  # an optional dependency: without it (or without the instruction) loads record crc32
+_crc32c: Any
+try:  # a dependency, but without its wheel (or without the instruction) loads record crc32
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - installed with h5serve where a wheel exists
     _crc32c = None

@@ -24,8 +24,15 @@ import h5serve.client.files  # noqa: F401 - imported before tests drop privilege
 from h5serve.client import SharedH5Dataset, collate
 from h5serve.client.connection import DaemonClient
 from h5serve.daemon.loader import MIN_PART_ENV
-from h5serve.errors import (AccessDenied, ConfigError, DataError, KeyNotFound, LengthMismatch, ProtocolError,
-                            SourceNotFound)
+from h5serve.errors import (
+    AccessDenied,
+    ConfigError,
+    DataError,
+    KeyNotFound,
+    LengthMismatch,
+    ProtocolError,
+    SourceNotFound,
+)
 from h5serve.files import MAX_FILES, expand_paths
 from h5serve.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 from h5serve.segments import HEADER_SIZE, SegmentMeta, attach_segment, create_segment, read_meta
@@ -194,7 +201,8 @@ def test_one_file_stays_one_file(tmp_path: Path) -> None:
     assert expand_paths(str(tmp_path / "only*.h5")).paths == (str(path),)
     ds = open_ds("lazy", None, str(tmp_path / "only*.h5"), "x")
     try:
-        assert ds.spec.path == str(path) and ds.spec.files == () and repr(ds).startswith(f"SharedH5Dataset({str(path)!r}")
+        assert ds.spec.path == str(path) and ds.spec.files == ()
+        assert repr(ds).startswith(f"SharedH5Dataset({str(path)!r}")
     finally:
         ds.close()
 
@@ -257,14 +265,17 @@ def _mismatch(tmp_path: Path, kind: str) -> tuple[list[Path], dict, type, str]:
         with h5py.File(bad, "a") as f:
             del f["x"]
             f["x"] = np.zeros((9, 3, 4, 5), "uint8")
-        return paths, {}, DataError, rf"{re.escape(str(bad))}: dataset 'x' has rows of shape \(3, 4, 5\), but {re.escape(str(paths[0]))} has \(3, 4, 4\)"
+        return paths, {}, DataError, (rf"{re.escape(str(bad))}: dataset 'x' has rows of shape \(3, 4, 5\), "
+                                      rf"but {re.escape(str(paths[0]))} has \(3, 4, 4\)")
     if kind in ("dtype", "unsafe_dtype"):
         with h5py.File(bad, "a") as f:
             del f["x"]
             f["x"] = np.zeros((9, *ROW_SHAPE), "float64")
         if kind == "dtype":
-            return paths, {}, DataError, rf"{re.escape(str(bad))}: dataset 'x' has dtype float64, but {re.escape(str(paths[0]))} has uint8.*'float64'"
-        return paths, {"dtype_x": "float32"}, DataError, rf"float32 cannot hold every float64 value of {re.escape(str(bad))}"
+            return paths, {}, DataError, (rf"{re.escape(str(bad))}: dataset 'x' has dtype float64, "
+                                          rf"but {re.escape(str(paths[0]))} has uint8.*'float64'")
+        return (paths, {"dtype_x": "float32"}, DataError,
+                rf"float32 cannot hold every float64 value of {re.escape(str(bad))}")
     if kind == "lengths":  # equal totals, rows that would pair up across files
         paths = write_set(tmp_path, (10, 12), y_rows=(12, 10), name="len{}.h5")
         return paths, {}, LengthMismatch, rf"{re.escape(str(paths[0]))}: 'x' has 10 rows but 'y' has 12"
@@ -376,7 +387,8 @@ def test_virtual_dataset_bytes_equal_h5py_and_sources_tracked(tmp_path: Path, ba
         ds.close()
     assert wait_for(lambda: not set(first) & {s["name"] for s in daemon.status()["segments"]}, 15)
     sources[0].unlink()  # h5py would read the fill value there: refused instead
-    with pytest.raises(SourceNotFound, match=rf"virtual dataset whose source file .*{sources[0].name}.* does not exist"):
+    missing = rf"virtual dataset whose source file .*{sources[0].name}.* does not exist"
+    with pytest.raises(SourceNotFound, match=missing):
         open_ds(backend, daemon, vds, "x")
 
 
@@ -410,7 +422,8 @@ def test_allow_root_parallel_load_and_adoption_of_many_files(tmp_path: Path) -> 
         finally:
             ds.close()
         assert d.status()["counters"]["loads"] == 0  # served from the adopted segments
-        with pytest.raises(AccessDenied, match=rf"{re.escape(str(stray))} \(resolved to {re.escape(str(stray))}\) is outside"):
+        outside = rf"{re.escape(str(stray))} \(resolved to {re.escape(str(stray))}\) is outside"
+        with pytest.raises(AccessDenied, match=outside):
             open_ds("shm", d, [*paths[:2], stray], "x")
         with pytest.raises(AccessDenied, match=rf"{re.escape(str(stray))} \(a source of .*vds\.h5\).* is outside"):
             open_ds("shm", d, vds, "x")

@@ -70,7 +70,7 @@ def write_files(directory: Path, sizes: tuple[int, ...] = SIZES, names: Any = NA
             vl = f.create_dataset("tokens", (n,), dtype=tokens, chunks=(min(4, n),) if n else None)
             for k, r in enumerate(rows):
                 vl[k] = (np.arange(r % 5) + r * 10).astype(h5py.check_vlen_dtype(tokens))  # empty rows too
-            f.create_dataset("text", data=[("ñ·%d" % r) * (r % 3) for r in rows], dtype=h5py.string_dtype())
+            f.create_dataset("text", data=[f"ñ·{r}" * (r % 3) for r in rows], dtype=h5py.string_dtype())
         paths.append(path)
         base += n
     return paths

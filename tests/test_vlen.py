@@ -41,7 +41,7 @@ def _file(path: Path) -> Path:
         for i in range(ROWS):
             tokens[i] = rng.normal(size=i % 6).astype(np.float32)  # empty rows too
             ids[i] = rng.integers(-300, 300, size=(i * 7) % 5).astype(np.int16)
-        f.create_dataset("text", data=[("ñ·%d" % i) * (i % 3) for i in range(ROWS)], dtype=h5py.string_dtype())
+        f.create_dataset("text", data=[f"ñ·{i}" * (i % 3) for i in range(ROWS)], dtype=h5py.string_dtype())
         f.create_dataset("ascii", data=[b"a" * (i % 4) for i in range(ROWS)], dtype=h5py.string_dtype("ascii"))
         f["label"] = np.arange(ROWS, dtype=np.int64) * 3
         f["img"] = rng.integers(0, 255, (ROWS, 2, 3), dtype=np.uint8)

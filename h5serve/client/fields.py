@@ -28,9 +28,9 @@ of ``str``) and ``Field.rows`` into one tensor (or ``str``) per row.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,6 +135,7 @@ class FieldSet:
 
     fields: tuple[Field, ...]
     layout: str  # XY, TUPLE or DICT
+    transformed: bool = field(init=False)  # any field has a transform
 
     def __post_init__(self) -> None:  # looked up once per batch: computed once here
         object.__setattr__(self, "transformed", any(f.transform is not None for f in self.fields))
@@ -153,7 +154,7 @@ class FieldSet:
             return None
         return next((f.transform for f in self.fields if f.name == name), None)
 
-    def with_transform(self, name: str, fn: Callable[[Any], Any] | None) -> "FieldSet":
+    def with_transform(self, name: str, fn: Callable[[Any], Any] | None) -> FieldSet:
         """This FieldSet with x's (``"x"``) or y's (``"y"``) transform replaced.
 
         Raised for a ``keys=`` dataset (its transforms are per field name), or y without a
@@ -177,11 +178,11 @@ class FieldSet:
             return tuple(values)
         return values[0]  # xy with x only
 
-    def sample(self, columns: Sequence[torch.Tensor | np.ndarray]) -> Any:
+    def sample(self, columns: Sequence[torch.Tensor | np.ndarray | RaggedColumn]) -> Any:
         """The one sample of one-row ``columns``, transformed."""
         return self._pack([f.apply(f.rows(c)[0]) for f, c in zip(self.fields, columns)])
 
-    def batch(self, columns: Sequence[torch.Tensor | np.ndarray]) -> Sequence[Any]:
+    def batch(self, columns: Sequence[torch.Tensor | np.ndarray | RaggedColumn]) -> Sequence[Any]:
         """What ``__getitems__`` returns for gathered ``columns``: the whole batch (for
         ``collate``/``default_collate`` to pass through), or per-sample results when a
         field has a transform."""
@@ -323,11 +324,11 @@ def parse_fields(
     for name, fn in steps.items():
         if fn is not None and not callable(fn):
             raise ConfigError(f"transforms[{name!r}] must be callable, got {type(fn).__name__}")
-    fields = tuple(
+    named = tuple(
         Field(name, key, resolve_dtype(wanted.get(name), f"dtypes[{name!r}]"), steps.get(name), enc, *shape)
         for name, key in pairs
     )
-    return FieldSet(fields, layout)
+    return FieldSet(named, layout)
 
 
 # ----- batches --------------------------------------------------------------------------------

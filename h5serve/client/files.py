@@ -45,9 +45,9 @@ class _Handles:
     def __init__(self, paths: tuple[str, ...], options: dict[str, Any]) -> None:
         self.paths = paths
         self.options = options
-        self._open: OrderedDict[int, "H5Handle"] = OrderedDict()
+        self._open: OrderedDict[int, H5Handle] = OrderedDict()
 
-    def get(self, index: int) -> "H5Handle":
+    def get(self, index: int) -> H5Handle:
         from .backends import H5Handle
 
         handle = self._open.get(index)
@@ -68,7 +68,7 @@ class _Handles:
         return {"paths": self.paths, "options": self.options, "_open": OrderedDict()}
 
 
-def inspect_files(spec: "BackendSpec") -> list[list[DatasetInfo]]:
+def inspect_files(spec: BackendSpec) -> list[list[DatasetInfo]]:
     """``infos[k][i]``: key ``k`` of file ``i`` (variable-length rows included), each file
     opened once and closed.
 
@@ -87,10 +87,11 @@ class FilesLazyBackend:
 
     name = "lazy"
 
-    def __init__(self, spec: "BackendSpec") -> None:
+    def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.infos = inspect_files(spec)
-        set_dtypes = [check_agreement(spec.files, infos, requested) for infos, requested in zip(self.infos, spec.dtypes)]
+        set_dtypes = [check_agreement(spec.files, infos, requested)
+                      for infos, requested in zip(self.infos, spec.dtypes)]
         counts = [[info.rows for info in infos] for infos in self.infos]
         check_row_counts(spec.keys, [sum(c) for c in counts])  # each key's length, as the shm backend says it
         check_file_lengths(spec.files, spec.keys, counts)
@@ -183,7 +184,8 @@ class FilesLazyBackend:
                     f"dataset {key!r} in {self.spec.files[0]} holds variable-length rows; SharedH5Dataset serves "
                     "variable-length rows, this reader (the compat preload) does not: use SharedH5Dataset"
                 )
-        arrays = [np.empty((len(self.rows), *infos[0].row_shape), dtype=d) for infos, d in zip(self.infos, self.out_dtypes)]
+        arrays = [np.empty((len(self.rows), *infos[0].row_shape), dtype=d)
+                  for infos, d in zip(self.infos, self.out_dtypes)]
         for piece in self.pieces:
             with open_h5(self.spec.files[piece.index], **self.spec.h5_options) as f:
                 for k, key in enumerate(self.spec.keys):

@@ -17,6 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+# torch internals (stable since torch 1.x): ShmDataLoader's iterator is torch's, minus one record
+from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
+
 from ..errors import ConfigError
 from ..sharding import GLOBAL, NODE
 from . import ring
@@ -46,30 +49,19 @@ def _return_batch_memory() -> None:
         pass
 
 
-try:  # torch internals, present since torch 1.x: without them ShmDataLoader is a plain DataLoader
-    from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
+class _LeanIterator(_SingleProcessDataLoaderIter):
+    """torch's single-process iterator without its per-batch ``record_function`` while no
+    profiler runs (with one, exactly torch's). That record costs ~20 us a batch here,
+    15% of a 256-row gather from shared memory (docs/performance.md)."""
 
-    _profiler_enabled: Callable[[], bool] | None = torch.autograd._profiler_enabled
-except (ImportError, AttributeError):  # pragma: no cover - another torch layout
-    _SingleProcessDataLoaderIter, _profiler_enabled = None, None
-
-
-if _SingleProcessDataLoaderIter is not None and _profiler_enabled is not None:
-    class _LeanIterator(_SingleProcessDataLoaderIter):  # type: ignore[misc, valid-type]
-        """torch's single-process iterator without its per-batch ``record_function`` while no
-        profiler runs (with one, exactly torch's). That record costs ~20 us a batch here,
-        15% of a 256-row gather from shared memory (docs/performance.md)."""
-
-        def __next__(self) -> Any:
-            if _profiler_enabled():
-                return super().__next__()
-            if self._sampler_iter is None:
-                self._reset()
-            data = self._next_data()
-            self._num_yielded += 1
-            return data
-else:  # pragma: no cover
-    _LeanIterator = None
+    def __next__(self) -> Any:
+        if torch.autograd._profiler_enabled():
+            return super().__next__()
+        if self._sampler_iter is None:
+            self._reset()  # type: ignore[call-arg]  # as torch's own __next__ calls it
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
 
 
 class ShmDataLoader(DataLoader):
@@ -79,7 +71,7 @@ class ShmDataLoader(DataLoader):
     argument works."""
 
     def _get_iterator(self) -> Any:
-        if _LeanIterator is not None and self.num_workers == 0 and self._dataset_kind == _DatasetKind.Map:
+        if self.num_workers == 0 and self._dataset_kind == _DatasetKind.Map:
             return _LeanIterator(self)
         return super()._get_iterator()
 

@@ -57,7 +57,7 @@ class RaggedList(list):
         self._rows = tuple(self) if flat is not None else ()
 
     @classmethod
-    def split(cls, flat: torch.Tensor, lengths: list[int]) -> "RaggedList":
+    def split(cls, flat: torch.Tensor, lengths: list[int]) -> RaggedList:
         return cls(flat.split(lengths) if lengths else (), flat, lengths)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -158,7 +158,8 @@ def parse_ragged(ragged: object, pad_value: object) -> tuple[str, Any]:
     pad_value is not a number or goes without ``ragged="pad"``: ConfigError."""
     if not isinstance(ragged, str) or ragged not in RAGGED_MODES:
         raise ConfigError(f"ragged must be one of {', '.join(map(repr, RAGGED_MODES))} (how a batch of variable-length "
-                          f"rows comes: a list of tensors, a padded tensor with lengths, a nested tensor), got {ragged!r:.80}")
+                          f"rows comes: a list of tensors, a padded tensor with lengths, a nested tensor), "
+                          f"got {ragged!r:.80}")
     if pad_value is None:
         return ragged, 0
     if ragged != PAD:

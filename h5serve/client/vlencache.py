@@ -92,7 +92,7 @@ class VlenCache:
         bounds = np.searchsorted(owner[order], touched + [touched[-1] + 1] if touched else [0])
         flats, lengths = [], []
         for i, b in enumerate(touched):
-            offsets, values = self.blocks[b]  # type: ignore[misc]
+            offsets, values = self.blocks[b]
             flat, n = gather(offsets, values, pos[order[bounds[i]:bounds[i + 1]]] - b * self.block_rows)
             flats.append(flat)
             lengths.append(n)

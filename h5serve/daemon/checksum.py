@@ -14,6 +14,7 @@ hashes a byte before it is written. Both kinds release the GIL while they hash.
 from __future__ import annotations
 
 import threading
+
 import numpy as np
 
 from ..crc import LOAD_CRC

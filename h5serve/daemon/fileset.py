@@ -39,10 +39,10 @@ __all__ = ["ResolvedFiles", "resolve_files", "files_meta", "read_files_part"]
 class ResolvedFiles:
     """Every file of a multi-file request, each resolved as one file is, in row order."""
 
-    members: tuple["Resolved", ...]
+    members: tuple[Resolved, ...]
 
 
-def resolve_files(resolver: "Resolver", paths: tuple[str, ...], key: str, peer: "Peer | None") -> ResolvedFiles:
+def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Peer | None) -> ResolvedFiles:
     """Resolve each file (blocking: a resolver thread runs this).
 
     Raised for the first file that cannot be served: the H5ServeError saying why, naming it.
@@ -131,8 +131,11 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
                                     f"{info.rows} rows of shape {info.row_shape}); request it again")
             # a small piece is read straight into the mapping: finding where its rows lie in the
             # file (to copy them file to file) costs more than reading them
-            copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1],
-                                      lambda n, before=done: progress(before + n),
+
+            def piece_progress(n: int, before: int = done) -> None:
+                progress(before + n)
+
+            copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1], piece_progress,
                                       dest=None if small else (fd, base + piece.k0 * out_row))
             if drop_page_cache:
                 try:

@@ -53,11 +53,11 @@ import h5py
 import numpy as np
 
 from ..compound import rows_dataset
+from ..crc import LOAD_CRC
 from ..errors import SegmentError, SourceChanged, code_for
 from ..files import plan_file_parts
 from ..rawcopy import data_extents, drop_cached
 from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
-from ..crc import LOAD_CRC
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5

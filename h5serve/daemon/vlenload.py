@@ -26,17 +26,17 @@ meanwhile. The cost is HDF5's conversion, a few microseconds a row.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import h5py
 import numpy as np
 
 from ..compound import rows_dataset
+from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..files import pieces
 from ..rawcopy import write_all
-from ..crc import LOAD_CRC
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange
 from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified
@@ -112,14 +112,15 @@ def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: 
     crc = 0
     k = 0  # rows done
     for dset, info, rows in _sources(f, meta, stored):
-        for lengths, values in _blocks(dset, info, meta.key, rows, stored, _block_rows(info.mean_length * stored.itemsize)):
+        first_block = _block_rows(info.mean_length * stored.itemsize)
+        for lengths, values in _blocks(dset, info, meta.key, rows, stored, first_block):
             n = len(lengths)
             np.cumsum(lengths, out=offsets[k + 1:k + 1 + n])
             offsets[k + 1:k + 1 + n] += offsets[k]  # shifted past every earlier row, of this file and those before
             if values.size:
                 at = first_value + count * stored.itemsize
                 writer.reserve(at, values.nbytes)
-                raw = memoryview(values.view(np.uint8))
+                raw = values.view(np.uint8).data
                 write_all(fd, raw, data_at + at)
                 if checksum:
                     crc = LOAD_CRC.update(raw, crc)
@@ -129,7 +130,7 @@ def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: 
     if k != meta.rows:
         raise SourceChanged(f"{meta.source_path}[{meta.key}]: {k} rows read where {meta.rows} were expected; "
                             "request it again")
-    write_all(fd, memoryview(offsets.view(np.uint8)), data_at)
+    write_all(fd, offsets.view(np.uint8).data, data_at)
     writer.set_values(count)
     if not checksum:
         return -1, count
