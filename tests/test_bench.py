@@ -46,7 +46,8 @@ def test_bench_iterate_group_runs_end_to_end(tmp_path: Path) -> None:
          "--repeat", "1",
          "--epochs", "1", "--data-dir", str(tmp_path / "data"), "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=270)
-    assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: a target missed (tiny data, shared CI machine)
+    # exit 1 means a speed target was missed (tiny data, a shared CI machine), and only that
+    assert done.returncode == 0 or (done.returncode == 1 and "**no**" in done.stdout), done.stderr[-3000:]
     report = json.loads(results.read_text())
     names = [row["scenario"] for row in report["rows"]]
     for expected in ("ready:", "iterate shm, workers=0: make_loader", "workers=2", "lazy fallback", "shuffle+gzip",
