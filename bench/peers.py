@@ -291,7 +291,7 @@ def run_peers(files: dict[str, Path], repeat: int, report: dict) -> list[PeerRow
     control = {"h5serve": control_source, **{s: peer_dir(control_source, s) for s in peers}}
     with h5py.File(source, "r") as f:
         native = f["x"].size * f["x"].dtype.itemsize + f["y"].size * f["y"].dtype.itemsize
-    native -= CONTROL_ROWS * (native // len(f["y"]))  # the control holds its own rows once: data minus control
+        native -= CONTROL_ROWS * (native // len(f["y"]))  # the control holds its own rows once: data minus control
     outcomes: dict[str, dict[str, Outcome]] = {}
     systems = ["h5serve", *peers]
     if "streaming" in peers:
