@@ -83,7 +83,7 @@ class Acquire:
 
     Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
     with progress (the client asks again), never blocked on the load itself. ``key`` may name
-    a field of a compound dataset, ``"<dataset>:<field>"`` (h5serve/compound.py): the segment
+    a field of a compound dataset, ``"<dataset>:<field>"`` (h5serve/hdf5/compound.py): the segment
     holds that field only.
     """
 

@@ -6,7 +6,7 @@ A segment is one file in the shm dir (``/dev/shm`` by default)::
                  length of the msgpack metadata (SegmentMeta), checksum kind and value,
                  activity counter; at offset 64 the metadata itself
     offset 4096  the rows, C-contiguous, native byte order (page-aligned); variable-length
-                 rows (h5serve/vlen.py): rows + 1 int64 offsets, then the values
+                 rows (h5serve/hdf5/vlen.py): rows + 1 int64 offsets, then the values
 
 A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
 with ``fchmod`` before the rename, so no process (root aside) can open a published segment
@@ -50,9 +50,9 @@ import numpy as np
 
 from .crc import KINDS, LOAD_CRC, CrcKind
 from .errors import ConfigError, SegmentError, ShmFull
+from .hdf5.vlen import values_offset, vlen_nbytes
 from .safeio import NOFOLLOW_FLAGS, describe_owner, flocks, open_regular
 from .sharding import RowRange, Selection
-from .vlen import values_offset, vlen_nbytes
 
 __all__ = [
     "HEADER_SIZE",
@@ -101,7 +101,7 @@ _TMP_MARK = ".tmp-"
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype", "vlen"})
 _LIST_FIELDS = frozenset({"row_shape", "linked", "files", "depends"})
 MAX_HEADER_BYTES = 4 * 1024 * 1024  # a multi-file segment's header (its file list) is at most this
-_VLEN_KINDS = frozenset({"", "seq", "utf-8", "ascii"})  # h5serve/vlen.py: fixed, numeric, strings
+_VLEN_KINDS = frozenset({"", "seq", "utf-8", "ascii"})  # h5serve/hdf5/vlen.py: fixed, numeric, strings
 _META_LENGTH_OFFSET = 32  # the u32 metadata length in the fixed header
 SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
 _RENAME_NOREPLACE = 1
@@ -143,7 +143,7 @@ class SegmentMeta:
     # Other files the rows come from (virtual dataset sources, multi-file external links), as
     # (path, dev, ino, size, mtime_ns): any of them changed means other rows.
     depends: tuple = ()
-    # variable-length rows (h5serve/vlen.py): "" fixed rows; else the data area is ``rows + 1``
+    # variable-length rows (h5serve/hdf5/vlen.py): "" fixed rows; else the data area is ``rows + 1``
     # int64 offsets, then ``values`` values of ``dtype`` (strings: their bytes, uint8)
     vlen: str = ""
     values: int = 0

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..reads import read_block_into, read_rows, row_bytes
+from ..hdf5.reads import read_block_into, read_rows, row_bytes
+from ..hdf5.source import DatasetInfo
 from ..sharding import RowRange, Selection, as_rows
-from ..source import DatasetInfo
 from .gather import RowSource, as_column
 
 __all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options"]

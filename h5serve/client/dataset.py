@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError, H5ServeError, falls_back
-from ..files import describe_files, expand_paths
+from ..hdf5.files import describe_files, expand_paths
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
@@ -50,7 +50,7 @@ class SharedH5Dataset(Dataset):
     ``keys={"image": "data/img", "label": "meta/cls"}``: dicts with those names. ``dtypes``
     and ``transforms`` are dicts by field name (the key itself for a list). A key
     ``"events:energy"`` is field ``energy`` of the compound dataset ``events`` (a dataset
-    literally named so wins; h5serve/compound.py has the rule). Fixed-length byte strings
+    literally named so wins; h5serve/hdf5/compound.py has the rule). Fixed-length byte strings
     come as lists of ``bytes``, or ``str`` decoded with ``encoding``. Every key must have
     the same number of rows.
 

@@ -1,6 +1,6 @@
 """The fields of a sample: which keys a dataset serves, and how a batch of them is returned.
 
-A field is a key (a dataset, or ``"<dataset>:<field>"`` of a compound one: h5serve/compound.py)
+A field is a key (a dataset, or ``"<dataset>:<field>"`` of a compound one: h5serve/hdf5/compound.py)
 and how its rows come back: a requested dtype, a per-sample transform, and for byte strings
 an encoding. Backends gather one column per field (one vectorised ``np.take`` each: a tensor,
 or a NumPy array of byte strings); a ``FieldSet`` turns the columns into what the dataset
@@ -37,7 +37,7 @@ import torch
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..errors import ConfigError, DataError
-from ..source import resolve_dtype
+from ..hdf5.source import resolve_dtype
 from . import ring
 from .ragged import LIST, RaggedColumn, check_ragged, parse_ragged
 

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
-from ..compound import FieldRows, rows_dataset
 from ..errors import SourceChanged
-from ..files import check_agreement, pieces
+from ..hdf5.compound import FieldRows, rows_dataset
+from ..hdf5.files import check_agreement, pieces
+from ..hdf5.rawcopy import data_extents, drop_cached
+from ..hdf5.reads import read_shard_into
+from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
 from ..protocol import Acquire
-from ..rawcopy import data_extents, drop_cached
-from ..reads import read_shard_into
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange, Selection
-from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
 
 if TYPE_CHECKING:
     from .access import Peer

@@ -52,15 +52,15 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..compound import rows_dataset
 from ..crc import LOAD_CRC
 from ..errors import SegmentError, SourceChanged, code_for
-from ..files import plan_file_parts
-from ..rawcopy import data_extents, drop_cached
-from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
+from ..hdf5.compound import rows_dataset
+from ..hdf5.files import plan_file_parts
+from ..hdf5.rawcopy import data_extents, drop_cached
+from ..hdf5.reads import local_range, read_shard_into, row_bytes, shard_span, split_span
+from ..hdf5.source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
-from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from .checksum import FollowingCrc
 from .fileset import read_files_part
 from .vlenload import load_vlen
@@ -117,7 +117,8 @@ def start_forkserver() -> None:
 def loader_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
-    ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments", "h5serve.reads", "h5serve.daemon.loader"])
+    ctx.set_forkserver_preload(
+        ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader"])
     return ctx
 
 

@@ -28,6 +28,12 @@ from ..errors import (
     SegmentError,
     error_from_code,
 )
+from ..hdf5.source import (
+    check_cast,
+    identities_unchanged,
+    resolve_dtype,
+    storage_dtype,
+)
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..safeio import remove_if
@@ -50,12 +56,6 @@ from ..segments import (
     try_evict,
 )
 from ..sharding import Selection
-from ..source import (
-    check_cast,
-    identities_unchanged,
-    resolve_dtype,
-    storage_dtype,
-)
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
 from .fileset import ResolvedFiles, files_meta

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 import h5py
 import numpy as np
 
-from .errors import DataError
+from ..errors import DataError
+from ..sharding import RowRange, Selection, as_rows
 from .rawcopy import FileCopier, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
-from .sharding import RowRange, Selection, as_rows
 from .source import DatasetInfo
 
 __all__ = ["BLOCK_BYTES", "local_range", "row_bytes", "shard_span", "split_span", "read_block_into", "read_shard_into",
