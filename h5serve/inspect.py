@@ -25,8 +25,9 @@ from .errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound,
 from .hdf5.compound import split_field
 from .hdf5.source import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS, inspect_dataset, open_h5
 from .runtime import resolve_runtime, resolve_shm_dir
-from .segments import HEADER_SIZE, format_bytes
+from .segments import HEADER_SIZE
 from .sharding import ALL_MODES, GLOBAL, NODE, Selection
+from .units import format_bytes
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
            "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]

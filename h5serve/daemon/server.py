@@ -42,7 +42,7 @@ from ..protocol import (
 )
 from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
 from ..safeio import open_regular, read_small
-from ..segments import format_bytes
+from ..units import format_bytes
 from .access import Peer
 from .config import (
     DEFAULT_MEMORY_FRACTION,

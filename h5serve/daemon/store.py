@@ -42,7 +42,6 @@ from ..segments import (
     check_published,
     count_leases,
     describe_file,
-    format_bytes,
     header_checksum,
     is_own_file,
     published_mode,
@@ -56,6 +55,7 @@ from ..segments import (
     try_evict,
 )
 from ..sharding import Selection
+from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
 from .fileset import ResolvedFiles, files_meta

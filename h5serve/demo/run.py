@@ -36,7 +36,8 @@ import numpy as np
 from ..errors import ConfigError, H5ServeError
 from ..progress import Progress
 from ..runtime import resolve_runtime, resolve_shm_dir, signal_daemon
-from ..segments import format_bytes, segment_prefix
+from ..segments import segment_prefix
+from ..units import format_bytes
 
 __all__ = ["run_demo", "make_sample_file", "DemoResult", "DEFAULT_ROWS", "IMAGE_SHAPE"]
 
