@@ -345,10 +345,9 @@ def _format_verify(report: dict[str, Any], shm_dir: str) -> str:
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
-    from .connection import POLL_INTERVAL_S
     from .hdf5.source import resolve_dtype
     from .progress import Progress
-    from .protocol import Acquire, AcquireResult
+    from .protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 
     if args.mode == "global":
         if args.ranks or args.plan:

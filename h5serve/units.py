@@ -1,14 +1,16 @@
-"""Sizes in bytes as people write and read them: ``parse_size("16G")`` and its inverse
-``format_bytes``. Shared by the command line, the daemon and the client (torch-free,
-daemon-free)."""
+"""Sizes in bytes: as people write and read them (``parse_size("16G")`` and its inverse
+``format_bytes``), and the size of one row (``row_nbytes``). Shared by the command line, the
+daemon and the client (torch-free, daemon-free)."""
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from .errors import ConfigError
 
-__all__ = ["parse_size", "format_bytes"]
+__all__ = ["parse_size", "format_bytes", "row_nbytes"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -32,3 +34,8 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def row_nbytes(row_shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Bytes of one row of ``row_shape`` elements of ``dtype`` (C-contiguous)."""
+    return int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import torch
 
-from ..connection import POLL_INTERVAL_S, DaemonClient
+from ..connection import DaemonClient
 from ..errors import SegmentError, SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import check_file_lengths
@@ -30,7 +30,7 @@ from ..hdf5.rawcopy import StoredRows, stored_rows
 from ..hdf5.reads import read_rows, read_shard_into
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
 from ..progress import Progress
-from ..protocol import Acquire, AcquireResult
+from ..protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..checks import is_int
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.files import describe_files, expand_paths
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
@@ -38,7 +39,7 @@ FALLBACKS = ("lazy", "error")
 def _check_cache_bytes(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value, numpy=True) or value < 0:
         raise ConfigError(f"cache_bytes must be a number of bytes >= 0 (0: no cache) or None (auto), got {value!r}")
     return int(value)
 

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 # torch internals (stable since torch 1.x): ShmDataLoader's iterator is torch's, minus one record
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from ..checks import is_int
 from ..errors import ConfigError
 from ..sharding import GLOBAL, NODE
 from . import ring
@@ -214,7 +215,7 @@ def make_loader(
     if not (isinstance(loader_class, type) and issubclass(loader_class, DataLoader)):
         raise ConfigError(f"loader_class must be DataLoader or a subclass (e.g. torchdata's StatefulDataLoader), "
                           f"got {loader_class!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+    if not is_int(num_workers) or num_workers < 0:
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
     for name in ("batch_sampler", "collate_fn", "batch_size", "shuffle"):
         if name in dataloader_kwargs:

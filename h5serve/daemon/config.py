@@ -13,7 +13,6 @@ __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S",
            "default_load_processes"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
-POLL_INTERVAL_S = 0.05
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
 FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
 # A load whose rows (or checksum) have not moved for this long is killed and fails: long enough

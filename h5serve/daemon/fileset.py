@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import h5py
-import numpy as np
 
 from ..errors import SourceChanged
 from ..hdf5.compound import FieldRows, rows_dataset
@@ -27,6 +26,7 @@ from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_ve
 from ..protocol import Acquire
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange, Selection
+from ..units import row_nbytes
 
 if TYPE_CHECKING:
     from .access import Peer
@@ -116,7 +116,7 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
     when its rows cannot be read: DataError.
     """
     fd, base = writer.data_target()
-    out_row = int(np.prod(meta.row_shape, dtype=np.int64)) * meta.np_dtype.itemsize
+    out_row = row_nbytes(meta.row_shape, meta.np_dtype)
     done = copied = 0
     for piece in pieces(rows, meta.file_rows, span):
         entry = meta.files[piece.index]

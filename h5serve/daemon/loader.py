@@ -54,10 +54,11 @@ from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
 from ..hdf5.rawcopy import data_extents, drop_cached
-from ..hdf5.reads import local_range, read_shard_into, row_bytes, shard_span, split_span
+from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
+from ..units import row_nbytes
 from .checksum import FollowingCrc
 from .fileset import read_files_part
 from .parts import DaemonGone, PartResult, Parts, error_of, set_pdeathsig
@@ -175,7 +176,7 @@ def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: in
     """The global row ranges one load is split into: at most ``processes``, each at least about
     ``min_part`` bytes of source rows, cut at chunk boundaries. One part: no split."""
     first, last = shard_span(info, selection)
-    work = (last - first) * row_bytes(info)
+    work = (last - first) * row_nbytes(info.row_shape, info.dtype)
     wanted = min(max(processes, 1), max(1, work // (min_part or min_part_bytes())))
     return split_span(first, last, info, wanted) if wanted > 1 else [(first, last)]
 
@@ -247,7 +248,7 @@ def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int,
     if processes <= 1 or meta.rows == 0:
         return [None]
     span_rows = rows.stop - rows.start
-    row = int(np.prod(meta.row_shape, dtype=np.int64)) * np.dtype(meta.source_dtype).itemsize
+    row = row_nbytes(meta.row_shape, np.dtype(meta.source_dtype))
     if meta.files:  # split at file boundaries: each process opens its own files
         spans = plan_file_parts(rows, meta.file_rows, row, processes, min_part_bytes())
         return [None] if len(spans) <= 1 else list(spans)

@@ -30,6 +30,7 @@ from ..errors import (
     host_error,
 )
 from ..protocol import (
+    POLL_INTERVAL_S,
     VERSION,
     Acquire,
     Ping,
@@ -46,7 +47,6 @@ from ..units import format_bytes
 from .access import Peer
 from .config import (
     DEFAULT_MEMORY_FRACTION,
-    POLL_INTERVAL_S,
     DaemonConfig,
     default_load_processes,
     default_loaders,

@@ -40,6 +40,7 @@ from ..errors import ConfigError, SegmentError
 from ..hdf5.vlen import values_offset, vlen_nbytes
 from ..safeio import NOFOLLOW_FLAGS, describe_owner, open_regular
 from ..sharding import RowRange, Selection
+from ..units import row_nbytes
 
 __all__ = [
     "MAGIC",
@@ -174,7 +175,7 @@ class SegmentMeta:
     def nbytes(self) -> int:
         if self.vlen:
             return vlen_nbytes(self.rows, self.values, self.np_dtype.itemsize)
-        return self.rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.np_dtype.itemsize
+        return self.rows * row_nbytes(self.row_shape, self.np_dtype)
 
     @property
     def file_size(self) -> int:
