@@ -7,7 +7,6 @@ and ``collate`` passes the gathered tensors through (no per-sample tensors, no s
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import random
 from collections.abc import Callable, Sized
@@ -24,6 +23,7 @@ from ..checks import is_int
 from ..errors import ConfigError
 from ..sharding import GLOBAL, NODE
 from . import ring
+from ._process import return_batch_memory
 from .dataset import collate
 from .lazy import h5_worker_init_fn
 from .node_sampler import NodePlace, NodeShuffleSampler
@@ -32,24 +32,6 @@ from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleS
 __all__ = ["ShmDataLoader", "make_loader", "seed_worker"]
 
 DEFAULT_PREFETCH_FACTOR = 2
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-WORKER_MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, pinned
-
-
-def _return_batch_memory() -> None:
-    """Make a worker give each batch's memory back to the system when the batch is freed.
-
-    glibc raises its mmap threshold to the size of the largest block freed, so after the
-    first batch every batch (megabytes) comes from the heap, and a worker that has handed out
-    an epoch of batches keeps ~100 MB of freed heap it never returns (measured in bench/memory.py).
-    Pinning the threshold keeps batch-sized blocks on mmap. No-op where mallopt is missing.
-    """
-    try:
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
-    except (OSError, AttributeError):
-        pass
-
-
 class _LeanIterator(_SingleProcessDataLoaderIter):
     """torch's single-process iterator without its per-batch ``record_function`` while no
     profiler runs (with one, exactly torch's). That record costs ~20 us a batch here,
@@ -83,7 +65,7 @@ def seed_worker(worker_id: int, user_init: Callable[[int], None] | None = None, 
     piling up in the worker's heap, hand plain batches over through a ring of ``ring_slots``
     shared slots (0: as ordinary tensors; h5serve/client/ring.py), then run ``user_init``."""
     h5_worker_init_fn(worker_id)
-    _return_batch_memory()
+    return_batch_memory()
     ring.enable(ring_slots)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)

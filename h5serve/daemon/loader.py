@@ -59,9 +59,10 @@ from ..hdf5.source import DatasetInfo, identities_unchanged, inspect_dataset, op
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
+from ._process import drop_forkserver_alive_fd, set_pdeathsig
 from .checksum import FollowingCrc
 from .fileset import read_files_part
-from .parts import DaemonGone, PartResult, Parts, error_of, set_pdeathsig
+from .parts import DaemonGone, PartResult, Parts, error_of
 from .vlenload import load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "kill_load", "loader_context",
@@ -144,14 +145,7 @@ def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
     of that pipe, asks for SIGKILL when the forkserver dies, and also watches the daemon
     itself through a pidfd (readable once the daemon exits, even while it is a zombie).
     """
-    from multiprocessing import forkserver
-
-    alive_fd = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
-    if isinstance(alive_fd, int):
-        try:
-            os.close(alive_fd)
-        except OSError:
-            pass
+    drop_forkserver_alive_fd()
     set_pdeathsig()
     try:
         pidfd = os.pidfd_open(daemon_pid) if daemon_pid else -1

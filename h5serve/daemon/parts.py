@@ -11,7 +11,6 @@ cleanup of what it inherited: the writer, the reply pipe).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import pickle
@@ -24,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import SegmentError, code_for
+from ._process import set_pdeathsig
 
-__all__ = ["Parts", "PartResult", "PartFailed", "DaemonGone", "error_of", "set_pdeathsig", "EXIT_DAEMON_GONE"]
+__all__ = ["Parts", "PartResult", "PartFailed", "DaemonGone", "error_of", "EXIT_DAEMON_GONE"]
 
-_PR_SET_PDEATHSIG = 1
 _REAP_S = 5.0  # how long killed children get to be reaped before the loader stops waiting
 EXIT_DAEMON_GONE = 3  # a child's exit status when it stopped because the daemon is gone
 
@@ -43,13 +42,6 @@ class PartFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-def set_pdeathsig() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def error_of(exc: BaseException) -> tuple[str, str]:
