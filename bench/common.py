@@ -7,7 +7,6 @@ import ctypes
 import mmap
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+
+from h5serve._daemon_process import DaemonProcess
+from h5serve.units import row_nbytes
 
 CHUNK_ROWS = 256
 ROW_SHAPE = (3, 32, 32)
@@ -125,7 +127,7 @@ def nbytes_of(path: Path, key: str = "x", rows: slice | None = None) -> int:
     with h5py.File(path, "r") as f:
         d = f[key]
         n = d.shape[0] if rows is None else len(range(*rows.indices(d.shape[0])))
-        return n * int(np.prod(d.shape[1:])) * d.dtype.itemsize
+        return n * row_nbytes(d.shape[1:], d.dtype)
 
 
 def warm_page_cache(path: Path) -> None:
@@ -188,35 +190,18 @@ def busy_process() -> Iterator[None]:
 
 
 # ----- a real daemon ----------------------------------------------------------------------
-class BenchDaemon:
+class BenchDaemon(DaemonProcess):
     """``h5serve start`` on a private runtime dir; stopped (and killed if need be) on exit."""
 
     def __init__(self, *flags: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="h5s-bench-", dir="/tmp"))
-        self.runtime_dir = self.dir / "rt"
-        self.env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(self.runtime_dir)}
-        self.flags = flags
-        self.pid = 0
-
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "h5serve", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        super().__init__(Path(tempfile.mkdtemp(prefix="h5s-bench-", dir="/tmp")), flags)
 
     def __enter__(self) -> BenchDaemon:
-        done = self.cli("start", *self.flags)
-        if done.returncode != 0:
-            raise RuntimeError(f"h5serve start failed: {done.stderr}")
-        self.pid = int((self.runtime_dir / "h5serve.pid").read_text())
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.cli("stop", timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
+            self.stop(timeout=60)
         finally:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             shutil.rmtree(self.dir, ignore_errors=True)

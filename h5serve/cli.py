@@ -23,7 +23,7 @@ from . import __version__
 from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
 from .protocol import Ping
 from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
-from .segments import format_bytes
+from .units import format_bytes
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 START_TIMEOUT_S = 30.0
@@ -75,8 +75,8 @@ def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = 
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from .daemon.config import parse_size
     from .daemon.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
+    from .units import parse_size
 
     account = lookup_user(args.user) if args.user else None
     if args.group is not None:
@@ -180,8 +180,9 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
 
 def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     from .daemon import DaemonConfig, serve
-    from .daemon.config import DEFAULT_STALL_TIMEOUT_S, parse_size
+    from .daemon.config import DEFAULT_STALL_TIMEOUT_S
     from .daemon.privileges import drop_privileges, lookup_group, lookup_user
+    from .units import parse_size
 
     logging.basicConfig(
         level=getattr(logging, (args.log_level or "INFO").upper(), logging.INFO),
@@ -344,10 +345,9 @@ def _format_verify(report: dict[str, Any], shm_dir: str) -> str:
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
-    from .connection import POLL_INTERVAL_S
+    from .hdf5.source import resolve_dtype
     from .progress import Progress
-    from .protocol import Acquire, AcquireResult
-    from .source import resolve_dtype
+    from .protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 
     if args.mode == "global":
         if args.ranks or args.plan:
@@ -414,8 +414,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .daemon.config import parse_size
     from .inspect import format_report, inspect_file
+    from .units import parse_size
 
     report = inspect_file(
         args.file, keys=args.key, world_size=args.world_size, ranks_per_node=args.ranks_per_node, mode=args.mode,

@@ -18,6 +18,7 @@ import zmq
 from .errors import DaemonUnavailable
 from .protocol import (
     MAX_REPLY_BYTES,
+    POLL_INTERVAL_S,
     Acquire,
     AcquireResult,
     Ping,
@@ -29,11 +30,10 @@ from .protocol import (
 )
 from .runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
 
-__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S"]
+__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S"]
 
 
 DEFAULT_TIMEOUT_S = 5.0
-POLL_INTERVAL_S = 0.05
 FIRST_POLL_S = 0.002
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .checks import is_int
 from .errors import ConfigError
 
 __all__ = ["EpochSize", "check_batch_size", "equal_epoch_size"]
@@ -37,7 +38,7 @@ class EpochSize:
 
 def check_batch_size(batch_size: object) -> None:
     """Raised when ``batch_size`` is not a positive integer: ConfigError."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
 
 
@@ -46,7 +47,7 @@ def _check_shard_sizes(shard_sizes: Sequence[int]) -> list[int]:
     if not sizes:
         raise ConfigError("shard_sizes must name the shard size of every rank (at least one), got none")
     for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if not is_int(size) or size < 0:
             raise ConfigError(f"shard sizes must be non-negative integers, got {size!r}")
     return sizes
 

@@ -20,13 +20,14 @@ from typing import Any
 
 import h5py
 
-from .compound import split_field
 from .daemon.config import DEFAULT_MEMORY_FRACTION, default_load_processes
 from .errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound, UnsupportedDataset
+from .hdf5.compound import split_field
+from .hdf5.source import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS, inspect_dataset, open_h5
 from .runtime import resolve_runtime, resolve_shm_dir
-from .segments import HEADER_SIZE, format_bytes
+from .segments import HEADER_SIZE
 from .sharding import ALL_MODES, GLOBAL, NODE, Selection
-from .source import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS, inspect_dataset, open_h5
+from .units import format_bytes, row_nbytes
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
            "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]
@@ -159,7 +160,7 @@ def _dataset_report(f: h5py.File, key: str) -> DatasetReport:
     dtype = obj.dtype.fields[field][0] if field else obj.dtype
     rows = shape[0] if shape else 0
     row_shape = (*shape[1:], *dtype.shape)
-    row_bytes = dtype.base.itemsize * _prod(row_shape)
+    row_bytes = row_nbytes(row_shape, dtype.base)
     chunks = obj.chunks
     layout = "virtual" if obj.is_virtual else "chunked" if chunks else (
         "compact" if obj.id.get_create_plist().get_layout() == h5py.h5d.COMPACT else "contiguous")

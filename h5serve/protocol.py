@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from .checks import is_int
 from .errors import H5ServeError, ProtocolError, error_from_code
 from .sharding import ALL_MODES
 
@@ -24,6 +25,7 @@ __all__ = [
     "VERSION",
     "MAX_FRAME_BYTES",
     "MAX_FILES_FRAME_BYTES",
+    "POLL_INTERVAL_S",
     "Ping",
     "Status",
     "Shutdown",
@@ -38,6 +40,9 @@ __all__ = [
 ]
 
 VERSION = 1
+# How often the daemon's loop wakes, and the longest pause between a client's polls of a load
+# in progress: the same pace on both sides, so a client never polls faster than the daemon answers.
+POLL_INTERVAL_S = 0.05
 MAX_FRAME_BYTES = 64 * 1024  # requests are small; a reply with many segments stays far below 16 MiB
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 MAX_PATH_CHARS = 4096
@@ -83,7 +88,7 @@ class Acquire:
 
     Answered at once with an AcquireResult: ``ready`` with the segment name, or ``loading``
     with progress (the client asks again), never blocked on the load itself. ``key`` may name
-    a field of a compound dataset, ``"<dataset>:<field>"`` (h5serve/compound.py): the segment
+    a field of a compound dataset, ``"<dataset>:<field>"`` (h5serve/hdf5/compound.py): the segment
     holds that field only.
     """
 
@@ -165,7 +170,7 @@ def _check_str(name: str, value: object, max_len: int) -> None:
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ProtocolError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import is_int
 from .errors import ConfigError
 
 __all__ = [
@@ -153,7 +154,7 @@ def validate_shard(mode: str, world_size: int, rank: int) -> None:
 def validate_span(mode: str, world_size: int, rank: int, span: int) -> None:
     """Raised when ``span`` (ranks in a node's block) is not a positive integer, is not 1
     outside node mode, or reaches past rank ``world_size - 1``: ConfigError."""
-    if isinstance(span, bool) or not isinstance(span, (int, np.integer)) or span < 1:
+    if not is_int(span, numpy=True) or span < 1:
         raise ConfigError(f"span must be a positive integer (ranks on the node), got {span!r}")
     if span != 1 and mode != NODE:
         raise ConfigError(f"span is the number of ranks on a node, for mode='node' only (mode={mode!r}, span={span})")
@@ -162,9 +163,9 @@ def validate_span(mode: str, world_size: int, rank: int, span: int) -> None:
 
 
 def _check_rank_world(world_size: int, rank: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+    if not is_int(world_size, numpy=True):
         raise ConfigError(f"world_size must be an integer, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+    if not is_int(rank, numpy=True):
         raise ConfigError(f"rank must be an integer, got {rank!r}")
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -173,7 +174,7 @@ def _check_rank_world(world_size: int, rank: int) -> None:
 
 
 def _check_total(total: int) -> None:
-    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 0:
+    if not is_int(total, numpy=True) or total < 0:
         raise ConfigError(f"total must be a non-negative integer, got {total!r}")
 
 

@@ -4,7 +4,6 @@ always kill what they started."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+
+from h5serve._daemon_process import DaemonProcess
 
 ROWS = 1000
 ROW_SHAPE = (3, 4, 4)
@@ -44,55 +45,18 @@ def short_workdir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
-class Daemon:
-    """A real daemon on its own runtime dir, started with ``h5serve start``."""
+class Daemon(DaemonProcess):
+    """A real daemon on its own runtime dir, started with ``h5serve start``; ``stop`` also
+    removes the runtime dir."""
 
     def __init__(self, *extra: str) -> None:
-        self.dir = short_tmpdir("h5s-rt-")
-        self.runtime_dir = self.dir / "rt"
-        self.env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(self.runtime_dir)}
-        self.extra = extra
-        self.pid = 0
+        super().__init__(short_tmpdir("h5s-rt-"), extra)
 
-    def start(self) -> Daemon:
-        done = h5serve_cli("start", *self.extra, env=self.env)
-        assert done.returncode == 0, done.stderr
-        self.pid = int((self.runtime_dir / "h5serve.pid").read_text())
-        return self
-
-    def status(self) -> dict:
-        done = h5serve_cli("status", "--json", env=self.env)
-        return json.loads(done.stdout)
-
-    def alive(self) -> bool:
-        if not self.pid:
-            return False
+    def stop(self, timeout: float = 40) -> None:
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        # a zombie is not alive: the CLI that started it has exited, init reaps it
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().split(") ", 1)[1][0] != "Z"
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        try:
-            if self.alive():
-                h5serve_cli("stop", env=self.env, timeout=40)
+            super().stop(timeout)
         finally:
-            if self.alive():
-                os.kill(self.pid, signal.SIGKILL)
             shutil.rmtree(self.dir, ignore_errors=True)
-
-    def segment_files(self) -> list[str]:
-        from h5serve.runtime import resolve_runtime
-        from h5serve.segments import segment_prefix
-
-        prefix = segment_prefix(resolve_runtime(self.runtime_dir).namespace)
-        return sorted(p for p in os.listdir("/dev/shm") if p.startswith(prefix))
 
 
 def make_h5(path: Path, rows: int = ROWS, row_shape: tuple[int, ...] = ROW_SHAPE, dtype: str = "uint8",

@@ -33,7 +33,7 @@ from h5serve.errors import (
     ProtocolError,
     SourceNotFound,
 )
-from h5serve.files import MAX_FILES, expand_paths
+from h5serve.hdf5.files import MAX_FILES, expand_paths
 from h5serve.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 from h5serve.segments import HEADER_SIZE, SegmentMeta, attach_segment, create_segment, read_meta
 

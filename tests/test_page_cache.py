@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, collate
-from h5serve.rawcopy import FileCopier, copy_rows, data_extents, drop_cached, stored_rows
-from h5serve.source import inspect_dataset
+from h5serve.hdf5.rawcopy import FileCopier, copy_rows, data_extents, drop_cached, stored_rows
+from h5serve.hdf5.source import inspect_dataset
 
 from .helpers import Daemon, short_workdir, wait_for
 

@@ -1,4 +1,4 @@
-"""Loads that copy stored bytes file to file (h5serve.rawcopy) instead of reading through h5py.
+"""Loads that copy stored bytes file to file (h5serve.hdf5.rawcopy) instead of reading through h5py.
 
 The copy is only right when the file holds the rows exactly as numpy does: these tests pin
 down which datasets take it (and that every other kind still goes through h5py), that copied
@@ -19,10 +19,10 @@ import pytest
 
 from h5serve.client import SharedH5Dataset
 from h5serve.errors import DataError, SourceChanged
-from h5serve.rawcopy import copy_rows, read_stored_rows, stored_rows
-from h5serve.reads import read_shard_into
+from h5serve.hdf5.rawcopy import copy_rows, read_stored_rows, stored_rows
+from h5serve.hdf5.reads import read_shard_into
+from h5serve.hdf5.source import inspect_dataset
 from h5serve.sharding import Selection
-from h5serve.source import inspect_dataset
 
 from .helpers import Daemon, short_workdir
 from .test_parallel_load import kill_tree, start_daemon
@@ -87,9 +87,9 @@ def test_too_many_chunks_go_through_h5py(workdir: Path, monkeypatch: pytest.Monk
     _write(path, "chunked")  # 16 chunks of 64 rows
     with h5py.File(path, "r") as f:
         info = inspect_dataset(f, "x")
-        monkeypatch.setattr("h5serve.rawcopy.MAX_MAPPED_CHUNKS", 16)
+        monkeypatch.setattr("h5serve.hdf5.rawcopy.MAX_MAPPED_CHUNKS", 16)
         assert stored_rows(f["x"], info, info.dtype) is not None
-        monkeypatch.setattr("h5serve.rawcopy.MAX_MAPPED_CHUNKS", 15)
+        monkeypatch.setattr("h5serve.hdf5.rawcopy.MAX_MAPPED_CHUNKS", 15)
         assert stored_rows(f["x"], info, info.dtype) is None
 
 
@@ -134,7 +134,7 @@ def test_copied_ranges_equal_h5py(workdir: Path, kind: str, userblock: int) -> N
 def test_chunks_out_of_file_order_and_unwritten_chunks(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks written last-to-first sit in the file in reverse; chunks never written are not
     copied (HDF5 serves their fill value, so the blocks holding them go through h5py)."""
-    monkeypatch.setattr("h5serve.reads.STAGED_BLOCK_BYTES", 200 * 192)  # blocks of two chunks, not the whole file
+    monkeypatch.setattr("h5serve.hdf5.reads.STAGED_BLOCK_BYTES", 200 * 192)  # blocks of two chunks, not the whole file
     path = workdir / "sparse.h5"
     data = _data()
     with h5py.File(path, "w") as f:
@@ -178,7 +178,7 @@ def test_file_ending_early_is_a_data_error(workdir: Path, monkeypatch: pytest.Mo
         os.truncate(path, size - 50 * 192)  # the last 50 rows are gone
         with pytest.raises(OSError, match="ends at byte"):
             copy_rows(stored, 900, ROWS, dest.fileno(), 0, memoryview(bytearray(1 << 16)))
-    monkeypatch.setattr("h5serve.reads.STAGED_BLOCK_BYTES", 500 * 192)
+    monkeypatch.setattr("h5serve.hdf5.reads.STAGED_BLOCK_BYTES", 500 * 192)
     path = workdir / "cut-later.h5"
     _write(path, "contiguous")
     with h5py.File(path, "r") as f, open(workdir / "out.bin", "w+b") as dest:

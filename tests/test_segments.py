@@ -26,7 +26,6 @@ from h5serve.segments import (
     SegmentMeta,
     attach_segment,
     create_segment,
-    format_bytes,
     read_meta,
     read_progress,
     segment_name,
@@ -35,6 +34,7 @@ from h5serve.segments import (
     temporary_owner_pid,
     try_evict,
 )
+from h5serve.units import format_bytes
 
 NAMESPACE = "abcd1234"
 SECRET = bytes(range(32))

@@ -230,9 +230,9 @@ def test_dataloader_workers(vfile: Path, request: pytest.FixtureRequest, backend
 
 
 def test_gather_of_short_and_long_rows() -> None:
-    """h5serve/vlen.py's gather: the vectorised index and the slice per row (long rows) give
+    """h5serve/hdf5/vlen.py's gather: the vectorised index and the slice per row (long rows) give
     the rows at the positions, in order, repeats and empty rows included."""
-    from h5serve.vlen import gather, offsets_of
+    from h5serve.hdf5.vlen import gather, offsets_of
 
     rng = np.random.default_rng(5)
     for top in (6, 3000):
@@ -258,8 +258,8 @@ def test_lazy_reads_cached_in_blocks_or_uncached_are_the_same(vfile: Path, no_da
     """The lazy backend's paths: the block cache before and after every block is read (small
     blocks, so a batch meets cached and unread ones), and uncached per-batch reads."""
     from h5serve.client.vlencache import VlenCache
+    from h5serve.hdf5.source import inspect_dataset
     from h5serve.sharding import Selection
-    from h5serve.source import inspect_dataset
 
     want = h5_rows(vfile, "ids")
     selection = Selection("interleave", 2, 1)

@@ -3,7 +3,7 @@
 Every backend answers ``gather(positions) -> [one column per key]`` with fresh, writable
 tensors in the output dtypes (byte strings: NumPy arrays; variable-length rows: a
 ``RaggedColumn``), for an int64 tensor of valid local positions in this rank's shard.
-``vlen_kinds`` says which keys hold variable-length rows (h5serve/vlen.py). The shm
+``vlen_kinds`` says which keys hold variable-length rows (h5serve/hdf5/vlen.py). The shm
 backend's rows are gathered out of a read-only mapping, so nothing a caller does to them can
 reach another process.
 """
@@ -22,17 +22,17 @@ import h5py
 import numpy as np
 import torch
 
-from ..compound import rows_dataset
-from ..connection import POLL_INTERVAL_S, DaemonClient
+from ..connection import DaemonClient
 from ..errors import SegmentError, SourceChanged
-from ..files import check_file_lengths
+from ..hdf5.compound import rows_dataset
+from ..hdf5.files import check_file_lengths
+from ..hdf5.rawcopy import StoredRows, stored_rows
+from ..hdf5.reads import read_rows, read_shard_into
+from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
 from ..progress import Progress
-from ..protocol import Acquire, AcquireResult
-from ..rawcopy import StoredRows, stored_rows
-from ..reads import read_rows, read_shard_into
+from ..protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment
 from ..sharding import Selection
-from ..source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from .gather import RowSource, as_column
 from .ragged import RaggedColumn, RaggedSource, read_ragged
@@ -60,7 +60,7 @@ class BackendSpec:
     daemon_user: str | int | None = None  # a shared daemon's user to trust (else $H5SERVE_DAEMON_USER)
     h5_options: dict[str, Any] = field(default_factory=dict)
     cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
-    files: tuple[str, ...] = ()  # many files as one dataset (h5serve.files): all, absolute, in row order
+    files: tuple[str, ...] = ()  # many files as one dataset (h5serve.hdf5.files): all, absolute, in row order
     pattern: str = ""  # the glob pattern they were expanded from ("" for a list or one file)
 
 

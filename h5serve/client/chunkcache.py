@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..reads import read_block_into, read_rows, row_bytes
+from ..hdf5.reads import read_block_into, read_rows
+from ..hdf5.source import DatasetInfo
 from ..sharding import RowRange, Selection, as_rows
-from ..source import DatasetInfo
+from ..units import row_nbytes
 from .gather import RowSource, as_column
 
 __all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options"]
@@ -60,7 +61,7 @@ def _next_prime(n: int) -> int:
 def hdf5_cache_options(info: DatasetInfo, budget: int) -> dict[str, int]:
     """HDF5 chunk cache settings for reading ``info`` uncached, sized from its chunk shape:
     room for the chunks one shuffled batch touches (up to 256), within ``budget``."""
-    chunk = max(row_bytes(info) * info.chunk_rows, 1)
+    chunk = max(row_nbytes(info.row_shape, info.dtype) * info.chunk_rows, 1)
     nbytes = int(min(max(256 * chunk, 4 << 20), max(budget, 1 << 20), 1 << 30))
     return {"rdcc_nbytes": nbytes, "rdcc_nslots": _next_prime(max(100 * (nbytes // chunk), 521))}
 
@@ -86,7 +87,7 @@ class ChunkCache:
     def _block_rows(info: DatasetInfo) -> int:
         """Rows read at a time: whole chunks, at least MIN_READ_BYTES of them (any rows when
         the dataset is not chunked)."""
-        per_row = max(row_bytes(info), 1)
+        per_row = max(row_nbytes(info.row_shape, info.dtype), 1)
         if not info.chunked:
             return max(MIN_READ_BYTES // per_row, 1)
         return info.chunk_rows * max(MIN_READ_BYTES // (per_row * info.chunk_rows), 1)
@@ -94,7 +95,7 @@ class ChunkCache:
     @staticmethod
     def nbytes_for(info: DatasetInfo, selection: Selection | RowRange) -> int:
         """What the cache holds once every row has been read."""
-        return len(as_rows(selection, info.rows)) * row_bytes(info)
+        return len(as_rows(selection, info.rows)) * row_nbytes(info.row_shape, info.dtype)
 
     def take(self, dataset: Callable[[str], h5py.Dataset], positions: torch.Tensor) -> torch.Tensor | np.ndarray:
         """Rows at ``positions``, reading the chunks that hold them first if not yet read

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..checks import is_int
 from ..errors import ConfigError, H5ServeError, falls_back
-from ..files import describe_files, expand_paths
+from ..hdf5.files import describe_files, expand_paths
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
@@ -38,7 +39,7 @@ FALLBACKS = ("lazy", "error")
 def _check_cache_bytes(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value, numpy=True) or value < 0:
         raise ConfigError(f"cache_bytes must be a number of bytes >= 0 (0: no cache) or None (auto), got {value!r}")
     return int(value)
 
@@ -50,7 +51,7 @@ class SharedH5Dataset(Dataset):
     ``keys={"image": "data/img", "label": "meta/cls"}``: dicts with those names. ``dtypes``
     and ``transforms`` are dicts by field name (the key itself for a list). A key
     ``"events:energy"`` is field ``energy`` of the compound dataset ``events`` (a dataset
-    literally named so wins; h5serve/compound.py has the rule). Fixed-length byte strings
+    literally named so wins; h5serve/hdf5/compound.py has the rule). Fixed-length byte strings
     come as lists of ``bytes``, or ``str`` decoded with ``encoding``. Every key must have
     the same number of rows.
 

@@ -1,6 +1,6 @@
 """The fields of a sample: which keys a dataset serves, and how a batch of them is returned.
 
-A field is a key (a dataset, or ``"<dataset>:<field>"`` of a compound one: h5serve/compound.py)
+A field is a key (a dataset, or ``"<dataset>:<field>"`` of a compound one: h5serve/hdf5/compound.py)
 and how its rows come back: a requested dtype, a per-sample transform, and for byte strings
 an encoding. Backends gather one column per field (one vectorised ``np.take`` each: a tensor,
 or a NumPy array of byte strings); a ``FieldSet`` turns the columns into what the dataset
@@ -34,11 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
+from torch.utils.data._utils.collate import default_collate
 
 from ..errors import ConfigError, DataError
-from ..source import resolve_dtype
+from ..hdf5.source import resolve_dtype
 from . import ring
+from ._process import register_collate
 from .ragged import LIST, RaggedColumn, check_ragged, parse_ragged
 
 __all__ = [
@@ -465,11 +466,7 @@ def _collate_dict_rows(batch: Sequence[DictRow], *, collate_fn_map: dict | None 
     return {name: default_collate([sample[name] for sample in batch]) for name in batch[0]}
 
 
-# torch's documented way to extend default_collate (the docstring of torch.utils.data's
-# ``collate``): keyed on h5serve's own types only, so nothing else collates differently.
-default_collate_fn_map[BatchRow] = _collate_rows
-default_collate_fn_map[TupleRow] = _collate_tuple_rows
-default_collate_fn_map[DictRow] = _collate_dict_rows
+register_collate({BatchRow: _collate_rows, TupleRow: _collate_tuple_rows, DictRow: _collate_dict_rows})
 
 
 def collate(batch: Any) -> Any:

@@ -1,7 +1,7 @@
 """Many files as one dataset, read lazily through h5py (no daemon, or fallback="lazy").
 
 The same rows in the same order as the daemon's segments: the files' rows concatenated
-(h5serve.files), the shard a RowRange over them, each file's part of it a ``Piece``. A batch
+(h5serve.hdf5.files), the shard a RowRange over them, each file's part of it a ``Piece``. A batch
 is gathered piece by piece: through a chunk cache per file when the shard fits the budget,
 else read a chunk run at a time, as one file's lazy backend does. Variable-length rows: each
 piece's rows of the batch gathered (a VlenCache per piece, or one h5py read), then put in the
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..compound import rows_dataset
 from ..errors import UnsupportedDataset
-from ..files import check_agreement, check_file_lengths, pieces
-from ..reads import read_rows, read_shard_into
-from ..source import DatasetInfo, check_row_counts, inspect_dataset, open_h5
-from ..vlen import gather as vlen_gather
-from ..vlen import offsets_of
+from ..hdf5.compound import rows_dataset
+from ..hdf5.files import check_agreement, check_file_lengths, pieces
+from ..hdf5.reads import read_rows, read_shard_into
+from ..hdf5.source import DatasetInfo, check_row_counts, inspect_dataset, open_h5
+from ..hdf5.vlen import gather as vlen_gather
+from ..hdf5.vlen import offsets_of
 from .chunkcache import ChunkCache, auto_cache_bytes
 from .gather import as_column
 from .ragged import RaggedColumn, read_ragged

@@ -24,34 +24,21 @@ control here: the samplers' per-epoch ``torch.randperm`` (kept for DistributedSa
 order) runs on the pool for shards of 32k rows or more, and once the pool has started, a child
 that the process ``fork()``s hangs in its first parallel torch op (GNU OpenMP is not
 fork-safe; measured with this torch build). So a process that gathered gives every child it
-forks afterwards one torch thread (``os.register_at_fork``), exactly as DataLoader does for its
+forks afterwards one torch thread (``os.register_at_fork``, client/_process.py), exactly as DataLoader does for its
 workers. That touches only children, never the process itself: ``torch.get_num_threads()`` is
 what the user set. A child that knows its OpenMP runtime is fork-safe may raise it again.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from . import _process
+
 __all__ = ["RowSource", "as_column", "as_positions", "index_batches"]
-
-_fork_guard_registered = False
-
-
-def _one_torch_thread() -> None:
-    torch.set_num_threads(1)
-
-
-def _guard_forks() -> None:
-    global _fork_guard_registered
-    if not _fork_guard_registered:
-        os.register_at_fork(after_in_child=_one_torch_thread)
-        _fork_guard_registered = True
-
 
 class RowSource:
     """Rows of one array, gathered by local position into fresh tensors of ``out_dtype``.
@@ -70,8 +57,8 @@ class RowSource:
         """Rows at ``positions`` (an int64 tensor of valid, non-negative positions, as
         ``as_positions`` returns) as a new tensor of ``out_dtype`` (byte strings: a new
         NumPy array, which torch cannot hold; see ``as_column``)."""
-        if not _fork_guard_registered:
-            _guard_forks()
+        if not _process.fork_guard_registered:
+            _process.guard_forks()
         # mode="clip": positions are checked already (as_positions). The array's own take (not
         # np.take's Python wrapper) allocates the batch: measured ~10% faster than gathering into
         # a torch.empty tensor's buffer (out=), and with mode="raise" out= would gather into a

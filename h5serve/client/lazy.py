@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..reads import read_rows
+from ..hdf5.reads import read_rows
+from ..hdf5.source import check_cast, check_lengths, inspect_dataset, open_h5, resolve_dtype
 from ..sharding import Selection
-from ..source import check_cast, check_lengths, inspect_dataset, open_h5, resolve_dtype
 from .backends import H5Handle
 from .chunkcache import ChunkCache
 from .gather import as_positions

@@ -7,7 +7,6 @@ and ``collate`` passes the gathered tensors through (no per-sample tensors, no s
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import random
 from collections.abc import Callable, Sized
@@ -20,9 +19,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 # torch internals (stable since torch 1.x): ShmDataLoader's iterator is torch's, minus one record
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from ..checks import is_int
 from ..errors import ConfigError
 from ..sharding import GLOBAL, NODE
 from . import ring
+from ._process import return_batch_memory
 from .dataset import collate
 from .lazy import h5_worker_init_fn
 from .node_sampler import NodePlace, NodeShuffleSampler
@@ -31,24 +32,6 @@ from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleS
 __all__ = ["ShmDataLoader", "make_loader", "seed_worker"]
 
 DEFAULT_PREFETCH_FACTOR = 2
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-WORKER_MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, pinned
-
-
-def _return_batch_memory() -> None:
-    """Make a worker give each batch's memory back to the system when the batch is freed.
-
-    glibc raises its mmap threshold to the size of the largest block freed, so after the
-    first batch every batch (megabytes) comes from the heap, and a worker that has handed out
-    an epoch of batches keeps ~100 MB of freed heap it never returns (measured in bench/memory.py).
-    Pinning the threshold keeps batch-sized blocks on mmap. No-op where mallopt is missing.
-    """
-    try:
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
-    except (OSError, AttributeError):
-        pass
-
-
 class _LeanIterator(_SingleProcessDataLoaderIter):
     """torch's single-process iterator without its per-batch ``record_function`` while no
     profiler runs (with one, exactly torch's). That record costs ~20 us a batch here,
@@ -82,7 +65,7 @@ def seed_worker(worker_id: int, user_init: Callable[[int], None] | None = None, 
     piling up in the worker's heap, hand plain batches over through a ring of ``ring_slots``
     shared slots (0: as ordinary tensors; h5serve/client/ring.py), then run ``user_init``."""
     h5_worker_init_fn(worker_id)
-    _return_batch_memory()
+    return_batch_memory()
     ring.enable(ring_slots)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
@@ -214,7 +197,7 @@ def make_loader(
     if not (isinstance(loader_class, type) and issubclass(loader_class, DataLoader)):
         raise ConfigError(f"loader_class must be DataLoader or a subclass (e.g. torchdata's StatefulDataLoader), "
                           f"got {loader_class!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+    if not is_int(num_workers) or num_workers < 0:
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
     for name in ("batch_sampler", "collate_fn", "batch_size", "shuffle"):
         if name in dataloader_kwargs:

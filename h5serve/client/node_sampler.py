@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..checks import is_int
 from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
 from .resharding import check_not_rebuilt, check_not_resharded
@@ -25,7 +26,7 @@ _STATE_KEYS = ("sampler", "mode", "data_len", "total_rows", "seed", "shuffle", "
 
 
 def _count(name: str, value: object, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if not is_int(value, numpy=True) or value < low:
         raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
 

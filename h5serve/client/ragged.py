@@ -1,7 +1,7 @@
 """Variable-length rows on the client: one batch gathered at once, and the forms it takes.
 
 A backend gathers a variable-length key into a ``RaggedColumn``: the batch's values in one
-fresh flat array (one vectorised ``take``, h5serve/vlen.py ``gather``) and their lengths. The
+fresh flat array (one vectorised ``take``, h5serve/hdf5/vlen.py ``gather``) and their lengths. The
 dataset's ``ragged=`` then makes of it (``Field.batch_column``):
 
 ``"list"``    a ``RaggedList`` of 1-D tensors, one per row: views of one fresh tensor (one
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..source import DatasetInfo
-from ..vlen import SEQ, gather, is_text, offsets_of, read_vlen
+from ..hdf5.source import DatasetInfo
+from ..hdf5.vlen import SEQ, gather, is_text, offsets_of, read_vlen
 
 __all__ = ["LIST", "PAD", "NESTED", "RAGGED_MODES", "RaggedColumn", "RaggedSource", "RaggedList", "Padded",
            "read_ragged", "parse_ragged", "check_ragged", "fits"]
@@ -68,7 +68,7 @@ class RaggedList(list):
 
 class RaggedColumn:
     """A gathered batch of one variable-length key: ``values`` (flat, fresh, in the output
-    dtype; strings: their bytes) and ``lengths`` (int64, one per row). ``kind``: h5serve/vlen.py."""
+    dtype; strings: their bytes) and ``lengths`` (int64, one per row). ``kind``: h5serve/hdf5/vlen.py."""
 
     __slots__ = ("values", "lengths", "kind")
 

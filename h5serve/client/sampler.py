@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from ..checks import is_int
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
 from .gather import index_batches
@@ -23,7 +24,7 @@ _STATE_KEYS = ("data_len", "seed", "shuffle", "epoch", "consumed")
 
 
 def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
     return value
 
@@ -462,7 +463,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
 def _state_count(state: dict[str, Any], key: str, high: int, default: int | None = None) -> int:
     """``state[key]`` as an int in [0, high]. Raised when it is not: ConfigError."""
     value = state.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+    if not is_int(value) or not 0 <= value <= high:
         raise ConfigError(f"sampler state has {key}={value!r}, not an integer in [0, {high}] (the dataset's rows): "
                           "resume with the state the sampler saved")
     return value

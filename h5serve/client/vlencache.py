@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..hdf5.source import DatasetInfo
+from ..hdf5.vlen import gather, offsets_of, read_vlen
 from ..sharding import RowRange, Selection, as_rows
-from ..source import DatasetInfo
-from ..vlen import gather, offsets_of, read_vlen
 from .ragged import RaggedColumn, RaggedSource
 
 __all__ = ["VlenCache"]

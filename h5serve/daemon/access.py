@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import AccessDenied
-from ..source import FileIdentity
+from ..hdf5.source import FileIdentity
 
 __all__ = ["Peer", "check_peer_can_read"]
 

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..runtime import RuntimeLocation
 
-__all__ = ["DaemonConfig", "parse_size", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
+__all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
            "default_load_processes"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
-POLL_INTERVAL_S = 0.05
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
 FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
 # A load whose rows (or checksum) have not moved for this long is killed and fails: long enough
@@ -22,7 +20,6 @@ FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers
 # huge segment), short enough that a hung file system does not hold a loader slot for long.
 DEFAULT_STALL_TIMEOUT_S = 120.0
 STALL_CHECK_INTERVAL_S = 0.5  # how often running loads are checked for progress
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def default_loaders() -> int:
@@ -41,18 +38,6 @@ def default_load_processes() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(8, cores))
-
-
-def parse_size(text: str) -> int:
-    """'64G', '512MiB', '1.5T', '1000000' -> bytes (binary multiples).
-
-    Raised when it is not a size: ConfigError.
-    """
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ConfigError(f"{text!r} is not a size; use e.g. 512M, 16G or a number of bytes")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** " kmgtp".index(unit or " "))
 
 
 @dataclass(frozen=True)

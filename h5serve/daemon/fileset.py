@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import h5py
-import numpy as np
 
-from ..compound import FieldRows, rows_dataset
 from ..errors import SourceChanged
-from ..files import check_agreement, pieces
+from ..hdf5.compound import FieldRows, rows_dataset
+from ..hdf5.files import check_agreement, pieces
+from ..hdf5.rawcopy import data_extents, drop_cached
+from ..hdf5.reads import read_shard_into
+from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
 from ..protocol import Acquire
-from ..rawcopy import data_extents, drop_cached
-from ..reads import read_shard_into
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange, Selection
-from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
+from ..units import row_nbytes
 
 if TYPE_CHECKING:
     from .access import Peer
@@ -116,7 +116,7 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
     when its rows cannot be read: DataError.
     """
     fd, base = writer.data_target()
-    out_row = int(np.prod(meta.row_shape, dtype=np.int64)) * meta.np_dtype.itemsize
+    out_row = row_nbytes(meta.row_shape, meta.np_dtype)
     done = copied = 0
     for piece in pieces(rows, meta.file_rows, span):
         entry = meta.files[piece.index]

@@ -10,7 +10,7 @@ One load can itself be split across several processes (``--load-processes``): th
 cuts the shard's rows at chunk boundaries into parts (``reads.split_span``), forks one child
 per part but the first while no HDF5 file is open (h5py handles must never cross a fork, and
 HDF5 would hand a child the parent's open file again: each process opens the file itself
-after the forks), reads the first part itself, and waits for the children. A forked child
+after the forks), reads the first part itself, and waits for the children (parts.py). A forked child
 inherits the segment's descriptor and ``pwrite``s its rows through it (explicit offsets: the
 shared file position does not matter), so they land in the same segment; it reports rows
 done in a shared anonymous mapping of counters and an error as a pickled ``(code, message)``
@@ -36,11 +36,8 @@ that the last of them drops them.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import multiprocessing
 import os
-import pickle
 import select
 import signal
 import time
@@ -52,31 +49,31 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..compound import rows_dataset
 from ..crc import LOAD_CRC
-from ..errors import SegmentError, SourceChanged, code_for
-from ..files import plan_file_parts
-from ..rawcopy import data_extents, drop_cached
-from ..reads import local_range, read_shard_into, row_bytes, shard_span, split_span
+from ..errors import SourceChanged
+from ..hdf5.compound import rows_dataset
+from ..hdf5.files import plan_file_parts
+from ..hdf5.rawcopy import data_extents, drop_cached
+from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
+from ..hdf5.source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
-from ..source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
+from ..units import row_nbytes
+from ._process import drop_forkserver_alive_fd, set_pdeathsig
 from .checksum import FollowingCrc
 from .fileset import read_files_part
+from .parts import DaemonGone, PartResult, Parts, error_of
 from .vlenload import load_vlen
 
-__all__ = ["LoadJob", "start_load", "kill_load", "loader_context", "start_forkserver", "plan_parts", "MIN_PART_BYTES",
-           "MIN_PART_ENV"]
+__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "kill_load", "loader_context",
+           "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
-_PR_SET_PDEATHSIG = 1
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
 MIN_PART_BYTES = 32 * 1024 * 1024
 # Testing knob: a smaller threshold, so tests can split small datasets into several parts.
 MIN_PART_ENV = "H5SERVE_MIN_PART_BYTES"
 _WAIT_S = 0.05  # how often the loader checks its children and the daemon while it waits
-_REAP_S = 5.0  # how long killed children get to be reaped before the loader stops waiting
-_EXIT_DAEMON_GONE = 3  # a child's exit status when it stopped because the daemon is gone
 
 
 @dataclass(frozen=True)
@@ -92,17 +89,34 @@ class LoadJob:
     drop_page_cache: bool = True  # drop the source file's cached pages of the rows read, once published
 
 
-class DaemonGone(Exception):
-    """Raised inside a loader when the daemon that asked for the load has exited."""
+@dataclass(frozen=True)
+class LoadStats:
+    """How a load went, for the daemon's log and metrics."""
+
+    parts: int  # processes the rows were read by
+    create_s: float  # creating (and reserving) the segment
+    copied_bytes: int  # bytes copied file to file instead of through h5py
+    read_s: float  # reading every row, all parts
+    part_s: tuple[float, ...]  # when each part was done, from the start of the reads
+    checksum: str  # "crc32c:..." as stored in the header, "" when not computed
+    checksum_s: float
+    page_cache_drop_bytes: int  # source bytes whose cached pages are dropped after publishing
+    values: int  # variable-length rows: the values written (the segment's size depends on it)
 
 
-class PartFailed(Exception):
-    """Raised in the loader when a child reading one part reported an error (or died)."""
+@dataclass(frozen=True)
+class LoadOk:
+    """A loader's reply: the segment is published under its final name."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    stats: LoadStats
+
+
+@dataclass(frozen=True)
+class LoadError:
+    """A loader's reply: the load failed (``code`` as in h5serve.errors) and the temporary is gone."""
+
+    code: str
+    message: str
 
 
 def start_forkserver() -> None:
@@ -117,15 +131,9 @@ def start_forkserver() -> None:
 def loader_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
-    ctx.set_forkserver_preload(["h5serve.source", "h5serve.segments", "h5serve.reads", "h5serve.daemon.loader"])
+    ctx.set_forkserver_preload(
+        ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader"])
     return ctx
-
-
-def _set_pdeathsig() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
@@ -137,15 +145,8 @@ def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
     of that pipe, asks for SIGKILL when the forkserver dies, and also watches the daemon
     itself through a pidfd (readable once the daemon exits, even while it is a zombie).
     """
-    from multiprocessing import forkserver
-
-    alive_fd = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
-    if isinstance(alive_fd, int):
-        try:
-            os.close(alive_fd)
-        except OSError:
-            pass
-    _set_pdeathsig()
+    drop_forkserver_alive_fd()
+    set_pdeathsig()
     try:
         pidfd = os.pidfd_open(daemon_pid) if daemon_pid else -1
     except (OSError, AttributeError):  # no pidfd (old kernel): PDEATHSIG still applies
@@ -169,170 +170,9 @@ def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: in
     """The global row ranges one load is split into: at most ``processes``, each at least about
     ``min_part`` bytes of source rows, cut at chunk boundaries. One part: no split."""
     first, last = shard_span(info, selection)
-    work = (last - first) * row_bytes(info)
+    work = (last - first) * row_nbytes(info.row_shape, info.dtype)
     wanted = min(max(processes, 1), max(1, work // (min_part or min_part_bytes())))
     return split_span(first, last, info, wanted) if wanted > 1 else [(first, last)]
-
-
-def _error_of(exc: BaseException) -> tuple[str, str]:
-    """(code, message) as the daemon reports it for ``exc``."""
-    if isinstance(exc, PartFailed):
-        return exc.code, exc.message
-    code = code_for(exc)
-    return code, (f"{exc}" if code != "remote" else f"{type(exc).__name__}: {exc}")
-
-
-class _Parts:
-    """The children reading parts 1..N-1 of one load, as the loader sees them.
-
-    ``counters[i]`` is the rows part ``i`` has written (part 0: the loader's own),
-    ``finished[i]`` when it was done (``time.monotonic_ns``), ``copied[i]`` the bytes it
-    copied file to file and ``crcs[i]`` the crc32 of its rows (-1: not computed), in a shared
-    anonymous mapping created before the forks.
-    """
-
-    def __init__(self, count: int) -> None:
-        self._shared = mmap.mmap(-1, 32 * count)
-        self.counters = np.frombuffer(self._shared, dtype=np.int64, count=count)
-        self.finished = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=8 * count)
-        self.copied = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=16 * count)
-        self.crcs = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=24 * count)
-        self.children: dict[int, tuple[int, int, tuple[int, int]]] = {}  # pid -> (part, read fd, span)
-        self._payload: dict[int, bytearray] = {}
-
-    def rows_done(self) -> int:
-        return int(self.counters.sum())
-
-    def fork(self, index: int, span: tuple[int, int], work: Callable[[Callable[[int], None]], PartResult],
-             daemon_gone: Callable[[], bool], close_in_child: tuple[int, ...]) -> None:
-        """Start the child for part ``index``: it runs ``work(progress)`` (which returns what
-        its part did) and exits."""
-        r, w = os.pipe()
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns, never runs Python cleanup of inherited objects
-            status = 1
-            try:
-                _set_pdeathsig()
-                if os.getppid() != parent:  # the loader died before PDEATHSIG was armed
-                    raise DaemonGone()
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                for fd in (r, *close_in_child, *(fd for _, fd, _ in self.children.values())):
-                    os.close(fd)
-                counters, finished, copied, crcs = self.counters, self.finished, self.copied, self.crcs
-
-                def progress(rows_done: int) -> None:
-                    counters[index] = rows_done
-                    if daemon_gone():
-                        raise DaemonGone()
-
-                result = work(progress)
-                copied[index], crcs[index] = result.copied, result.crc
-                finished[index] = time.monotonic_ns()
-                status = 0
-            except DaemonGone:
-                status = _EXIT_DAEMON_GONE
-            except BaseException as exc:  # noqa: BLE001 - reported to the loader, whatever it is
-                try:
-                    blob = memoryview(pickle.dumps(_error_of(exc)))
-                    while blob:
-                        blob = blob[os.write(w, blob):]
-                except BaseException:  # noqa: BLE001, S110 - the exit status still says it failed
-                    pass
-            finally:
-                os._exit(status)
-        os.close(w)
-        os.set_blocking(r, False)
-        self.children[pid] = (index, r, span)
-        self._payload[pid] = bytearray()
-
-    def _drain(self, pid: int) -> None:
-        fd = self.children[pid][1]
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            if not data:
-                return
-            self._payload[pid] += data
-
-    def check(self, timeout: float = 0.0) -> None:
-        """Reap the children that finished, waiting up to ``timeout`` for one to.
-
-        Raised when a part failed: PartFailed with its error (the first one seen); when a
-        child stopped because the daemon is gone: DaemonGone.
-        """
-        if not self.children:
-            return
-        if timeout > 0:
-            by_fd = {fd: pid for pid, (_, fd, _) in self.children.items()}
-            try:  # a child's pipe turns readable when it reports an error or exits
-                ready = select.select(list(by_fd), [], [], timeout)[0]
-            except InterruptedError:
-                ready = []
-            for fd in ready:
-                self._drain(by_fd[fd])
-        for pid in list(self.children):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 1 << 8
-            if done == 0:
-                continue
-            self._drain(pid)  # it has exited: whatever it wrote is in the pipe
-            index, fd, (a, b) = self.children.pop(pid)
-            os.close(fd)
-            payload = bytes(self._payload.pop(pid))
-            if payload:
-                try:
-                    code, message = pickle.loads(payload)
-                except Exception:  # noqa: BLE001 - a truncated report is still a failure
-                    code, message = SegmentError.code, f"the loader process for rows {a}..{b - 1} failed"
-                raise PartFailed(code, message)
-            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-                continue
-            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _EXIT_DAEMON_GONE:
-                raise DaemonGone()
-            how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-                   else f"exit code {os.WEXITSTATUS(status)}")
-            raise PartFailed(SegmentError.code, f"the loader process for rows {a}..{b - 1} of part {index} died "
-                             f"({how}); see the daemon log")
-
-    def kill_all(self) -> None:
-        """SIGKILL and reap every child still running (reaping bounded by _REAP_S)."""
-        for pid in self.children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + _REAP_S
-        while self.children:
-            for pid in list(self.children):
-                try:
-                    done = os.waitpid(pid, os.WNOHANG)[0]
-                except ChildProcessError:
-                    done = pid
-                if done:
-                    os.close(self.children.pop(pid)[1])
-                    self._payload.pop(pid, None)
-            if not self.children or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        for _, fd, _ in self.children.values():  # not reaped in time: init reaps them after us
-            os.close(fd)
-        self.children.clear()
-
-
-@dataclass(frozen=True)
-class PartResult:
-    """What one part of a load did: bytes copied file to file, and the crc32 of its rows
-    (-1 when not asked for)."""
-
-    copied: int
-    crc: int
 
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
@@ -370,7 +210,7 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
             crc.close()
 
 
-def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: _Parts | None,
+def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: Parts | None,
                writer: SegmentWriter) -> int:
     """The crc32 of every row: the parts' crcs joined in row order."""
     if parts is None:
@@ -402,7 +242,7 @@ def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int,
     if processes <= 1 or meta.rows == 0:
         return [None]
     span_rows = rows.stop - rows.start
-    row = int(np.prod(meta.row_shape, dtype=np.int64)) * np.dtype(meta.source_dtype).itemsize
+    row = row_nbytes(meta.row_shape, np.dtype(meta.source_dtype))
     if meta.files:  # split at file boundaries: each process opens its own files
         spans = plan_file_parts(rows, meta.file_rows, row, processes, min_part_bytes())
         return [None] if len(spans) <= 1 else list(spans)
@@ -418,7 +258,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
     daemon_gone = _die_with_daemon(job.daemon_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
     writer: SegmentWriter | None = None
-    parts: _Parts | None = None
+    parts: Parts | None = None
     try:
         meta = job.meta
         t0 = time.monotonic_ns()
@@ -428,7 +268,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
         rows = meta.row_range
         spans: list[tuple[int, int] | None] = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
         if len(spans) > 1:  # fork before this process opens the file for reading
-            parts = _Parts(len(spans))
+            parts = Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
                 assert span is not None  # more than one part: each has its span
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
@@ -474,17 +314,18 @@ def _run(job: LoadJob, reply: Connection) -> None:
             # sit in HDF5's heaps, which data_extents does not describe)
             drop = job.drop_page_cache and not meta.files and not meta.vlen
             fd, extents = _read_extents(source, meta, rows) if drop else (-1, [])
-            stats = {"parts": len(spans), "create_s": (started - t0) / 1e9, "copied_bytes": copied,
-                     "read_s": (read_done - started) / 1e9, "part_s": [(t - started) / 1e9 for t in finished],
-                     "checksum": checksum, "checksum_s": (time.monotonic_ns() - read_done) / 1e9,
-                     "page_cache_drop_bytes": sum(size for _, size in extents), "values": writer.meta.values}
+            stats = LoadStats(parts=len(spans), create_s=(started - t0) / 1e9, copied_bytes=copied,
+                              read_s=(read_done - started) / 1e9,
+                              part_s=tuple((t - started) / 1e9 for t in finished),
+                              checksum=checksum, checksum_s=(time.monotonic_ns() - read_done) / 1e9,
+                              page_cache_drop_bytes=sum(size for _, size in extents), values=writer.meta.values)
             if not identities_unchanged(meta.identities()):
                 raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
             if daemon_gone():
                 raise DaemonGone()
             writer.publish(job.final_name)
             writer = None
-            reply.send(("ok", "", "", stats))
+            reply.send(LoadOk(stats))
             # after the reply: the segment is ready for its jobs while the pages go
             drop_cached(fd, extents)
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
@@ -493,9 +334,9 @@ def _run(job: LoadJob, reply: Connection) -> None:
         if writer is not None:
             writer.abort()
         if not isinstance(exc, DaemonGone):
-            code, message = _error_of(exc)
+            code, message = error_of(exc)
             try:
-                reply.send(("error", code, message))
+                reply.send(LoadError(code, message))
             except OSError:
                 pass
     finally:
@@ -506,7 +347,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
 
 def start_load(ctx: multiprocessing.context.ForkServerContext,
                job: LoadJob) -> tuple[multiprocessing.context.ForkServerProcess, Connection]:
-    """Start a loader process for ``job``; the returned pipe end receives (status, code, message[, stats])."""
+    """Start a loader process for ``job``; the returned pipe end receives
+    one LoadOk or LoadError (nothing when the loader stopped because the daemon is gone)."""
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
                           daemon=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
-from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
+from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
 from .access import Peer, check_peer_can_read
 from .fileset import ResolvedFiles, resolve_files
 

@@ -30,6 +30,7 @@ from ..errors import (
     host_error,
 )
 from ..protocol import (
+    POLL_INTERVAL_S,
     VERSION,
     Acquire,
     Ping,
@@ -42,11 +43,10 @@ from ..protocol import (
 )
 from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
 from ..safeio import open_regular, read_small
-from ..segments import format_bytes
+from ..units import format_bytes
 from .access import Peer
 from .config import (
     DEFAULT_MEMORY_FRACTION,
-    POLL_INTERVAL_S,
     DaemonConfig,
     default_load_processes,
     default_loaders,

@@ -28,6 +28,12 @@ from ..errors import (
     SegmentError,
     error_from_code,
 )
+from ..hdf5.source import (
+    check_cast,
+    identities_unchanged,
+    resolve_dtype,
+    storage_dtype,
+)
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..safeio import remove_if
@@ -36,7 +42,6 @@ from ..segments import (
     check_published,
     count_leases,
     describe_file,
-    format_bytes,
     header_checksum,
     is_own_file,
     published_mode,
@@ -50,16 +55,11 @@ from ..segments import (
     try_evict,
 )
 from ..sharding import Selection
-from ..source import (
-    check_cast,
-    identities_unchanged,
-    resolve_dtype,
-    storage_dtype,
-)
+from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
 from .fileset import ResolvedFiles, files_meta
-from .loader import LoadJob, kill_load, loader_context, start_load
+from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
 
@@ -71,6 +71,15 @@ log = logging.getLogger("h5serve.daemon")
 # and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
 COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
             "damaged", "stalled")
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A failed load, remembered for FAILURE_MEMORY_S so pollers get its error, not a retry."""
+
+    at: float  # time.monotonic() when it failed
+    code: str  # as in h5serve.errors
+    message: str
 
 
 @dataclass
@@ -139,7 +148,7 @@ class SegmentStore:
         self.load_processes = max(1, load_processes)  # processes one load may be split across
         self.namespace = location.namespace
         self.entries: dict[str, Entry] = {}
-        self.failures: dict[str, tuple[float, str, str]] = {}
+        self.failures: dict[str, LoadFailure] = {}
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.errors: Counter[str] = Counter()  # error replies by code
         self.resolver = Resolver(self.allow_roots)
@@ -237,8 +246,8 @@ class SegmentStore:
             entry = None
         if entry is None:
             failure = self.failures.get(name)
-            if failure is not None and time.monotonic() - failure[0] < FAILURE_MEMORY_S:
-                raise error_from_code(failure[1], failure[2])
+            if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
+                raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
             entry = self._start(name, meta)
         entry.last_used = time.monotonic()
@@ -388,7 +397,7 @@ class SegmentStore:
         for entry in list(self.entries.values()):
             if entry.process is None or entry.reply is None:
                 continue
-            result = None
+            result: object = None
             if entry.reply.poll():
                 try:
                     result = entry.reply.recv()
@@ -402,12 +411,13 @@ class SegmentStore:
                 entry.process.join(timeout=1)
             exitcode = entry.process.exitcode
             self._release_loader(entry)
-            if result is not None and result[0] == "ok":
-                self._loaded(entry, result[3] if len(result) > 3 and isinstance(result[3], dict) else {})
+            if isinstance(result, LoadOk):
+                self._loaded(entry, result.stats)
+            elif isinstance(result, LoadError):
+                self._fail(entry, result.code, result.message)
             else:
-                code, message = (result[1], result[2]) if result else (
-                    SegmentError.code, f"the loader process died (exit code {exitcode}); see the daemon log")
-                self._fail(entry, code, message)
+                self._fail(entry, SegmentError.code,
+                           f"the loader process died (exit code {exitcode}); see the daemon log")
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
 
@@ -425,9 +435,9 @@ class SegmentStore:
         process.close()
         return True
 
-    def _loaded(self, entry: Entry, stats: dict[str, Any]) -> None:
+    def _loaded(self, entry: Entry, stats: LoadStats) -> None:
         if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
-            entry.meta = replace(entry.meta, values=int(stats.get("values", 0)))
+            entry.meta = replace(entry.meta, values=stats.values)
         try:  # the header as published: every later hit compares the file with it
             entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
         except SegmentError as exc:
@@ -437,21 +447,21 @@ class SegmentStore:
         entry.checksum = header_checksum(entry.header)
         entry.state = "ready"
         entry.load_seconds = time.monotonic() - entry.load_started
-        entry.load_parts = int(stats.get("parts", 1))
-        entry.load_copied_bytes = int(stats.get("copied_bytes", 0))
+        entry.load_parts = stats.parts
+        entry.load_copied_bytes = stats.copied_bytes
         self.counters["loads"] += 1
         log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
-        read_s = max(float(stats.get("read_s", entry.load_seconds)), 1e-9)
+        read_s = max(stats.read_s, 1e-9)
         entry.load_read_seconds = read_s
         log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
                   "(parts done after %s s): %.0f rows/s, %.1f MB/s; checksum %s in %.2fs; page cache dropped over "
                   "%s of the source",
                   entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
-                  float(stats.get("create_s", 0.0)), read_s,
-                  "/".join(f"{t:.2f}" for t in stats.get("part_s", ())) or "?",
+                  stats.create_s, read_s,
+                  "/".join(f"{t:.2f}" for t in stats.part_s) or "?",
                   entry.meta.rows / read_s, entry.meta.nbytes / read_s / 1e6,
-                  entry.checksum or "not computed", float(stats.get("checksum_s", 0.0)),
-                  format_bytes(int(stats.get("page_cache_drop_bytes", 0))))
+                  entry.checksum or "not computed", stats.checksum_s,
+                  format_bytes(stats.page_cache_drop_bytes))
         if self.on_loaded is not None:
             self.on_loaded(entry.load_seconds)
 
@@ -459,7 +469,7 @@ class SegmentStore:
         """A load failed: drop its temporary and entry; pollers get the error for FAILURE_MEMORY_S."""
         remove_if(self.shm_dir / entry.tmp_name, keep=_not_ours)
         del self.entries[entry.name]
-        self.failures[entry.name] = (time.monotonic(), code, message)
+        self.failures[entry.name] = LoadFailure(time.monotonic(), code, message)
         self.counters["load_errors"] += 1
         self.errors[code] += 1
         log.warning("load of %s failed: %s", entry.name, message)

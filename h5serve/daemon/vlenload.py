@@ -2,7 +2,7 @@
 
 The rows are read a block of rows at a time (one h5py call per block: HDF5 converts
 variable-length data element by element whatever the selection, so bigger blocks only save
-call overhead) and flattened into Arrow's layout (h5serve/vlen.py): the values are appended
+call overhead) and flattened into Arrow's layout (h5serve/hdf5/vlen.py): the values are appended
 to the segment as they come, the offsets are kept here (8 bytes a row) and written once at
 the end, in front of the values.
 
@@ -32,15 +32,15 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..compound import rows_dataset
 from ..crc import LOAD_CRC
 from ..errors import SourceChanged
-from ..files import pieces
-from ..rawcopy import write_all
+from ..hdf5.compound import rows_dataset
+from ..hdf5.files import pieces
+from ..hdf5.rawcopy import write_all
+from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified
+from ..hdf5.vlen import read_vlen, values_offset
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange
-from ..source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified
-from ..vlen import read_vlen, values_offset
 
 __all__ = ["load_vlen", "BLOCK_VALUE_BYTES"]
 

@@ -33,10 +33,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .._daemon_process import DaemonProcess
 from ..errors import ConfigError, H5ServeError
 from ..progress import Progress
-from ..runtime import resolve_runtime, resolve_shm_dir, signal_daemon
-from ..segments import format_bytes, segment_prefix
+from ..runtime import resolve_shm_dir
+from ..units import format_bytes
 
 __all__ = ["run_demo", "make_sample_file", "DemoResult", "DEFAULT_ROWS", "IMAGE_SHAPE"]
 
@@ -46,7 +47,6 @@ CHUNK_ROWS = 256
 WRITE_BLOCK_ROWS = 8192  # rows written per h5py call (25 MB)
 NOISE_ROWS = 4096  # one pool of random rows, reused shifted: drawing 300 MB of noise takes seconds
 JOB_TIMEOUT_S = 300.0
-CLI_TIMEOUT_S = 60.0
 POLL_S = 0.1
 PREDECESSOR_ITEMSIZE = 4  # float32: the predecessor caches the cast rows
 
@@ -181,14 +181,10 @@ class _Demo:
         self.path = self.workdir / "train.h5"
         self.job: subprocess.Popen[bytes] | None = None
         self.watch: _LoadWatch | None = None
-        self.started = False
+        self.daemon = DaemonProcess(self.workdir, ("--keep-page-cache",), self.env)
 
     def say(self, line: str) -> None:
         print(line, flush=True)
-
-    def _h5serve(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "h5serve", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
 
     def make_file(self) -> None:
         bar = Progress("making the sample file", self.rows, self.say, interval=1.0)
@@ -200,33 +196,12 @@ class _Demo:
                  f"{'x'.join(map(str, IMAGE_SHAPE))} uint8 images + int64 labels, uncompressed)")
 
     def start_daemon(self) -> None:
-        self.started = True
         # --keep-page-cache: the file stays in the page cache, so every job reads it from memory alike
-        done = self._h5serve("start", "--keep-page-cache")
-        if done.returncode != 0:
-            raise H5ServeError(f"could not start the daemon: {done.stderr.strip()}")
-        self.say(done.stdout.strip())
+        self.say(self.daemon.start().start_output.strip())
 
     def stop_daemon(self) -> None:
         """Stop the daemon; if it does not stop, kill it and remove what it left in shm."""
-        if not self.started:
-            return
-        self.started = False
-        try:
-            self._h5serve("stop", timeout=40)
-        except subprocess.TimeoutExpired:
-            pass
-        location = resolve_runtime(self.runtime_dir)
-        if signal_daemon(location, os.geteuid(), signal.SIGKILL):
-            time.sleep(0.2)  # its loaders watch it and stop; then nothing writes the segments
-        shm = resolve_shm_dir()
-        prefix = segment_prefix(location.namespace)
-        try:
-            for name in os.listdir(shm):
-                if name.startswith(prefix):
-                    (shm / name).unlink(missing_ok=True)
-        except OSError:
-            pass
+        self.daemon.stop()
 
     def segment_bytes(self) -> int:
         from ..connection import DaemonClient

@@ -12,16 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import is_int
 from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
 from .hostlist import format_ranks
 
-__all__ = ["NodeLayout", "is_int", "layout_from_hostnames", "uniform_layout"]
-
-
-def is_int(value: object) -> bool:
-    """An ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
+__all__ = ["NodeLayout", "layout_from_hostnames", "uniform_layout"]
 
 
 def check_node_ranks(ranks: object, world_size: int) -> None:

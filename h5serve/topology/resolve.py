@@ -27,10 +27,11 @@ import os
 import socket
 from collections.abc import Mapping
 
+from ..checks import is_int
 from ..errors import ConfigError
 from .group import GroupView, current_group
 from .hostlist import format_ranks
-from .layout import NodeLayout, is_int, layout_from_hostnames, uniform_layout
+from .layout import NodeLayout, layout_from_hostnames, uniform_layout
 from .slurm import layout_from_slurm_env
 from .torchrun import layout_from_torchrun_env, torchrun_rank_world
 

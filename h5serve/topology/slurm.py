@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import is_int
 from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
 from .hostlist import MAX_HOSTS, expand_nodelist, expand_tasks_per_node, format_ranks, parse_tasks_per_node
-from .layout import NodeLayout, check_node_ranks, is_int
+from .layout import NodeLayout, check_node_ranks
 
 __all__ = [
     "MAX_HOSTS",

@@ -25,7 +25,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .errors import DataError
+from ..errors import DataError
 
 __all__ = ["SEQ", "VALUES_ALIGN", "vlen_kind", "is_text", "values_offset", "vlen_nbytes", "read_vlen",
            "flatten", "offsets_of", "gather", "estimate_mean_length", "ESTIMATE_ROWS"]

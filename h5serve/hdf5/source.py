@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
+from ..errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
 from .compound import FieldRows, split_field
-from .errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
 from .vlen import estimate_mean_length, is_text, vlen_kind
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class DatasetInfo:
     chunked: bool = True  # False: contiguous or compact layout (any row range reads directly)
     field: str = ""  # a field of a compound dataset: ``key`` is "<dataset>:<field>" (compound.py)
     virtual_sources: tuple[str, ...] = ()  # realpaths of the other files a virtual dataset maps (vds.py)
-    # variable-length rows (h5serve/vlen.py): "" fixed rows, "seq" numeric sequences of ``dtype``,
+    # variable-length rows (h5serve/hdf5/vlen.py): "" fixed rows, "seq" numeric sequences of ``dtype``,
     # else strings in that encoding (``dtype`` uint8: their bytes); row_shape is then ()
     vlen: str = ""
     mean_length: float = 0.0  # vlen: mean length of the first rows (an estimate, for budgets)
@@ -227,7 +227,7 @@ def resolve_dtype(dtype: DTypeLike | None, what: str) -> np.dtype | None:
 
 def inspect_dataset(f: h5py.File, key: str, vlen: bool = False) -> DatasetInfo:
     """Shape, dtype and chunking of ``f[key]``. Variable-length rows (numeric sequences,
-    strings) only with ``vlen`` (readers that know h5serve/vlen.py); otherwise refused.
+    strings) only with ``vlen`` (readers that know h5serve/hdf5/vlen.py); otherwise refused.
 
     Raised when the key is missing (the message lists datasets that exist), is not a
     dataset, or a soft or external link on its path is dangling (the message names the

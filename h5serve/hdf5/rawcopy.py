@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from ..units import row_nbytes
 from .source import DatasetInfo
 
 __all__ = ["COPY_BUFFER_BYTES", "MAX_MAPPED_CHUNKS", "FileCopier", "StoredRows", "copy_rows", "data_extents",
@@ -72,7 +73,7 @@ def stored_rows(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype) -> Store
     dcpl = dset.id.get_create_plist()
     if dcpl.get_nfilters() or dcpl.get_external_count():
         return None
-    row_bytes = int(np.prod(info.row_shape, dtype=np.int64)) * dtype.itemsize
+    row_bytes = row_nbytes(info.row_shape, dtype)
     layout = dcpl.get_layout()
     if layout == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset()

@@ -19,7 +19,7 @@ import os
 
 import h5py
 
-from .errors import SourceNotFound, UnsupportedDataset
+from ..errors import SourceNotFound, UnsupportedDataset
 
 __all__ = ["virtual_sources", "VDS_PREFIX_ENV"]
 

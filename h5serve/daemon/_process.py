@@ -1,0 +1,50 @@
+"""Every change the daemon's loaders make to their own process beyond their objects, in one
+place, each with why and what it depends on (the client's are in h5serve/client/_process.py):
+
+- ``drop_forkserver_alive_fd``: a loader closes its inherited copy of the forkserver's
+  "alive" pipe;
+- ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig"]
+
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+def drop_forkserver_alive_fd() -> None:
+    """Close this process's copy of the forkserver's "alive" pipe.
+
+    Why: the forkserver exits only once every holder of that pipe is gone, and every process
+    it forks inherits a copy; a loader holding one would keep the forkserver (and so itself,
+    via PDEATHSIG) alive after the daemon died. Version: the pipe is a private attribute of
+    CPython's multiprocessing.forkserver (``_forkserver._forkserver_alive_fd``, 3.8 to 3.13 at
+    least); where it is missing, nothing is closed and PDEATHSIG plus the daemon's pidfd still
+    stop the loader.
+    """
+    from multiprocessing import forkserver
+
+    alive_fd = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
+    if isinstance(alive_fd, int):
+        try:
+            os.close(alive_fd)
+        except OSError:
+            pass
+
+
+def set_pdeathsig() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits.
+
+    Why: a loader (whose parent is the forkserver) or a part child (whose parent is the
+    loader) must never go on writing a segment for a daemon that is gone. Version: Linux
+    ``prctl(PR_SET_PDEATHSIG)``; a no-op where libc has no ``prctl``.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass

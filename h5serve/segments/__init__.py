@@ -1,0 +1,64 @@
+"""Shared-memory segments, the meeting point of daemon and clients: the on-disk format
+(format.py: names, header, ``SegmentMeta``, reading meta and progress) and the file's
+lifecycle (lifecycle.py: create, publish, attach with a lease, evict).
+
+``from h5serve.segments import X`` is the way in; the header layout names stay in format.py.
+"""
+
+from .format import (
+    HEADER_SIZE,
+    MAX_HEADER_BYTES,
+    SECRET_BYTES,
+    SegmentMeta,
+    data_checksum,
+    describe_file,
+    header_checksum,
+    is_own_file,
+    read_activity,
+    read_meta,
+    read_progress,
+    segment_name,
+    segment_prefix,
+    temporary_name,
+    temporary_owner_pid,
+    verify_content,
+)
+from .lifecycle import (
+    LEASE_WAIT_S,
+    AttachedSegment,
+    SegmentWriter,
+    attach_segment,
+    check_published,
+    count_leases,
+    create_segment,
+    published_mode,
+    try_evict,
+)
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_HEADER_BYTES",
+    "SECRET_BYTES",
+    "LEASE_WAIT_S",
+    "SegmentMeta",
+    "SegmentWriter",
+    "AttachedSegment",
+    "segment_prefix",
+    "segment_name",
+    "is_own_file",
+    "describe_file",
+    "temporary_name",
+    "temporary_owner_pid",
+    "create_segment",
+    "published_mode",
+    "check_published",
+    "attach_segment",
+    "read_progress",
+    "read_meta",
+    "read_activity",
+    "header_checksum",
+    "verify_content",
+    "data_checksum",
+    "try_evict",
+    "count_leases",
+]

@@ -1,0 +1,470 @@
+"""The life of a segment file: create, fill, publish, attach with a lease, evict. The format
+(names, header, ``SegmentMeta``) is in format.py.
+
+A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
+with ``fchmod`` before the rename, so no process (root aside) can open a published segment
+for writing.
+
+Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
+with ``posix_fallocate`` (a full tmpfs is a clear ShmFull now, never a SIGBUS later);
+the loader fills it and ``publish`` sets the complete flag and renames it to ``<name>``,
+atomically. Clients only ever open final names, so they never see a partial segment.
+
+Leases: every attached client holds ``flock(LOCK_SH)`` on its open fd (inherited by forked
+DataLoader workers, re-taken by spawned ones). ``try_evict`` unlinks only after
+``flock(LOCK_EX | LOCK_NB)`` succeeds. The kernel drops the locks of dead processes, so a
+crashed client never pins a segment. What nothing can clean up: a SIGKILLed daemon leaves its
+temporaries and segments behind; the next daemon on the same runtime dir removes or adopts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..crc import LOAD_CRC, CrcKind
+from ..errors import SegmentError, ShmFull
+from ..safeio import NOFOLLOW_FLAGS, flocks, open_regular
+from ..units import format_bytes
+from .format import (
+    ACTIVITY,
+    ACTIVITY_OFFSET,
+    CHECKSUM,
+    CHECKSUM_NONE,
+    CHECKSUM_OFFSET,
+    COMPLETE_OFFSET,
+    FIXED,
+    FORMAT_VERSION,
+    MAGIC,
+    META_LENGTH_OFFSET,
+    META_OFFSET,
+    PROGRESS,
+    PROGRESS_OFFSET,
+    TMP_MARK,
+    SegmentMeta,
+    checksum_text,
+    data_checksum,
+    data_view,
+    describe_file,
+    is_own_file,
+    meta_blob,
+    parse_header,
+    read_header,
+    values_view,
+)
+
+__all__ = [
+    "LEASE_WAIT_S",
+    "SegmentWriter",
+    "AttachedSegment",
+    "create_segment",
+    "published_mode",
+    "check_published",
+    "attach_segment",
+    "count_leases",
+    "try_evict",
+]
+
+LEASE_WAIT_S = 5.0  # how long attaching waits for a segment someone holds exclusively
+_PUBLISHED_MODE_MASK = 0o440  # a temporary's 0600 / 0640 becomes 0400 / 0440
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+log = logging.getLogger("h5serve.segments")
+
+
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+class SegmentWriter:
+    """A temporary segment being filled by a loader. ``data`` is writable."""
+
+    def __init__(self, path: Path, fd: int, meta: SegmentMeta) -> None:
+        self.path = path
+        self.meta = meta
+        self._fd = fd
+        self._map = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.data = data_view(self._map, meta)
+        self._activity = 0
+
+    def data_target(self) -> tuple[int, int]:
+        """``(fd, offset)``: the segment file's descriptor and the byte offset of ``data[0]`` in
+        it, for writing rows with ``pwrite`` instead of through the mapping."""
+        return self._fd, self.meta.header_size
+
+    def set_progress(self, rows_done: int) -> None:
+        self._map[PROGRESS_OFFSET:PROGRESS_OFFSET + PROGRESS.size] = PROGRESS.pack(rows_done, self.meta.rows)
+        self.mark_activity()
+
+    def mark_activity(self) -> None:
+        """Say "still working" where the daemon's stall watchdog looks (``read_activity``):
+        a counter in the header that only moves when the load does."""
+        self._activity += 1
+        self._map[ACTIVITY_OFFSET:ACTIVITY_OFFSET + ACTIVITY.size] = ACTIVITY.pack(self._activity)
+
+    def compute_checksum(self, threads: int = 1) -> str:
+        """The crc of the rows as written (``LOAD_CRC``), stored in the header. Call once every
+        row is in place: ``verify_content`` compares the rows against it later."""
+        return self.store_checksum(data_checksum(self._map, self.meta.header_size, self.meta.nbytes, threads,
+                                                 lambda _: self.mark_activity()))
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Reserve ``length`` more bytes of the data area from ``offset`` (``posix_fallocate``,
+        growing the file) before they are written: variable-length values, whose size is
+        known a block at a time. Never written through the mapping (it covers the size at
+        creation only).
+
+        Raised when the shm filesystem has no room: ShmFull.
+        """
+        _fallocate(self._fd, self.meta.header_size + offset, length, self.meta, self.path.parent)
+
+    def set_values(self, values: int) -> None:
+        """Record the number of variable-length values written (the header's metadata, and so
+        the segment's size), once they all are."""
+        meta = replace(self.meta, values=values)
+        blob = meta_blob(meta)
+        os.pwrite(self._fd, blob, META_OFFSET)
+        self._map[META_LENGTH_OFFSET:META_LENGTH_OFFSET + 4] = struct.pack("<I", len(blob))
+        self.meta = meta
+
+    def store_checksum(self, crc: int, kind: CrcKind = LOAD_CRC) -> str:
+        """Store ``crc`` (``kind``'s crc of the rows as written) in the header; ``crc32c:...``."""
+        value = struct.pack("<I", crc).ljust(16, b"\0")
+        self._map[CHECKSUM_OFFSET:CHECKSUM_OFFSET + CHECKSUM.size] = CHECKSUM.pack(kind.code, value)
+        return checksum_text(kind.code, value)
+
+    def publish(self, final_name: str) -> Path:
+        """Mark complete, make read-only and rename to ``final_name`` in the same directory (atomic).
+
+        The mode changes on the descriptor before the rename, so the final name never exists
+        writable: nobody (root aside) can open it for writing, or truncate it, afterwards.
+        """
+        self.set_progress(self.meta.rows)
+        self._map[COMPLETE_OFFSET:COMPLETE_OFFSET + 4] = struct.pack("<I", 1)
+        os.fchmod(self._fd, stat.S_IMODE(os.fstat(self._fd).st_mode) & _PUBLISHED_MODE_MASK)
+        final = self.path.with_name(final_name)
+        self.close()
+        try:
+            _rename_noreplace(self.path, final)
+        except OSError as exc:
+            raise SegmentError(_publish_failure(final, exc)) from exc
+        return final
+
+    def abort(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        self.data = None  # type: ignore[assignment]
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive (e.g. in a traceback): it unmaps when freed
+                pass
+            self._map = None  # type: ignore[assignment]
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _rename_noreplace(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` unless another user's file (or a symlink, FIFO...) is
+    there: a root daemon must not replace what someone else put at a published name, and an
+    unprivileged one gets EPERM for it in a sticky dir anyway. A leftover of our own at the
+    name is replaced.
+
+    Raised when something not ours is at ``target``: FileExistsError; other failures: OSError.
+    """
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    err = errno.ENOSYS
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+    if err not in (errno.EEXIST, errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, os.strerror(err), str(target))
+    try:  # taken, or renameat2 unsupported here: replace only a file of our own
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not is_own_file(st):
+        raise FileExistsError(errno.EEXIST, f"{describe_file(st)} is in the way", str(target))
+    os.rename(source, target)
+
+
+def _publish_failure(final: Path, exc: OSError) -> str:
+    why = exc.strerror or str(exc)
+    try:
+        st = os.lstat(final)
+    except OSError:
+        st = None
+    if st is not None and not is_own_file(st):
+        why = f"{describe_file(st)} is in the way"
+    return (f"cannot publish segment {final}: {why}; clients read this shard lazily. Remove that file "
+            "(its owner or root can), or restart the daemon with another --shm-dir")
+
+
+def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Path) -> None:
+    """``posix_fallocate``, a full tmpfs or a file size limit as ShmFull."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        size = offset + length
+        if exc.errno == errno.EFBIG:
+            raise ShmFull(
+                f"{meta.key!r} rank {meta.rank} needs a {format_bytes(size)} segment, over this "
+                "process's file size limit; raise it (ulimit -f) for the daemon"
+            ) from exc
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShmFull(
+                f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
+                f"{format_bytes(size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
+                "free space (h5serve stop, or remove other files there), or enlarge the mount"
+            ) from exc
+        raise
+
+
+def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None) -> SegmentWriter:
+    """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete.
+    Mode 0600, or 0640 owned by ``group`` (a gid) when given.
+
+    Raised when the shm filesystem has no room for it: ShmFull (says needed and free bytes).
+    """
+    path = Path(shm_dir) / tmp_name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW_FLAGS, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # "being written": a restarted daemon removes it only once unlocked
+        if group is not None:
+            os.fchown(fd, -1, group)
+            os.fchmod(fd, 0o640)
+        _fallocate(fd, 0, meta.file_size, meta, Path(shm_dir))
+        blob = meta_blob(meta)
+        header = FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob), CHECKSUM_NONE, b"", 0)
+        os.pwrite(fd, header.ljust(META_OFFSET, b"\0") + blob, 0)
+        return SegmentWriter(path, fd, meta)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+
+
+def published_mode(group: int | None) -> int:
+    """The mode of a published segment: 0400, or 0440 when shared with a group."""
+    return 0o440 if group is not None else 0o400
+
+
+def check_published(path: Path, meta: SegmentMeta, mode: int, header: bytes | None = None) -> bytes:
+    """Cheap check of a published segment before it is handed out again: a regular file of
+    ours (no symlink, no FIFO: never blocks), one link, mode ``mode``, exactly
+    ``meta.file_size`` bytes, and a complete header describing ``meta`` (byte for byte
+    ``header`` when given: the one seen when it was published). Returns its header.
+
+    Raised when any of that does not hold (missing, truncated, made writable, header
+    rewritten): SegmentError, saying what.
+    """
+    fd, st = open_regular(path, SegmentError, owners=(os.geteuid(),))
+    try:
+        if st.st_nlink != 1:
+            raise SegmentError(f"segment {path} has {st.st_nlink} links, not 1")
+        if stat.S_IMODE(st.st_mode) != mode:
+            raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}: "
+                               "something made it writable")
+        if st.st_size != meta.file_size:
+            raise SegmentError(
+                f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
+        raw = read_header(fd)
+    finally:
+        os.close(fd)
+    if header is not None:
+        if raw != header:
+            raise SegmentError(f"segment {path} has a header that changed since it was published")
+        return raw
+    found, complete = parse_header(raw, f"segment {path}")
+    if found != meta or not complete:
+        raise SegmentError(f"segment {path} has a header that does not describe the load it should hold")
+    return raw
+
+
+class AttachedSegment:
+    """A published segment mapped read-only, with a shared lease held on its fd.
+
+    ``data`` is a read-only ndarray over the mapping: copy rows out of it (the client's gather
+    does, through a tensor view it never hands out); never give users a view of it.
+    """
+
+    def __init__(self, name: str, path: Path, fd: int, meta: SegmentMeta, buffer: mmap.mmap, owner: int) -> None:
+        self.name = name
+        self.path = path
+        self.owner = owner
+        self.meta = meta
+        self._fd = fd
+        self._map = buffer
+        self.data = data_view(buffer, meta)
+        self.data.flags.writeable = False
+        self.values = values_view(buffer, meta)  # variable-length rows: their values (data: offsets)
+        if self.values is not None:
+            self.values.flags.writeable = False
+
+    def close(self) -> None:
+        """Drop this object's references. Python's mmap holds its own dup of the fd, so the
+        lease lasts exactly as long as the mapping: until the last array viewing it is gone."""
+        self.data = None  # type: ignore[assignment]
+        self.values = None
+        self._map = None  # type: ignore[assignment]
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the flock once no forked child shares the fd
+            self._fd = -1
+
+
+def _take_lease(fd: int, path: Path) -> None:
+    """``flock(LOCK_SH)``, waiting at most LEASE_WAIT_S: eviction holds LOCK_EX for an
+    instant, but any process that can open the file could hold it forever.
+
+    Raised when it stays locked: SegmentError.
+    """
+    deadline = time.monotonic() + LEASE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise SegmentError(
+                    f"segment {path} stayed locked by another process for {LEASE_WAIT_S:g}s; request it again"
+                ) from None
+            time.sleep(0.005)
+
+
+def attach_segment(shm_dir: str | os.PathLike[str], name: str, owner: int | None = None) -> AttachedSegment:
+    """Open, lease and map a published segment read-only; validates owner, header and size.
+    ``owner`` is the daemon's uid (default: ours): a file of anyone else is never mapped.
+
+    Raised when it is missing, evicted, truncated, incomplete or not ours: SegmentError.
+    """
+    path = Path(shm_dir) / name
+    if TMP_MARK in name or "/" in name:
+        raise SegmentError(f"{name!r} is not a published segment name")
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW_FLAGS)  # a FIFO planted at the name must not hang us
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise SegmentError(f"segment {path} cannot be opened: {why} (evicted or not loaded)") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"{path} is {describe_file(st)}, not a segment: refusing to map it")
+        expected_owner = os.getuid() if owner is None else owner
+        if st.st_uid != expected_owner:  # before the lease: another user's file could be locked forever
+            raise SegmentError(
+                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: "
+                "refusing to map it"
+            )
+        _take_lease(fd, path)
+        if os.fstat(fd).st_nlink == 0:
+            raise SegmentError(f"segment {path} was evicted while attaching; request it again")
+        meta, complete = parse_header(read_header(fd), str(path))
+        if not complete:
+            raise SegmentError(f"segment {path} is not complete: refusing to map a partial load")
+        if st.st_size != meta.file_size:
+            raise SegmentError(
+                f"segment {path} is {st.st_size} bytes but its header describes {meta.file_size}: refusing to map it"
+            )
+        if st.st_mode & 0o222:
+            raise SegmentError(f"segment {path} is writable (mode {st.st_mode & 0o777:o}): refusing to map it")
+        buffer = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return AttachedSegment(name, path, fd, meta, buffer, st.st_uid)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def count_leases(paths: list[Path]) -> dict[Path, int]:
+    """Shared leases held on each segment, from /proc/locks: one per attaching process
+    (forked DataLoader workers share their parent's lease; spawned ones take their own)."""
+    wanted: dict[tuple[int, int], Path] = {}
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        wanted[(st.st_dev, st.st_ino)] = path
+    counts = dict.fromkeys(paths, 0)
+    for lock in flocks():  # none where /proc/locks cannot be read: status reports no holders
+        held = wanted.get((lock.dev, lock.ino))
+        if held is not None and not lock.exclusive:
+            counts[held] += 1
+    return counts
+
+
+def try_evict(path: Path, owner: int | None = None) -> bool:
+    """Unlink a segment of ``owner`` (default: our euid) if no process holds a lease on it.
+
+    True when no segment of ours is left at ``path``: evicted, already gone, or what is there
+    is not ours (another user's file, a symlink, a FIFO: left alone and logged). False when a
+    lease holds it, or it cannot be removed now (logged).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW_FLAGS)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:  # a symlink (ELOOP), a socket (ENXIO), unreadable...
+        return _not_ours(path, owner, exc.strerror or str(exc))
+    try:
+        st = os.fstat(fd)
+        if not is_own_file(st, owner):
+            return _not_ours(path, owner)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return _unlink_same(path, st)
+    finally:
+        os.close(fd)
+
+
+def _not_ours(path: Path, owner: int | None, why: str = "") -> bool:
+    """True (nothing of ours there) unless ``path`` is in fact our regular file (then False:
+    it could not be opened, so it stays)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        log.warning("cannot look at %s: %s; leaving it", path, exc.strerror)
+        return False
+    if is_own_file(st, owner):
+        log.warning("cannot open segment %s to evict it: %s", path, why)
+        return False
+    log.warning("%s is %s, not a segment of this daemon: leaving it alone", path, describe_file(st))
+    return True
+
+
+def _unlink_same(path: Path, opened: os.stat_result) -> bool:
+    """Unlink ``path`` if it still names the file ``opened`` describes. Never raises."""
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            return True  # renamed away or replaced meanwhile: our file is no longer there
+        os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        log.warning("cannot remove segment %s: %s", path, exc.strerror)
+        return False
+    return True

@@ -1,0 +1,41 @@
+"""Sizes in bytes: as people write and read them (``parse_size("16G")`` and its inverse
+``format_bytes``), and the size of one row (``row_nbytes``). Shared by the command line, the
+daemon and the client (torch-free, daemon-free)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["parse_size", "format_bytes", "row_nbytes"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64G', '512MiB', '1.5T', '1000000' -> bytes (binary multiples).
+
+    Raised when it is not a size: ConfigError.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ConfigError(f"{text!r} is not a size; use e.g. 512M, 16G or a number of bytes")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgtp".index(unit or " "))
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary multiples; whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def row_nbytes(row_shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Bytes of one row of ``row_shape`` elements of ``dtype`` (C-contiguous)."""
+    return int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize
