@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -105,3 +106,27 @@ def expected_checksum(data: bytes | np.ndarray) -> str:
 
         return f"crc32c:{crc32c.crc32c(bytes(data)):08x}"
     return f"crc32:{zlib.crc32(bytes(data)):08x}"
+
+
+WORLD_4 = 4  # the field tests' layouts: 4 ranks, in node mode 2 nodes of 2
+
+
+def open_ds(path: Any, where: dict[str, Any], **kwargs: Any) -> Any:
+    """A SharedH5Dataset of ``path`` on ``where`` (a daemon's runtime dir with fallback="error",
+    or nowhere with fallback="lazy"), asserting it got the backend that implies."""
+    import warnings
+
+    from h5serve.client import SharedH5Dataset
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "reading lazily": expected for lazy
+        ds = SharedH5Dataset(path, **where, **kwargs)
+    assert ds.backend == ("shm" if where["fallback"] == "error" else "lazy")
+    return ds
+
+
+def rank_args(mode: str, rank: int) -> dict[str, Any]:
+    """Rank ``rank`` of WORLD_4 in ``mode`` (node mode: 2 nodes of 2 ranks)."""
+    if mode == "node":
+        return {"mode": mode, "local_rank": rank % 2, "local_world_size": 2, "node_rank": rank // 2, "num_nodes": 2}
+    return {"mode": mode, "rank": rank, "world_size": WORLD_4}

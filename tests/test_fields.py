@@ -21,10 +21,10 @@ from h5serve.client.fields import DictBatch, TupleBatch
 from h5serve.errors import ConfigError, DataError, KeyNotFound, LengthMismatch, UnsupportedDataset
 from h5serve.sharding import GLOBAL, NODE
 
-from .helpers import Daemon
+from .helpers import WORLD_4, Daemon, open_ds, rank_args
 
 ROWS = 29  # odd: uneven shards
-WORLD = 4  # node mode: 2 nodes of 2 ranks
+WORLD = WORLD_4  # node mode: 2 nodes of 2 ranks
 MODES = ("contiguous", "interleave", NODE, GLOBAL)
 EVENT = np.dtype([("energy", ">f8"), ("pos", "<f4", (3,)), ("flag", "i1"), ("tag", "S6")])
 # name -> key: every kind of field at once
@@ -69,20 +69,6 @@ def where(request: pytest.FixtureRequest) -> dict[str, Any]:
         return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
     request.getfixturevalue("no_daemon_env")
     return {"fallback": "lazy"}
-
-
-def open_ds(path: Path, where: dict[str, Any], **kwargs: Any) -> SharedH5Dataset:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # "reading lazily": expected for lazy
-        ds = SharedH5Dataset(path, **where, **kwargs)
-    assert ds.backend == ("shm" if where["fallback"] == "error" else "lazy")
-    return ds
-
-
-def rank_args(mode: str, rank: int) -> dict[str, Any]:
-    if mode == NODE:
-        return {"mode": mode, "local_rank": rank % 2, "local_world_size": 2, "node_rank": rank // 2, "num_nodes": 2}
-    return {"mode": mode, "rank": rank, "world_size": WORLD}
 
 
 def h5_column(path: Path, key: str, rows: np.ndarray, dtype: Any = None, encoding: str | None = None) -> Any:

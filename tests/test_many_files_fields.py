@@ -26,11 +26,11 @@ from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import DataError, KeyNotFound, LengthMismatch, UnsupportedDataset
 from h5serve.sharding import GLOBAL, NODE
 
-from .helpers import Daemon, h5serve_cli, wait_for
+from .helpers import WORLD_4, Daemon, h5serve_cli, open_ds, rank_args, wait_for
 
 SIZES = (7, 0, 12, 3, 9)  # an empty file too: 31 rows
 TOTAL = sum(SIZES)
-WORLD = 4  # node mode: 2 nodes of 2 ranks
+WORLD = WORLD_4  # node mode: 2 nodes of 2 ranks
 MODES = ("contiguous", NODE, GLOBAL)
 NOWHERE = "/nonexistent/h5serve-no-daemon"
 EVENT = np.dtype([("energy", ">f8"), ("pos", "<f4", (3,)), ("tag", "S6")])
@@ -88,20 +88,6 @@ def where(request: pytest.FixtureRequest) -> dict[str, Any]:
         daemon: Daemon = request.getfixturevalue("shared_daemon")
         return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
     return {"runtime_dir": NOWHERE, "fallback": "lazy"}
-
-
-def open_ds(path: Any, where: dict[str, Any], **kwargs: Any) -> SharedH5Dataset:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # "reading lazily": expected for lazy
-        ds = SharedH5Dataset(path, **where, **kwargs)
-    assert ds.backend == ("shm" if where["fallback"] == "error" else "lazy")
-    return ds
-
-
-def rank_args(mode: str, rank: int) -> dict[str, Any]:
-    if mode == NODE:
-        return {"mode": mode, "local_rank": rank % 2, "local_world_size": 2, "node_rank": rank // 2, "num_nodes": 2}
-    return {"mode": mode, "rank": rank, "world_size": WORLD}
 
 
 def h5_all(paths: list[Path], key: str, encoding: str | None = None) -> Any:

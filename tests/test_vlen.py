@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,10 @@ from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import BudgetExceeded, ConfigError, DataError, ShmFull, UnsupportedDataset
 from h5serve.sharding import GLOBAL, NODE
 
-from .helpers import Daemon, short_tmpdir
+from .helpers import WORLD_4, Daemon, open_ds, rank_args, short_tmpdir
 
 ROWS = 29  # odd: uneven shards
-WORLD = 4  # node mode: 2 nodes of 2 ranks
+WORLD = WORLD_4  # node mode: 2 nodes of 2 ranks
 MODES = ("contiguous", "interleave", NODE, GLOBAL)
 VLEN_F4 = h5py.vlen_dtype(np.float32)
 
@@ -70,20 +69,6 @@ def where(request: pytest.FixtureRequest) -> dict[str, Any]:
         return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
     request.getfixturevalue("no_daemon_env")
     return {"fallback": "lazy"}
-
-
-def open_ds(path: Path, where: dict[str, Any], **kwargs: Any) -> SharedH5Dataset:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # "reading lazily": expected for lazy
-        ds = SharedH5Dataset(path, **where, **kwargs)
-    assert ds.backend == ("shm" if where["fallback"] == "error" else "lazy")
-    return ds
-
-
-def rank_args(mode: str, rank: int) -> dict[str, Any]:
-    if mode == NODE:
-        return {"mode": mode, "local_rank": rank % 2, "local_world_size": 2, "node_rank": rank // 2, "num_nodes": 2}
-    return {"mode": mode, "rank": rank, "world_size": WORLD}
 
 
 def h5_rows(path: Path, key: str) -> list[Any]:
