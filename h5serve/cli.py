@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from ._status_cli import format_status, format_verify, verify_segments
 from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
 from .protocol import Ping
 from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
@@ -29,6 +30,8 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 START_TIMEOUT_S = 30.0
 DEMO_ROWS = 100_000  # h5serve.demo.DEFAULT_ROWS (not imported: the demo pulls in h5py for every command)
 STOP_TIMEOUT_S = 30.0
+
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_NOT_RUNNING"]
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
@@ -239,46 +242,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _shown_file(segment: dict[str, Any]) -> str:
-    """The file column: the file, or a multi-file dataset's first and last files and their count."""
-    files = segment.get("files") or [segment["file"]]
-    if len(files) == 1:
-        return files[0]
-    return f"{files[0]} .. {os.path.basename(files[-1])} ({len(files)} files)"
-
-
-def _format_status(info: dict[str, Any]) -> str:
-    mem = info["memory"]
-    lines = [
-        f"h5serve {info['version']} pid {info['pid']} on {info['runtime_dir']} (shm {info['shm_dir']})",
-        f"memory: {format_bytes(mem['used'])} used of {format_bytes(mem['budget'])} budget "
-        f"({mem.get('budget_rule', '--max-memory')}); "
-        f"{format_bytes(mem['shm_free'])} free in shm",
-    ]
-    segments = info["segments"]
-    if not segments:
-        lines.append("no segments")
-        return "\n".join(lines)
-    header = ("file", "key", "ranks", "mode", "dtype", "size", "holders", "hits", "age", "state")
-    rows = [
-        (_shown_file(s), s["key"], "all" if s.get("whole_file") else f"{s['rank']}/{s['world_size']}",
-         "global" if s.get("whole_file") else s["mode"], s["dtype"], format_bytes(s["bytes"]),
-         str(s.get("holders", 0)), str(s["hits"]), _format_age(s["age_s"]),
-         s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
-        for s in sorted(segments, key=lambda s: (s["file"], s["key"], s["world_size"], s["rank"]))
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
-
-
-def _format_age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args.runtime_dir) as client:
         try:
@@ -287,61 +250,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             stopped = {"running": False, "runtime_dir": str(client.location.directory)}
             print(json.dumps(stopped) if args.json else str(exc))
             return EXIT_NOT_RUNNING
-    report = _verify_segments(info) if args.verify else None
+    report = verify_segments(info) if args.verify else None
     if args.json:
         print(json.dumps({"running": True, **info, **({"verify": report} if report is not None else {})}, indent=2))
     else:
-        print(_format_status(info))
+        print(format_status(info))
         if report is not None:
-            print(_format_verify(report, info["shm_dir"]))
+            print(format_verify(report, info["shm_dir"]))
     return EXIT_ERROR if report is not None and report["damaged"] else EXIT_OK
-
-
-def _verify_segments(info: dict[str, Any]) -> dict[str, Any]:
-    """Re-read every published segment and compare its rows with the checksum the daemon
-    recorded when it loaded them: ``{"checked", "bytes", "seconds", "unchecked", "gone", "damaged"}``."""
-    from .errors import SegmentError
-    from .segments import verify_content
-
-    report: dict[str, Any] = {"checked": 0, "bytes": 0, "unchecked": 0, "gone": 0, "damaged": []}
-    started = time.monotonic()
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    for seg in info["segments"]:
-        if seg["state"] == "loading":
-            continue
-        path = Path(info["shm_dir"]) / seg["name"]
-        try:
-            problem = verify_content(path, seg.get("checksum", ""), threads)
-        except SegmentError as exc:
-            if not os.path.lexists(path):  # evicted or stopped since `status` answered
-                report["gone"] += 1
-                continue
-            problem = str(exc)
-        report["checked"] += 1
-        report["bytes"] += seg["bytes"]
-        if not problem and not seg.get("checksum"):
-            report["unchecked"] += 1  # loaded with --no-checksum: nothing to compare with
-        if problem:
-            report["damaged"].append({k: seg[k] for k in ("name", "file", "key", "rank", "world_size")}
-                                     | {"problem": problem})
-    report["seconds"] = round(time.monotonic() - started, 3)
-    return report
-
-
-def _format_verify(report: dict[str, Any], shm_dir: str) -> str:
-    summary = (f"verified {report['checked']} segments ({format_bytes(report['bytes'])}) in {report['seconds']:.2f}s"
-               + (f", {report['unchecked']} loaded without a checksum" if report["unchecked"] else "")
-               + (f", {report['gone']} gone meanwhile" if report["gone"] else ""))
-    if not report["damaged"]:
-        return summary + ": every one matches what was loaded"
-    lines = [summary + f": {len(report['damaged'])} DAMAGED"]
-    for d in report["damaged"]:
-        lines.append(f"  {d['name']} ({d['file']}[{d['key']}] rank {d['rank']}/{d['world_size']}): {d['problem']}")
-    names = " ".join(str(Path(shm_dir) / d["name"]) for d in report["damaged"])
-    lines.append("Something wrote into these after they were loaded; jobs that use them read wrong rows. Remove "
-                 f"them (as the daemon's user or root: rm {names}) so the daemon loads them again at the next "
-                 "request, and restart the jobs that use them (they keep the damaged copy they mapped).")
-    return "\n".join(lines)
 
 
 def cmd_preload(args: argparse.Namespace) -> int:

@@ -37,6 +37,10 @@ __all__ = [
     "encode_ok",
     "encode_error",
     "decode_reply",
+    "MAX_REPLY_BYTES",
+    "MAX_FILES",
+    "MAX_PATH_CHARS",
+    "MAX_WORLD_SIZE",
 ]
 
 VERSION = 1

@@ -1,4 +1,4 @@
-"""A Hugging Face Accelerate job for tests/test_frameworks.py, run with
+"""A Hugging Face Accelerate job for tests/integration/test_frameworks.py, run with
 ``python -m accelerate.commands.launch --cpu --num_processes 2 accelerate_job.py PATH OUT --cases ...``.
 
 A case is ``MODE:LOADER:PREPARE[:lazy]``:

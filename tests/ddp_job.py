@@ -1,4 +1,4 @@
-"""A DDP training job for tests/test_ddp.py, run under torchrun (gloo).
+"""A DDP training job for tests/integration/test_ddp.py, run under torchrun (gloo).
 
 Writes ``<out>/rank<N>.json``: the backend and, per epoch, the labels (= global row ids) in
 the order this rank saw them.

@@ -1,4 +1,4 @@
-"""A DDP training job for tests/test_equal_batches.py, run under torchrun (gloo).
+"""A DDP training job for tests/integration/test_equal_batches.py, run under torchrun (gloo).
 
 For each loader configuration given (``mode:drop_last:workers``, comma-separated), it trains a
 tiny DDP model over ``make_loader`` batches for ``--epochs`` epochs: every batch's backward

@@ -1,4 +1,4 @@
-"""A DDP training job for tests/test_global_mode.py, run under torchrun (gloo).
+"""A DDP training job for tests/integration/test_global_mode.py, run under torchrun (gloo).
 
 Every rank opens the same file in ``mode="global"`` (the whole file, one segment set per node)
 and trains a tiny DDP model for ``--epochs`` epochs with each sampler given in ``--samplers``:

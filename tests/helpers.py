@@ -130,3 +130,37 @@ def rank_args(mode: str, rank: int) -> dict[str, Any]:
     if mode == "node":
         return {"mode": mode, "local_rank": rank % 2, "local_world_size": 2, "node_rank": rank // 2, "num_nodes": 2}
     return {"mode": mode, "rank": rank, "world_size": WORLD_4}
+
+
+NAMESPACE = "abcd1234"  # segment tests: a namespace and secret of their own
+SECRET = bytes(range(32))
+
+
+def make_meta(rows: int = 6, row_shape: tuple[int, ...] = (3, 4), dtype: str = "float32", **changes: Any) -> Any:
+    """A SegmentMeta of rank 1 of 2 of a made-up file, with ``changes`` applied."""
+    from h5serve.segments import SegmentMeta
+
+    values = dict(
+        source_path="/data/train.h5",
+        source_dev=64769,
+        source_ino=123456,
+        source_size=987654,
+        source_mtime_ns=1_700_000_000_123_456_789,
+        key="x",
+        mode="contiguous",
+        world_size=2,
+        rank=1,
+        total_rows=rows * 2,
+        rows=rows,
+        row_shape=tuple(row_shape),
+        dtype=dtype,
+        source_dtype="uint8",
+    )
+    values.update(changes)
+    return SegmentMeta(**values)
+
+
+def sample_data(meta: Any) -> np.ndarray:
+    """Distinct values for every element of ``meta``'s rows."""
+    n = meta.rows * int(np.prod(meta.row_shape, dtype=np.int64))
+    return (np.arange(n) * 3 + 1).astype(meta.np_dtype).reshape((meta.rows, *meta.row_shape))

@@ -1,4 +1,4 @@
-"""A PyTorch Lightning DDP job for tests/test_frameworks.py.
+"""A PyTorch Lightning DDP job for tests/integration/test_frameworks.py.
 
 Run as ``python lightning_job.py PATH OUT --cases ...``: ``Trainer(accelerator="cpu",
 devices=2, strategy="ddp")`` starts the second rank itself (Lightning's own launcher, as users

@@ -1,4 +1,4 @@
-"""Run under torchrun (gloo, CPU) by tests/test_topology.py: resolves this rank's NodeLayout
+"""Run under torchrun (gloo, CPU) by tests/integration/test_topology.py: resolves this rank's NodeLayout
 through the real process group and writes ``<out>/rank<N>.json``."""
 
 import json

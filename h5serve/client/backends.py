@@ -41,7 +41,7 @@ from .vlencache import VlenCache
 if TYPE_CHECKING:
     from .files import FilesLazyBackend
 
-__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend"]
+__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend", "Backend"]
 
 log = logging.getLogger("h5serve.client")
 

@@ -54,6 +54,7 @@ __all__ = [
     "DictBatch",
     "DictRow",
     "collate",
+    "XY",
 ]
 
 XY, TUPLE, DICT = "xy", "tuple", "dict"

@@ -18,7 +18,8 @@ from ..errors import ConfigError
 from .gather import index_batches
 from .resharding import check_not_rebuilt, check_not_resharded
 
-__all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples"]
+__all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples",
+           "check_state_origin", "counted_batches", "wrap_order"]
 
 _STATE_KEYS = ("data_len", "seed", "shuffle", "epoch", "consumed")
 

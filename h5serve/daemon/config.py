@@ -10,7 +10,7 @@ from ..errors import ConfigError
 from ..runtime import RuntimeLocation
 
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
-           "default_load_processes"]
+           "default_load_processes", "FAILURE_MEMORY_S", "STALL_CHECK_INTERVAL_S", "SWEEP_INTERVAL_S"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files

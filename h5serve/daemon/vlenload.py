@@ -38,8 +38,8 @@ from ..hdf5.compound import rows_dataset
 from ..hdf5.files import pieces
 from ..hdf5.rawcopy import write_all
 from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified
-from ..hdf5.vlen import read_vlen, values_offset
-from ..segments import SegmentMeta, SegmentWriter
+from ..hdf5.vlen import read_vlen
+from ..segments import SegmentMeta, SegmentWriter, values_offset
 from ..sharding import RowRange
 
 __all__ = ["load_vlen", "BLOCK_VALUE_BYTES"]

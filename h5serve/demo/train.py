@@ -34,6 +34,8 @@ from .predecessor import PredecessorLazy, PredecessorPreload
 X_KEY, Y_KEY = "images", "labels"
 SEED = 42
 
+__all__ = ["main"]
+
 
 def pss_bytes(skip_prefix: str) -> int:
     """This process's proportional set size (each shared page divided among the processes

@@ -4,3 +4,5 @@ datasets (vds), variable-length rows (vlen) and fields of compound datasets (com
 
 Shared by the daemon and the client; torch-free and daemon-free.
 """
+
+__all__: list[str] = []  # import from the modules: h5serve.hdf5.source, .reads, ...

@@ -39,6 +39,9 @@ __all__ = [
     "identities_unchanged",
     "resolve_dtype",
     "storage_dtype",
+    "HAVE_HDF5PLUGIN",
+    "HDF5PLUGIN_FILTERS",
+    "KNOWN_FILTERS",
 ]
 
 SERVABLE_KINDS = "biufc"  # what a requested dtype may be

@@ -5,7 +5,7 @@ A shard of ``n`` variable-length rows is two arrays: ``offsets`` (int64, ``n + 1
 ``offsets[0] == 0``) and ``values`` (every row's values one after the other, in the base
 dtype; strings as their encoded bytes, ``uint8``). Row ``i`` is
 ``values[offsets[i]:offsets[i + 1]]``. A segment holds both in its data area, offsets first
-(padded to ``VALUES_ALIGN`` bytes), then values (h5serve/segments.py).
+(padded to ``VALUES_ALIGN`` bytes), then values (h5serve/segments/format.py).
 
 Shared by the daemon's loader, the client's lazy and memory backends and its gather (the
 client never imports ``h5serve.daemon``):
@@ -27,11 +27,10 @@ import numpy as np
 
 from ..errors import DataError
 
-__all__ = ["SEQ", "VALUES_ALIGN", "vlen_kind", "is_text", "values_offset", "vlen_nbytes", "read_vlen",
+__all__ = ["SEQ", "vlen_kind", "is_text", "read_vlen",
            "flatten", "offsets_of", "gather", "estimate_mean_length", "ESTIMATE_ROWS"]
 
 SEQ = "seq"  # the vlen kind of numeric sequences; strings' kind is their encoding ("utf-8", "ascii")
-VALUES_ALIGN = 64  # values start this aligned after the offsets (a cache line: any base dtype is aligned)
 LONG_ROWS = 512  # mean values per row above which a batch is gathered a row at a time (gather)
 ESTIMATE_ROWS = 1024  # rows read to estimate a dataset's mean row length (the daemon's budget check)
 _NUMERIC = "biufc"
@@ -70,17 +69,6 @@ def vlen_kind(dtype: np.dtype) -> tuple[str, np.dtype | None, str]:
 def is_text(kind: str) -> bool:
     """Whether a vlen ``kind`` is strings (their encoding) rather than numeric sequences."""
     return bool(kind) and kind != SEQ
-
-
-def values_offset(rows: int) -> int:
-    """Bytes from the start of a segment's data area to its values: ``rows + 1`` int64
-    offsets, padded to VALUES_ALIGN."""
-    return -(-(rows + 1) * 8 // VALUES_ALIGN) * VALUES_ALIGN
-
-
-def vlen_nbytes(rows: int, values: int, itemsize: int) -> int:
-    """The data area of a vlen segment: offsets, padding, values."""
-    return values_offset(rows) + values * itemsize
 
 
 def _objects(dset: Any, selection: Any) -> np.ndarray:

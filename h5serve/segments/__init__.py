@@ -21,7 +21,9 @@ from .format import (
     segment_prefix,
     temporary_name,
     temporary_owner_pid,
+    values_offset,
     verify_content,
+    vlen_nbytes,
 )
 from .lifecycle import (
     LEASE_WAIT_S,
@@ -61,4 +63,6 @@ __all__ = [
     "data_checksum",
     "try_evict",
     "count_leases",
+    "values_offset",
+    "vlen_nbytes",
 ]

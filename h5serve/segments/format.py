@@ -37,13 +37,15 @@ import numpy as np
 
 from ..crc import KINDS, LOAD_CRC, CrcKind
 from ..errors import ConfigError, SegmentError
-from ..hdf5.vlen import values_offset, vlen_nbytes
 from ..safeio import NOFOLLOW_FLAGS, describe_owner, open_regular
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
 
 __all__ = [
     "MAGIC",
+    "VALUES_ALIGN",
+    "values_offset",
+    "vlen_nbytes",
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAX_HEADER_BYTES",
@@ -80,6 +82,19 @@ __all__ = [
     "read_header",
     "values_view",
 ]
+
+VALUES_ALIGN = 64  # vlen values start this aligned after the offsets (a cache line: any base dtype is aligned)
+
+
+def values_offset(rows: int) -> int:
+    """Bytes from the start of a segment's data area to its values: ``rows + 1`` int64
+    offsets, padded to VALUES_ALIGN."""
+    return -(-(rows + 1) * 8 // VALUES_ALIGN) * VALUES_ALIGN
+
+
+def vlen_nbytes(rows: int, values: int, itemsize: int) -> int:
+    """The data area of a vlen segment: offsets, padding, values."""
+    return values_offset(rows) + values * itemsize
 
 MAGIC = b"H5SRVSEG"
 FORMAT_VERSION = 2  # 2: read-only once published, checksum and activity counter in the header

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
 from .hostlist import format_ranks
 
-__all__ = ["NodeLayout", "layout_from_hostnames", "uniform_layout"]
+__all__ = ["NodeLayout", "layout_from_hostnames", "uniform_layout", "check_node_ranks"]
 
 
 def check_node_ranks(ranks: object, world_size: int) -> None:
