@@ -1,5 +1,6 @@
-"""The predecessor's datasets, written from its documentation (../shared/seeds/), as the
-baselines h5serve is measured against. Deliberately plain: what the docs describe, nothing
+"""The predecessor's datasets, written from its documentation (its `H5LazyDataset` and
+`RankMemCachedH5Dataset`, whose names and signatures h5serve.client keeps), as the baselines h5serve is
+measured against. Deliberately plain: what the docs describe, nothing
 h5serve added (no batched reads, no shared memory, no per-batch cast).
 """
 
