@@ -1,6 +1,6 @@
 """``h5serve plan``'s command line: its arguments (shared with ``preload --plan``) and printing.
 
-The plans themselves come from ``h5serve.topology.slurm``.
+The plans themselves come from ``h5serve.topology.plan``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from .topology.slurm import NodePlan, resolve_plan, resolve_plan_and_node_count
+from .topology.nodeplan import NodePlan
+from .topology.plan import resolve_plan, resolve_plan_and_node_count
 
 __all__ = ["add_plan_arguments", "plan_from_args", "run_plan"]
 

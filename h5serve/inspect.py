@@ -23,7 +23,9 @@ import h5py
 from .daemon.config import DEFAULT_MEMORY_FRACTION, default_load_processes
 from .errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound, UnsupportedDataset
 from .hdf5.compound import split_field
-from .hdf5.source import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS, inspect_dataset, open_h5
+from .hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
+from .hdf5.identity import open_h5
+from .hdf5.source import inspect_dataset
 from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import HEADER_SIZE
 from .sharding import ALL_MODES, GLOBAL, NODE, Selection
@@ -39,7 +41,7 @@ ONE_ROW_CHUNK_MIN_ROWS = 2  # one-row chunks hurt once there is more than one ro
 ONE_ROW_CHUNK_MAX_BYTES = 256 * 1024  # ... of rows this small (a chunk lookup per MiB-sized row costs little)
 TARGET_CHUNK_BYTES = 1024**2  # what the one-row-chunk advice suggests per chunk
 LOW_NOFILE = 4096  # a daemon's hard open-file limit below this holds few clients at once
-# HDF5's built-in filters by id; third-party ones are named by source.KNOWN_FILTERS.
+# HDF5's built-in filters by id; third-party ones are named by filters.KNOWN_FILTERS.
 BUILTIN_FILTERS = {1: "gzip", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset", 32000: "lzf"}
 NOT_COMPRESSION = frozenset({2, 3})  # shuffle and checksums cost little to undo
 

@@ -26,9 +26,10 @@ from ..connection import DaemonClient
 from ..errors import SegmentError, SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import check_file_lengths
+from ..hdf5.identity import open_h5
 from ..hdf5.rawcopy import StoredRows, stored_rows
 from ..hdf5.reads import read_rows, read_shard_into
-from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset, open_h5
+from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
 from ..progress import Progress
 from ..protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 from ..segments import AttachedSegment, attach_segment

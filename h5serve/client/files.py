@@ -21,8 +21,9 @@ import torch
 from ..errors import UnsupportedDataset
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import check_agreement, check_file_lengths, pieces
+from ..hdf5.identity import open_h5
 from ..hdf5.reads import read_rows, read_shard_into
-from ..hdf5.source import DatasetInfo, check_row_counts, inspect_dataset, open_h5
+from ..hdf5.source import DatasetInfo, check_row_counts, inspect_dataset
 from ..hdf5.vlen import gather as vlen_gather
 from ..hdf5.vlen import offsets_of
 from .chunkcache import ChunkCache, auto_cache_bytes

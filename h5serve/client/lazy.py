@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ..hdf5.identity import open_h5
 from ..hdf5.reads import read_rows
-from ..hdf5.source import check_cast, check_lengths, inspect_dataset, open_h5, resolve_dtype
+from ..hdf5.source import check_cast, check_lengths, inspect_dataset, resolve_dtype
 from ..sharding import Selection
 from .backends import H5Handle
 from .chunkcache import ChunkCache

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import AccessDenied
-from ..hdf5.source import FileIdentity
+from ..hdf5.identity import FileIdentity
 
 __all__ = ["Peer", "check_peer_can_read"]
 

@@ -20,9 +20,10 @@ import h5py
 from ..errors import SourceChanged
 from ..hdf5.compound import FieldRows, rows_dataset
 from ..hdf5.files import check_agreement, pieces
+from ..hdf5.identity import FileIdentity, open_h5_verified
 from ..hdf5.rawcopy import data_extents, drop_cached
 from ..hdf5.reads import read_shard_into
-from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, resolve_dtype, storage_dtype
+from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
 from ..protocol import Acquire
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange, Selection

@@ -53,9 +53,10 @@ from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
+from ..hdf5.identity import identities_unchanged, open_h5
 from ..hdf5.rawcopy import data_extents, drop_cached
 from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
-from ..hdf5.source import DatasetInfo, identities_unchanged, inspect_dataset, open_h5
+from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
-from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified, open_identified
+from ..hdf5.identity import FileIdentity, open_h5_verified, open_identified
+from ..hdf5.source import DatasetInfo, inspect_dataset
 from .access import Peer, check_peer_can_read
 from .fileset import ResolvedFiles, resolve_files
 

@@ -28,12 +28,8 @@ from ..errors import (
     SegmentError,
     error_from_code,
 )
-from ..hdf5.source import (
-    check_cast,
-    identities_unchanged,
-    resolve_dtype,
-    storage_dtype,
-)
+from ..hdf5.identity import identities_unchanged
+from ..hdf5.source import check_cast, resolve_dtype, storage_dtype
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..safeio import remove_if

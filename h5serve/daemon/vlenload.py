@@ -36,8 +36,9 @@ from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import pieces
+from ..hdf5.identity import FileIdentity, open_h5_verified
 from ..hdf5.rawcopy import write_all
-from ..hdf5.source import DatasetInfo, FileIdentity, inspect_dataset, open_h5_verified
+from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..hdf5.vlen import read_vlen
 from ..segments import SegmentMeta, SegmentWriter, values_offset
 from ..sharding import RowRange

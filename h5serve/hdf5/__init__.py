@@ -1,6 +1,8 @@
-"""Reading HDF5 through h5py: identity and validation (source), rows into buffers and segment
-files (reads), raw file-to-file copies (rawcopy), many files as one dataset (files), virtual
-datasets (vds), variable-length rows (vlen) and fields of compound datasets (compound).
+"""Reading HDF5 through h5py: which file a path names (identity), what a key names and whether
+it can be served (source; links on its path: links; filters and storage: filters), rows into
+buffers and segment files (reads), raw file-to-file copies (rawcopy), many files as one
+dataset (files), virtual datasets (vds), variable-length rows (vlen) and fields of compound
+datasets (compound).
 
 Shared by the daemon and the client; torch-free and daemon-free.
 """

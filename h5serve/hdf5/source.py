@@ -1,66 +1,44 @@
-"""HDF5 sources through h5py: identity, validation, dtypes (reading rows is in reads.py).
+"""HDF5 datasets through h5py: what a key names (``DatasetInfo``: rows, row shape, dtype,
+chunking) and whether h5serve can serve it, and the dtype rules (reading rows is in reads.py).
 
 Shared by the daemon's loader, the lazy client backend and the in-memory compat backend, so
 the three read the same rows the same way and cast with the same numpy rule (never HDF5's own
 conversion, which can differ from numpy's for out-of-range values).
 
-h5py errors are translated to h5serve errors here, in one place.
+h5py errors are translated to h5serve errors here and in the modules this one uses: which file
+a path names (identity.py), links on a key's path (links.py), filters and storage (filters.py).
 """
 
 from __future__ import annotations
 
-import os
-import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
 
-from ..errors import ConfigError, KeyNotFound, LengthMismatch, SourceChanged, SourceNotFound, UnsupportedDataset
+from ..errors import ConfigError, KeyNotFound, LengthMismatch, UnsupportedDataset
 from .compound import FieldRows, split_field
+from .filters import check_filters, check_storage
+from .links import follow
+from .vds import virtual_sources
 from .vlen import estimate_mean_length, is_text, vlen_kind
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
 __all__ = [
-    "FileIdentity",
     "DatasetInfo",
-    "file_identity",
-    "open_identified",
-    "open_h5",
-    "open_h5_verified",
     "inspect_dataset",
     "check_lengths",
     "check_row_counts",
     "check_cast",
-    "identities_unchanged",
     "resolve_dtype",
     "storage_dtype",
-    "HAVE_HDF5PLUGIN",
-    "HDF5PLUGIN_FILTERS",
-    "KNOWN_FILTERS",
 ]
 
 SERVABLE_KINDS = "biufc"  # what a requested dtype may be
 SOURCE_KINDS = SERVABLE_KINDS + "S"  # what a dataset may hold: also fixed-length byte strings
-MAX_LINKS = 40  # soft and external links followed for one key before it is called a cycle
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """(realpath, st_dev, st_ino, st_size, st_mtime_ns): changes whenever the file does."""
-
-    path: str
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-
-    def as_tuple(self) -> tuple[str, int, int, int, int]:
-        return (self.path, self.dev, self.ino, self.size, self.mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -88,121 +66,6 @@ class DatasetInfo:
     def is_text(self) -> bool:
         """Variable-length strings (served as lists of ``str``)."""
         return is_text(self.vlen)
-
-# Registered ids of common third-party HDF5 filters, to name them when their plugin is missing.
-KNOWN_FILTERS = {32001: "blosc", 32004: "lz4", 32008: "bitshuffle", 32015: "zstd", 32026: "blosc2", 307: "bzip2",
-                 32013: "zfp", 32017: "sz", 32024: "sz3", 32018: "fcidecomp", 305: "lzo", 32002: "mafisc"}
-# Filters the `filters` extra (hdf5plugin) provides: a missing one names the extra to install.
-HDF5PLUGIN_FILTERS = frozenset({32001, 32004, 32008, 32015, 32026, 307, 32013, 32017, 32024, 32018})
-
-from .vds import virtual_sources  # noqa: E402 - vds.py uses the errors above only
-
-try:  # registers blosc, zstd, lz4, bitshuffle, ... with HDF5 for this process
-    import hdf5plugin  # noqa: F401
-
-    HAVE_HDF5PLUGIN = True
-except ImportError:
-    HAVE_HDF5PLUGIN = False
-
-
-def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
-    """Raised when the file does not exist or is not a regular file: SourceNotFound."""
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except OSError as exc:
-        raise SourceNotFound(
-            f"HDF5 file {os.fspath(path)!r} cannot be read: {exc.strerror}; check the path "
-            f"(relative paths are resolved from {os.getcwd()})"
-        ) from exc
-    if not os.path.isfile(real):
-        raise SourceNotFound(f"{os.fspath(path)!r} is not a regular file; pass the path of an HDF5 file")
-    return FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def open_identified(path: str | os.PathLike[str]) -> tuple[int, FileIdentity]:
-    """Open ``path`` once (read-only, ``O_NONBLOCK``: a FIFO or device never blocks) and
-    describe what was opened, not what the path names a moment later: its real path (from
-    ``/proc/self/fd``), device, inode, size and mtime. The caller closes the descriptor.
-
-    Raised when it cannot be opened or is not a regular file: SourceNotFound.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SourceNotFound(
-            f"HDF5 file {os.fspath(path)!r} cannot be read: {exc.strerror}; check the path and its permissions"
-        ) from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SourceNotFound(f"{os.fspath(path)!r} is not a regular file; pass the path of an HDF5 file")
-        real = os.readlink(f"/proc/self/fd/{fd}")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
-    """Open the file ``ident`` describes with h5py, and check that HDF5 opened that very file
-    (same device and inode), not whatever was swapped in at its path since it was identified.
-
-    Raised when it cannot be opened: SourceNotFound. Raised when HDF5 opened another file:
-    SourceChanged.
-    """
-    try:  # (not open_h5: the identity was just taken, no need to stat the path again)
-        f = h5py.File(ident.path, "r", **kwargs)
-    except OSError as exc:
-        raise SourceNotFound(f"{ident.path!r} cannot be opened as an HDF5 file: {exc}") from exc
-    try:
-        if f.driver == "sec2":
-            st = os.fstat(f.id.get_vfd_handle())
-            if (st.st_dev, st.st_ino) != (ident.dev, ident.ino):
-                raise SourceChanged(f"{ident.path} was replaced while it was being opened; request it again")
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
-def identities_unchanged(identities: Iterable[tuple]) -> bool:
-    """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded."""
-    try:
-        return all(file_identity(ident[0]).as_tuple() == tuple(ident[:5]) for ident in identities)
-    except SourceNotFound:
-        return False
-
-
-def sources_unchanged(source: tuple, linked: tuple = ()) -> bool:
-    """True when the file (and the externally linked file, if any) still has the identity
-    ``(path, dev, ino, size, mtime_ns)`` recorded when its rows were loaded."""
-    try:
-        if file_identity(source[0]).as_tuple() != tuple(source):
-            return False
-        return not linked or file_identity(linked[0]).as_tuple() == tuple(linked)
-    except SourceNotFound:
-        return False
-
-
-def open_h5(path: str | os.PathLike[str], **kwargs: object) -> h5py.File:
-    """Open read-only. Raised when missing or not HDF5: SourceNotFound."""
-    file_identity(path)
-    try:
-        return h5py.File(path, "r", **kwargs)
-    except OSError as exc:
-        raise SourceNotFound(f"{os.fspath(path)!r} cannot be opened as an HDF5 file: {exc}") from exc
-
-
-def _dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
-    names: list[str] = []
-
-    def visit(name: str, obj: object) -> None:
-        if isinstance(obj, h5py.Dataset) and len(names) < limit:
-            names.append(name)
-
-    f.visititems(visit)
-    return names
 
 
 def resolve_dtype(dtype: DTypeLike | None, what: str) -> np.dtype | None:
@@ -243,7 +106,7 @@ def inspect_dataset(f: h5py.File, key: str, vlen: bool = False) -> DatasetInfo:
     Raised when a virtual dataset's source file is missing: SourceNotFound.
     """
     dataset_key, field = split_field(f, key)
-    obj, linked = _follow(f, dataset_key)
+    obj, linked = follow(f, dataset_key)
     if not isinstance(obj, h5py.Dataset):
         what = "a group" if isinstance(obj, h5py.Group) else f"a {type(obj).__name__}"
         raise KeyNotFound(f"key {key!r} in {f.filename} is {what}, not a dataset; pass a dataset path like '{key}/...'")
@@ -265,8 +128,8 @@ def inspect_dataset(f: h5py.File, key: str, vlen: bool = False) -> DatasetInfo:
             f"dataset {key!r} in {f.filename} has dtype {dtype} ({reason}): only bool, integer, float, complex "
             f"and fixed-length byte string data is served{hint}"
         )
-    _check_filters(obj, key)
-    _check_storage(obj, key)
+    check_filters(obj, key)
+    check_storage(obj, key)
     sources = virtual_sources(obj, key) if obj.is_virtual else ()
     chunks = obj.chunks
     return DatasetInfo(
@@ -299,8 +162,8 @@ def _inspect_vlen(f: h5py.File, obj: h5py.Dataset, key: str, field: str, kind: s
             f"dataset {key!r} in {f.filename} holds variable-length rows in {ndim} dimensions: only one-dimensional "
             "variable-length datasets (one sequence or string per row) are served"
         )
-    _check_filters(obj, key)
-    _check_storage(obj, key)
+    check_filters(obj, key)
+    check_storage(obj, key)
     rows = int(obj.shape[0])
     chunks = obj.chunks
     reader = FieldRows(obj, field) if field else obj
@@ -356,156 +219,6 @@ def _unservable(dtype: np.dtype) -> str:
     if dtype.kind not in SOURCE_KINDS:
         return {"M": "datetimes", "m": "timedeltas", "V": "opaque bytes"}.get(dtype.kind, "not numeric")
     return ""
-
-
-def _message(exc: BaseException) -> str:
-    """An h5py error's text, without the quotes KeyError adds."""
-    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-
-
-def _split(path: str) -> list[str]:
-    return [part for part in path.split("/") if part not in ("", ".")]
-
-
-def _external_candidates(link_file: str, parent: str) -> set[str]:
-    """Realpaths HDF5 may open for an external link to ``link_file`` from the file ``parent``:
-    the absolute name, else the name (or, for an absolute one that is missing, its last
-    component) under HDF5_EXT_PREFIX, the parent file's directory or the working directory."""
-    names = [link_file] if not os.path.isabs(link_file) else [os.path.basename(link_file)]
-    parent_dirs = [os.path.dirname(parent), os.path.dirname(os.path.realpath(parent))]
-    prefixes = [p for p in os.environ.get("HDF5_EXT_PREFIX", "").split(":") if p]
-    dirs = [d for p in prefixes for d in ([p] if p != "${ORIGIN}" else parent_dirs)] + parent_dirs
-    try:
-        dirs.append(os.getcwd())
-    except OSError:  # the working directory was removed: HDF5 cannot have looked there either
-        pass
-    found = {os.path.realpath(os.path.join(d, name)) for d in dirs for name in names}
-    if os.path.isabs(link_file):
-        found.add(os.path.realpath(link_file))
-    return found
-
-
-class _FileName:
-    """The base name of the file holding ``node``, looked up only when formatted."""
-
-    def __init__(self, node: h5py.HLObject) -> None:
-        self.node = node
-
-    def __format__(self, spec: str) -> str:
-        return format(os.path.basename(self.node.file.filename), spec)
-
-
-def _follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
-    """The object at ``key`` and the realpath of the other file holding it ("" if none),
-    following soft and external links one path component at a time, so that a link behind
-    another link is seen too.
-
-    Raised when the key, or a link's target on its path, does not exist: KeyNotFound.
-    Raised when external links pass through more than one other file (h5serve tracks one
-    linked file for changes), or through a file h5serve cannot tell: UnsupportedDataset.
-    """
-    node: h5py.HLObject = f["/"]
-    parts = _split(key)
-    via: list[str] = []  # the links followed so far, for messages
-    files: list[str] = []  # realpaths of the files external links opened, in order
-
-    def broken(what: str, missing: bool = False) -> KeyNotFound:
-        if missing and not via:
-            names = _dataset_names(f)
-            return KeyNotFound(
-                f"key {key!r} is not in {f.filename}; datasets there: {', '.join(names) or '(none)'}"
-            )
-        through = f" (reached through {', then '.join(via)})" if via else ""
-        return KeyNotFound(f"key {key!r} cannot be opened in {f.filename}: {what}{through}")
-
-    while parts:
-        name = parts.pop(0)
-        here = f"{node.name.rstrip('/')}/{name}"
-        where = _FileName(node)  # formatted only into messages: node.file costs ~0.1 ms
-        if not isinstance(node, h5py.Group):
-            raise broken(f"{node.name!r} in {where} is not a group")
-        try:
-            link = node.get(name, getlink=True)
-        except (KeyError, ValueError, TypeError, OSError) as exc:  # user-defined links, bad names
-            raise broken(f"{here!r} in {where} cannot be read: {_message(exc)}") from exc
-        if link is None:
-            raise broken(f"{here!r} does not exist in {where}", missing=True)
-        if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)) and len(via) >= MAX_LINKS:
-            raise broken(f"more than {MAX_LINKS} links followed (a cycle?)")
-        if isinstance(link, h5py.SoftLink):
-            via.append(f"soft link {here!r} -> {link.path!r} in {where}")
-            node = node.file["/"] if link.path.startswith("/") else node
-            parts = _split(link.path) + parts
-            continue
-        try:
-            target = node[name]
-        except (KeyError, ValueError, OSError) as exc:
-            if isinstance(link, h5py.ExternalLink):
-                raise broken(
-                    f"{here!r} in {where} is an external link to {link.path!r} in file {link.filename!r}, "
-                    f"which cannot be opened ({_message(exc)})"
-                ) from exc
-            raise broken(f"{here!r} in {where} cannot be opened: {_message(exc)}") from exc
-        if isinstance(link, h5py.ExternalLink):
-            opened = os.path.realpath(target.file.filename)
-            if opened not in _external_candidates(link.filename, node.file.filename):
-                raise UnsupportedDataset(
-                    f"key {key!r} in {f.filename} goes through external link {here!r} -> {link.filename!r}, "
-                    f"which leads on to another file ({opened}); h5serve can track only one linked file for "
-                    "changes: link straight to the file that holds the data"
-                )
-            via.append(f"external link {here!r} -> {link.path!r} in {link.filename!r}")
-            files.append(opened)
-            node = target.file["/"]
-            parts = _split(link.path) + parts
-            continue
-        node = target
-    if not files:  # no external link followed: the object is in f itself
-        return node, ""
-    outer = os.path.realpath(f.filename)
-    others = sorted({path for path in files if path != outer})
-    if len(others) > 1:
-        raise UnsupportedDataset(
-            f"key {key!r} in {f.filename} goes through external links in {len(others)} other files "
-            f"({', '.join(others)}); h5serve can track only one linked file for changes: link straight to "
-            "the file that holds the data"
-        )
-    holder = os.path.realpath(node.file.filename)
-    if others and holder != others[0]:  # through another file and back: that file is not tracked
-        raise UnsupportedDataset(
-            f"key {key!r} in {f.filename} goes through an external link in {others[0]} back to {holder}; "
-            "h5serve can track only the file that holds the data for changes: link straight to it"
-        )
-    return node, "" if holder == outer else holder
-
-
-def _check_storage(obj: h5py.Dataset, key: str) -> None:
-    """Raised when rows live in raw files outside HDF5 (external storage), whose changes
-    h5serve cannot track: UnsupportedDataset. (Virtual datasets: vds.py.)"""
-    external = obj.external
-    if external:
-        names = ", ".join(str(entry[0]) for entry in external)
-        raise UnsupportedDataset(
-            f"dataset {key!r} keeps its rows in external raw files ({names}), which h5serve cannot track for "
-            "changes; copy the rows into a dataset stored inside the HDF5 file"
-        )
-
-
-def _check_filters(obj: h5py.Dataset, key: str) -> None:
-    """Raised when a filter the dataset needs is not available here: UnsupportedDataset."""
-    plist = obj.id.get_create_plist()
-    for i in range(plist.get_nfilters()):
-        filter_id, _flags, _values, raw_name = plist.get_filter(i)
-        if not h5py.h5z.filter_avail(filter_id):
-            name = KNOWN_FILTERS.get(filter_id) or raw_name.decode(errors="replace") or "unknown"
-            if filter_id in HDF5PLUGIN_FILTERS and not HAVE_HDF5PLUGIN:
-                fix = "install the filters extra: pip install 'h5serve[filters]' (hdf5plugin)"
-            else:
-                fix = "install an HDF5 plugin for it (see HDF5_PLUGIN_PATH) or rewrite the dataset with gzip/lzf"
-            raise UnsupportedDataset(
-                f"dataset {key!r} is compressed with HDF5 filter {name!r} (id {filter_id}), which is not "
-                f"available here; {fix}"
-            )
 
 
 def check_lengths(*infos: DatasetInfo | None) -> None:

@@ -1,28 +1,21 @@
 """Shared-memory segments, the meeting point of daemon and clients: the on-disk format
-(format.py: names, header, ``SegmentMeta``, reading meta and progress) and the file's
-lifecycle (lifecycle.py: create, publish, attach with a lease, evict).
+(format.py: header, ``SegmentMeta``, reading meta and progress), names and ownership
+(naming.py: keyed by the daemon's secret), the content checksum (checksum.py: computing it,
+``verify_content``) and the file's lifecycle (lifecycle.py: create, publish, attach with a
+lease, evict).
 
 ``from h5serve.segments import X`` is the way in; the header layout names stay in format.py.
 """
 
+from .checksum import data_checksum, header_checksum, verify_content
 from .format import (
     HEADER_SIZE,
     MAX_HEADER_BYTES,
-    SECRET_BYTES,
     SegmentMeta,
-    data_checksum,
-    describe_file,
-    header_checksum,
-    is_own_file,
     read_activity,
     read_meta,
     read_progress,
-    segment_name,
-    segment_prefix,
-    temporary_name,
-    temporary_owner_pid,
     values_offset,
-    verify_content,
     vlen_nbytes,
 )
 from .lifecycle import (
@@ -35,6 +28,15 @@ from .lifecycle import (
     create_segment,
     published_mode,
     try_evict,
+)
+from .naming import (
+    SECRET_BYTES,
+    describe_file,
+    is_own_file,
+    segment_name,
+    segment_prefix,
+    temporary_name,
+    temporary_owner_pid,
 )
 
 __all__ = [

@@ -1,6 +1,7 @@
-"""The on-disk format of a shared-memory segment: its name, header and metadata (``SegmentMeta``),
-and reading them back (meta, progress, activity, content checksum). The file's lifecycle
-(create, publish, attach, lease, evict) is in lifecycle.py.
+"""The on-disk format of a shared-memory segment: its header and metadata (``SegmentMeta``),
+and reading them back (meta, progress, activity, the rows). Its name and ownership are in
+naming.py, its content checksum in checksum.py, the file's lifecycle (create, publish,
+attach, lease, evict) in lifecycle.py.
 
 A segment is one file in the shm dir (``/dev/shm`` by default)::
 
@@ -10,24 +11,17 @@ A segment is one file in the shm dir (``/dev/shm`` by default)::
     offset 4096  the rows, C-contiguous, native byte order (page-aligned); variable-length
                  rows (h5serve/hdf5/vlen.py): rows + 1 int64 offsets, then the values
 
-The content checksum (crc32c or crc32 of the rows, h5serve/crc.py; when the loader computed
-one) lets ``verify_content`` tell whether anything wrote into a segment after it was published.
 The header layout names (``FIXED``, the ``*_OFFSET``s) are public for lifecycle.py, which
-writes the header; nothing outside this package should need them.
+writes the header, and checksum.py; nothing outside this package should need them.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import mmap
 import os
-import secrets
-import stat
 import struct
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -35,11 +29,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..crc import KINDS, LOAD_CRC, CrcKind
 from ..errors import ConfigError, SegmentError
-from ..safeio import NOFOLLOW_FLAGS, describe_owner, open_regular
+from ..safeio import NOFOLLOW_FLAGS
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
+from .naming import describe_file, is_own_file
 
 __all__ = [
     "MAGIC",
@@ -49,21 +43,11 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAX_HEADER_BYTES",
-    "SECRET_BYTES",
     "CHECKSUM_NONE",
     "SegmentMeta",
-    "segment_prefix",
-    "segment_name",
-    "is_own_file",
-    "describe_file",
-    "temporary_name",
-    "temporary_owner_pid",
-    "data_checksum",
     "read_meta",
     "read_progress",
     "read_activity",
-    "header_checksum",
-    "verify_content",
     "ACTIVITY",
     "ACTIVITY_OFFSET",
     "CHECKSUM",
@@ -74,27 +58,12 @@ __all__ = [
     "META_OFFSET",
     "PROGRESS",
     "PROGRESS_OFFSET",
-    "TMP_MARK",
-    "checksum_text",
     "data_view",
     "meta_blob",
     "parse_header",
     "read_header",
     "values_view",
 ]
-
-VALUES_ALIGN = 64  # vlen values start this aligned after the offsets (a cache line: any base dtype is aligned)
-
-
-def values_offset(rows: int) -> int:
-    """Bytes from the start of a segment's data area to its values: ``rows + 1`` int64
-    offsets, padded to VALUES_ALIGN."""
-    return -(-(rows + 1) * 8 // VALUES_ALIGN) * VALUES_ALIGN
-
-
-def vlen_nbytes(rows: int, values: int, itemsize: int) -> int:
-    """The data area of a vlen segment: offsets, padding, values."""
-    return values_offset(rows) + values * itemsize
 
 MAGIC = b"H5SRVSEG"
 FORMAT_VERSION = 2  # 2: read-only once published, checksum and activity counter in the header
@@ -110,15 +79,23 @@ ACTIVITY = struct.Struct("<Q")
 ACTIVITY_OFFSET = 56
 META_OFFSET = 64
 CHECKSUM_NONE = 0
-_CHECKSUM_NAMES = {CHECKSUM_NONE: "none", 1: "crc32", 2: "crc32c"}  # h5serve/crc.py: the kinds' codes
-_CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per hash call: threads hash blocks, CrcKind.combine joins them
-TMP_MARK = ".tmp-"
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype", "vlen"})
 _LIST_FIELDS = frozenset({"row_shape", "linked", "files", "depends"})
 MAX_HEADER_BYTES = 4 * 1024 * 1024  # a multi-file segment's header (its file list) is at most this
 _VLEN_KINDS = frozenset({"", "seq", "utf-8", "ascii"})  # h5serve/hdf5/vlen.py: fixed, numeric, strings
 META_LENGTH_OFFSET = 32  # the u32 metadata length in the fixed header
-SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
+VALUES_ALIGN = 64  # vlen values start this aligned after the offsets (a cache line: any base dtype is aligned)
+
+
+def values_offset(rows: int) -> int:
+    """Bytes from the start of a segment's data area to its values: ``rows + 1`` int64
+    offsets, padded to VALUES_ALIGN."""
+    return -(-(rows + 1) * 8 // VALUES_ALIGN) * VALUES_ALIGN
+
+
+def vlen_nbytes(rows: int, values: int, itemsize: int) -> int:
+    """The data area of a vlen segment: offsets, padding, values."""
+    return values_offset(rows) + values * itemsize
 
 
 @dataclass(frozen=True)
@@ -274,50 +251,6 @@ def _is_identity(entry: object, size: int) -> bool:
             and all(type(n) is int and n >= 0 for n in entry[1:]))
 
 
-def segment_prefix(namespace: str) -> str:
-    """Every segment of one daemon (uid + runtime-dir namespace) starts with this: public,
-    so that the SLURM epilog can find what a killed daemon left behind."""
-    return f"h5serve-{os.getuid()}-{namespace}-"
-
-
-def segment_name(namespace: str, meta: SegmentMeta, secret: bytes) -> str:
-    """The published name of the segment holding ``meta``. The part after the prefix is keyed
-    by the daemon's ``secret``, so nobody can compute a name from ``stat()`` of the data file
-    and plant a file there before the daemon publishes it."""
-    if not 16 <= len(secret) <= 64:
-        raise ValueError(f"a segment naming secret has 16..64 bytes, got {len(secret)}")
-    digest = hashlib.blake2b(msgpack.packb(list(meta.identity())), digest_size=12, key=secret).hexdigest()
-    return segment_prefix(namespace) + digest
-
-
-def is_own_file(st: os.stat_result, owner: int | None = None) -> bool:
-    """True when ``st`` (an lstat or fstat) is a regular file of ``owner`` (default: our euid):
-    the only kind of file under a segment prefix that the daemon reads, evicts or removes."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == (os.geteuid() if owner is None else owner)
-
-
-def describe_file(st: os.stat_result) -> str:
-    """``a FIFO of uid 1001 (mallory)``: what sits at a path, for log and error messages."""
-    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a file"))
-    kind = next((text for test, text in kinds if test(st.st_mode)), "a device")
-    return f"{kind} of {describe_owner(st.st_uid)}"
-
-
-def temporary_name(name: str) -> str:
-    return f"{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def temporary_owner_pid(filename: str) -> int | None:
-    """The pid that created a temporary segment file, or None if it is not a temporary."""
-    if TMP_MARK not in filename:
-        return None
-    try:
-        return int(filename.rsplit(TMP_MARK, 1)[1].split("-", 1)[0])
-    except ValueError:
-        return None
-
-
 def data_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray:
     """The rows (fixed rows), or the ``rows + 1`` offsets (variable-length rows)."""
     if meta.vlen:
@@ -333,41 +266,6 @@ def values_view(buffer: mmap.mmap, meta: SegmentMeta) -> np.ndarray | None:
         return None
     return np.frombuffer(buffer, dtype=meta.np_dtype, count=meta.values,
                          offset=meta.header_size + values_offset(meta.rows))
-
-
-# ----- checksums of large buffers, in parallel (h5serve/crc.py: the kinds) -------------------
-def data_checksum(buffer: Any, offset: int, length: int, threads: int = 1,
-                  progress: Callable[[int], None] | None = None, kind: CrcKind = LOAD_CRC) -> int:
-    """``kind``'s crc of ``buffer[offset:offset + length]``, hashed in blocks by up to
-    ``threads`` threads (both kinds release the GIL); ``progress(bytes)`` after each block."""
-    starts = list(range(offset, offset + length, _CHECKSUM_BLOCK))
-    with memoryview(buffer) as view:  # released on return, so the caller can close its mapping
-
-        def one(start: int) -> int:
-            end = min(start + _CHECKSUM_BLOCK, offset + length)
-            with view[start:end] as block:
-                crc = kind.update(block, 0)
-            if progress is not None:
-                progress(end - start)
-            return crc
-
-        if threads > 1 and len(starts) > 1:
-            with ThreadPoolExecutor(min(threads, len(starts)), thread_name_prefix="h5serve-crc") as pool:
-                crcs = list(pool.map(one, starts))
-        else:
-            crcs = [one(start) for start in starts]
-    total = 0
-    for start, crc in zip(starts, crcs):
-        total = kind.combine(total, crc, min(_CHECKSUM_BLOCK, offset + length - start))
-    return total
-
-
-def checksum_text(code: int, value: bytes) -> str:
-    """``crc32:1a2b3c4d`` or ``crc32c:...`` (the form ``status`` shows), or "" when there is none."""
-    name = _CHECKSUM_NAMES.get(code)
-    if code == CHECKSUM_NONE or name is None:
-        return ""
-    return f"{name}:{struct.unpack_from('<I', value)[0]:08x}"
 
 
 def meta_blob(meta: SegmentMeta) -> bytes:
@@ -486,40 +384,3 @@ def read_activity(path: Path) -> tuple[int, int]:
     return PROGRESS.unpack_from(raw)[0], ACTIVITY.unpack_from(raw, ACTIVITY_OFFSET - PROGRESS_OFFSET)[0]
 
 
-def header_checksum(header: bytes) -> str:
-    """The checksum a segment header records (``crc32:...``), or "" when it has none."""
-    kind, value = CHECKSUM.unpack_from(header, CHECKSUM_OFFSET)
-    return checksum_text(kind, value)
-
-
-def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
-    """Re-read a published segment's rows and compare them with the checksum its header
-    records (and with ``expected``, the daemon's record, when given). Returns "" when they
-    match, else what does not.
-
-    Raised when it cannot be opened or is not a valid complete segment: SegmentError.
-    """
-    fd, st = open_regular(path, SegmentError)
-    try:
-        header = read_header(fd)
-        meta, complete = parse_header(header, f"segment {path}")
-        if not complete or st.st_size != meta.file_size:
-            return f"it is {st.st_size} bytes for {meta.file_size} expected, or incomplete (truncated or rewritten)"
-        recorded = header_checksum(header)
-        if expected and recorded != expected:
-            return f"its header records checksum {recorded or 'none'}, the daemon recorded {expected}"
-        if not recorded:
-            return ""  # loaded without a checksum: nothing to compare with
-        code = CHECKSUM.unpack_from(header, CHECKSUM_OFFSET)[0]
-        kind = KINDS.get(code)
-        if kind is None:
-            return (f"its header records a {recorded.split(':')[0]} checksum, which this h5serve cannot compute "
-                    f"(python -m pip install crc32c)")
-        with mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
-            crc = data_checksum(buffer, meta.header_size, meta.nbytes, threads, kind=kind)
-    finally:
-        os.close(fd)
-    actual = kind.text(crc)
-    if actual == recorded:
-        return ""
-    return f"its rows have checksum {actual}, not the {recorded} recorded when it was loaded"

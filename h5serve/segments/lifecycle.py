@@ -1,5 +1,5 @@
 """The life of a segment file: create, fill, publish, attach with a lease, evict. The format
-(names, header, ``SegmentMeta``) is in format.py.
+(header, ``SegmentMeta``) is in format.py, names in naming.py.
 
 A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
 with ``fchmod`` before the rename, so no process (root aside) can open a published segment
@@ -35,6 +35,7 @@ from ..crc import LOAD_CRC, CrcKind
 from ..errors import SegmentError, ShmFull
 from ..safeio import NOFOLLOW_FLAGS, flocks, open_regular
 from ..units import format_bytes
+from .checksum import checksum_text, data_checksum
 from .format import (
     ACTIVITY,
     ACTIVITY_OFFSET,
@@ -49,18 +50,14 @@ from .format import (
     META_OFFSET,
     PROGRESS,
     PROGRESS_OFFSET,
-    TMP_MARK,
     SegmentMeta,
-    checksum_text,
-    data_checksum,
     data_view,
-    describe_file,
-    is_own_file,
     meta_blob,
     parse_header,
     read_header,
     values_view,
 )
+from .naming import TMP_MARK, describe_file, is_own_file
 
 __all__ = [
     "LEASE_WAIT_S",

@@ -1,7 +1,9 @@
 """Cluster topology: which ranks share my node.
 
     hostlist.py   SLURM's compact notations (node[01-03,7], 3(x2),2,1, 0-3,5)
-    slurm.py      SLURM's variables -> this node's tasks (``slurm_node``); ``h5serve plan``'s node plans
+    slurm.py      SLURM's variables -> this node's tasks (``slurm_node``)
+    nodeplan.py   ``NodePlan``: the ranks one node runs, block distribution
+    plan.py       ``resolve_plan``: explicit values > SLURM's variables (``h5serve plan``)
     torchrun.py   torchrun's variables -> its uniform layout
     group.py      an initialized torch.distributed process group (torch imported only there)
     layout.py     ``NodeLayout`` and the layouts it comes in (by host name, uniform)
@@ -13,7 +15,8 @@ Nothing here imports torch unless ``resolve_layout`` looks for a process group.
 from __future__ import annotations
 
 from .layout import NodeLayout
+from .nodeplan import NodePlan
+from .plan import resolve_plan
 from .resolve import DETECT, resolve_layout
-from .slurm import NodePlan, resolve_plan
 
 __all__ = ["DETECT", "NodeLayout", "NodePlan", "resolve_layout", "resolve_plan"]

@@ -1,141 +1,38 @@
-"""Which global ranks run on this node: SLURM hostlists, task layouts and node plans.
+"""Which global ranks run on this node, from SLURM's variables: the one reading of them.
 
-Pure functions, no I/O (the environment and the hostname are arguments); ``h5serve plan``'s
-arguments and printing live in ``h5serve._plan_cli``. Every error is a ``ConfigError`` whose
-message says what to do.
+Pure functions, no I/O (the environment and the hostname are arguments); every error is a
+``ConfigError`` whose message says what to do. The variables read are listed in
+``plan_from_env``.
 
-A *node plan* names the global ranks one node runs: ``h5serve plan`` prints it, and a
-node-local daemon preloads exactly those ranks' shards. Ranks are laid out like SLURM's
-default ``block`` distribution (and torchrun's static ``--node_rank``): node ``i`` runs the
-consecutive ranks that follow the tasks of nodes ``0 .. i-1``. Inside an ``srun`` step the
-actual placement (``SLURM_GTIDS``) is used instead, so ``--distribution=cyclic`` is right too.
-
-``slurm_node`` is the one reading of "which ranks run on this node" from SLURM's variables:
-``h5serve plan`` uses it, and so does ``resolve_layout`` (``layout_from_slurm_env``).
-
-A wrong plan never gives wrong data: clients acquire their own rank's shard and the daemon
-loads whatever is asked for. A wrong plan only preloads shards nobody reads.
+``slurm_node`` is that reading: ``h5serve plan`` uses it (``plan_from_env``, and
+``resolve_plan`` in plan.py for what is not given explicitly), and so does ``resolve_layout``
+(``layout_from_slurm_env``). Inside an ``srun`` step the actual placement (``SLURM_GTIDS``)
+is used, so ``--distribution=cyclic`` is right too; elsewhere, block distribution
+(nodeplan.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from ..checks import is_int
 from ..errors import ConfigError
-from ..protocol import MAX_WORLD_SIZE
-from .hostlist import MAX_HOSTS, expand_nodelist, expand_tasks_per_node, format_ranks, parse_tasks_per_node
-from .layout import NodeLayout, check_node_ranks
+from .hostlist import expand_nodelist, expand_tasks_per_node, format_ranks, parse_tasks_per_node
+from .layout import NodeLayout
+from .nodeplan import NodePlan, plan_from_layout
 
 __all__ = [
-    "MAX_HOSTS",
-    "MAX_WORLD_SIZE",
-    "NodePlan",
     "SlurmNode",
-    "expand_nodelist",
-    "expand_tasks_per_node",
-    "format_ranks",
     "layout_from_slurm_env",
-    "parse_tasks_per_node",
-    "plan_explicit",
+    "node_rank_from_env",
+    "plan_and_node_count_from_env",
     "plan_from_env",
-    "plan_from_layout",
-    "resolve_plan",
-    "resolve_plan_and_node_count",
     "slurm_node",
 ]
 
 
 _HINT = "run inside a SLURM allocation or pass --world-size/--tasks-per-node/--node-rank"
 _LAYOUT_HINT = "pass local_world_size/node_rank (or launch with torchrun) to say which ranks share a node"
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """The global ranks one node runs.
-
-    ``node_rank`` is the node's 0-based position in the job; ``ranks`` are the global ranks
-    that run on it, ascending; ``world_size`` is the number of ranks in the whole job.
-
-    Raised when a field has the wrong type, a rank is out of ``[0, world_size)`` or the
-    ranks are not strictly ascending: ConfigError.
-    """
-
-    node_rank: int
-    ranks: tuple[int, ...]
-    world_size: int
-
-    def __post_init__(self) -> None:
-        if not is_int(self.node_rank) or self.node_rank < 0:
-            raise ConfigError(f"node_rank must be a non-negative integer, got {self.node_rank!r}")
-        if not is_int(self.world_size) or not 1 <= self.world_size <= MAX_WORLD_SIZE:
-            raise ConfigError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {self.world_size!r}")
-        check_node_ranks(self.ranks, self.world_size)
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"node_rank": N, "ranks": [...], "world_size": W}``."""
-        return {"node_rank": self.node_rank, "ranks": list(self.ranks), "world_size": self.world_size}
-
-    def to_json(self) -> str:
-        """``{"node_rank": N, "ranks": [...], "world_size": W}`` as one line of JSON."""
-        return json.dumps(self.to_dict())
-
-    def describe(self, nodes: int) -> str:
-        """``"node 1 of 4: ranks 4-7 (world size 16)"`` for a job of ``nodes`` nodes."""
-        return f"node {self.node_rank} of {nodes}: ranks {format_ranks(self.ranks)} (world size {self.world_size})"
-
-
-def plan_from_layout(tasks_per_node: Sequence[int], node_rank: int) -> NodePlan:
-    """Block distribution over a (possibly uneven) layout: node ``i`` runs the
-    ``tasks_per_node[i]`` consecutive ranks that follow the tasks of nodes ``0 .. i-1``.
-
-    ``plan_from_layout([3, 3, 2, 1], 2)`` -> ``NodePlan(node_rank=2, ranks=(6, 7), world_size=9)``.
-
-    Raised when the layout is empty, has a negative count, has no tasks at all, or
-    ``node_rank`` is not a node of it: ConfigError.
-    """
-    tasks = list(tasks_per_node)
-    if not tasks or not all(is_int(t) and t >= 0 for t in tasks):
-        raise ConfigError(f"tasks per node must be a non-empty list of non-negative integers, got {tasks!r}")
-    world = sum(tasks)
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise ConfigError(f"the layout {tasks!r} has {world} tasks; it needs between 1 and {MAX_WORLD_SIZE}")
-    if not is_int(node_rank) or not 0 <= node_rank < len(tasks):
-        raise ConfigError(
-            f"node rank {node_rank!r} is out of range: the job has {len(tasks)} node(s), "
-            f"so pass a --node-rank in 0-{len(tasks) - 1}"
-        )
-    first = sum(tasks[:node_rank])
-    return NodePlan(node_rank, tuple(range(first, first + tasks[node_rank])), world)
-
-
-def plan_explicit(world_size: int, tasks_per_node: int, node_rank: int) -> NodePlan:
-    """Block distribution of ``world_size`` ranks, ``tasks_per_node`` per node; the last node
-    may have fewer. ``plan_explicit(10, 4, 2)`` -> ranks ``(8, 9)``.
-
-    Raised when ``world_size`` is not in ``[1, MAX_WORLD_SIZE]``, ``tasks_per_node`` is not
-    at least 1, or ``node_rank`` is not in ``[0, ceil(world_size / tasks_per_node))``: ConfigError.
-    """
-    if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ConfigError(f"--world-size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
-    if not is_int(tasks_per_node) or tasks_per_node < 1:
-        raise ConfigError(f"--tasks-per-node must be an integer >= 1, got {tasks_per_node!r}")
-    nodes = -(-world_size // tasks_per_node)
-    if not is_int(node_rank) or not 0 <= node_rank < nodes:
-        raise ConfigError(
-            f"--node-rank {node_rank!r} is out of range: world size {world_size} with {tasks_per_node} "
-            f"tasks per node is {nodes} node(s), so node ranks are 0-{nodes - 1}"
-        )
-    first = node_rank * tasks_per_node
-    return NodePlan(node_rank, tuple(range(first, min(first + tasks_per_node, world_size))), world_size)
-
-
-# --------------------------------------------------------------------------- SLURM environment
 
 
 def _get(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
@@ -346,9 +243,14 @@ def layout_from_slurm_env(env: Mapping[str, str], hostname: str | None) -> NodeL
     return NodeLayout(rank, node.world_size, node.node_rank, node.num_nodes, node.ranks, "slurm")
 
 
-def _plan_from_env(
+def plan_and_node_count_from_env(
     env: Mapping[str, str], hostname: str | None, node_rank: int | None = None
 ) -> tuple[NodePlan, int]:
+    """``plan_from_env``'s plan (of node ``node_rank`` when given: block distribution over
+    the environment's layout) and the number of nodes in the layout.
+
+    Raised as ``plan_from_env`` is: ConfigError.
+    """
     if node_rank is not None:
         layout = _layout_from_env(env)
         return plan_from_layout(layout.tasks, node_rank), len(layout.tasks)
@@ -392,53 +294,10 @@ def plan_from_env(env: Mapping[str, str], hostname: str) -> NodePlan:
     --world-size/--tasks-per-node/--node-rank"), malformed, inconsistent with each other,
     or this node is not in the node list: ConfigError.
     """
-    return _plan_from_env(env, hostname)[0]
+    return plan_and_node_count_from_env(env, hostname)[0]
 
 
-def _resolve(
-    world_size: int | None,
-    tasks_per_node: int | str | None,
-    node_rank: int | None,
-    env: Mapping[str, str],
-    hostname: str | None,
-) -> tuple[NodePlan, int]:
-    if node_rank is not None and (not is_int(node_rank) or node_rank < 0):
-        raise ConfigError(f"--node-rank must be a non-negative integer, got {node_rank!r}")
-    if tasks_per_node is None:
-        plan, nodes = _plan_from_env(env, hostname, node_rank)
-        if world_size is not None and world_size != plan.world_size:
-            raise ConfigError(
-                f"--world-size {world_size} disagrees with the SLURM environment ({plan.world_size} tasks); "
-                "when the training job's layout differs from this step's, pass --tasks-per-node too"
-            )
-        return plan, nodes
-    if isinstance(tasks_per_node, str) and tasks_per_node.strip().isdigit():
-        tasks_per_node = int(tasks_per_node.strip())
-    if is_int(tasks_per_node):
-        assert isinstance(tasks_per_node, int)
-        if world_size is None:
-            raise ConfigError("--tasks-per-node N needs --world-size (or pass a SLURM layout such as 4(x2))")
-        if tasks_per_node < 1:
-            raise ConfigError(f"--tasks-per-node must be an integer >= 1, got {tasks_per_node}")
-        if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
-            raise ConfigError(f"--world-size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
-        nodes = -(-world_size // tasks_per_node)
-        if node_rank is None:
-            node_rank = _index_for_explicit(env, hostname, nodes)
-        return plan_explicit(world_size, tasks_per_node, node_rank), nodes
-    if not isinstance(tasks_per_node, str):
-        raise ConfigError(f"--tasks-per-node must be a number or a SLURM layout like 3(x2),2,1, got {tasks_per_node!r}")
-    tasks = parse_tasks_per_node(tasks_per_node)
-    if world_size is not None and world_size != sum(tasks):
-        raise ConfigError(
-            f"--world-size {world_size} disagrees with --tasks-per-node {tasks_per_node!r} ({sum(tasks)} tasks)"
-        )
-    if node_rank is None:
-        node_rank = _index_for_explicit(env, hostname, len(tasks))
-    return plan_from_layout(tasks, node_rank), len(tasks)
-
-
-def _index_for_explicit(env: Mapping[str, str], hostname: str | None, nodes: int) -> int:
+def node_rank_from_env(env: Mapping[str, str], hostname: str | None, nodes: int) -> int:
     """This node's index in an explicit layout of ``nodes`` nodes: SLURM_NODEID, else
     SLURMD_NODENAME or ``hostname`` in SLURM_JOB_NODELIST (the job's, not a step's)."""
     node_id = _env_int(env, "SLURM_NODEID")
@@ -458,51 +317,3 @@ def _index_for_explicit(env: Mapping[str, str], hostname: str | None, nodes: int
             f"{found[0]} has {len(nodelist)} node(s) but the layout you passed has {nodes}; pass --node-rank"
         )
     return _node_index(env, hostname, _EnvLayout([0] * nodes, "--tasks-per-node", nodelist, found[0], False))
-
-
-def resolve_plan(
-    world_size: int | None = None,
-    tasks_per_node: int | str | None = None,
-    node_rank: int | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    hostname: str | None = None,
-) -> NodePlan:
-    """The plan from explicit values where given, the SLURM environment for the rest.
-
-    - Nothing given: ``plan_from_env(env, hostname)``.
-    - ``tasks_per_node`` an integer (or digits): ``plan_explicit(world_size, tasks_per_node,
-      node_rank)``; ``world_size`` is required.
-    - ``tasks_per_node`` a SLURM layout such as ``"3(x2),2,1"``: block distribution over it
-      (``plan_from_layout``); ``world_size``, if given, must equal its sum. This lets a batch
-      script pass its own ``$SLURM_TASKS_PER_NODE`` to a one-task-per-node helper step.
-    - With a ``tasks_per_node`` but no ``node_rank``, the node index comes from
-      ``SLURM_NODEID``, else from ``SLURMD_NODENAME``/``hostname`` in ``SLURM_JOB_NODELIST``.
-    - Without ``tasks_per_node``: the layout comes from the environment; ``node_rank``, if
-      given, picks the node (block distribution); ``world_size``, if given, must match.
-
-    ``env`` defaults to ``os.environ`` and ``hostname`` to ``socket.gethostname()``.
-
-    Raised when the values are out of range, disagree with each other or with the
-    environment, or what is missing cannot be found in the environment: ConfigError.
-    """
-    env = os.environ if env is None else env
-    hostname = socket.gethostname() if hostname is None else hostname
-    return _resolve(world_size, tasks_per_node, node_rank, env, hostname)[0]
-
-
-def resolve_plan_and_node_count(
-    world_size: int | None = None,
-    tasks_per_node: int | str | None = None,
-    node_rank: int | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    hostname: str | None = None,
-) -> tuple[NodePlan, int]:
-    """``resolve_plan``'s plan and the number of nodes in the job (for ``NodePlan.describe``).
-
-    Raised as ``resolve_plan`` is: ConfigError.
-    """
-    env = os.environ if env is None else env
-    hostname = socket.gethostname() if hostname is None else hostname
-    return _resolve(world_size, tasks_per_node, node_rank, env, hostname)

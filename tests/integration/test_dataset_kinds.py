@@ -273,7 +273,7 @@ def test_rewritten_external_file_is_never_served_stale(tmp_path: Path, backend: 
     new = _write_linked(linked, N, 2)  # same size, same inode, other rows
     assert new.tobytes() != old.tobytes()
     serve(new)
-    time.sleep(0.02)
+    time.sleep(0.02)  # again: only the mtime tells the rewrite apart
     longer = _write_linked(linked, N + 20, 3)  # other length: the row count must not be cached
     serve(longer)
     assert (os.stat(outer).st_mtime_ns, os.stat(outer).st_size) == (outer_stat.st_mtime_ns, outer_stat.st_size)

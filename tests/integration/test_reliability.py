@@ -349,6 +349,22 @@ WAITING_CLIENT = """
     from h5serve.client import SharedH5Dataset
     from h5serve.errors import DaemonUnavailable
     print(json.dumps({"event": "imported", "pid": os.getpid()}), flush=True)
+    if args.get("polling"):  # touch this file once the main thread is in the client's polling loop
+        import threading
+        main, poller = threading.main_thread().ident, os.path.join("h5serve", "connection.py")
+
+        def watch():
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                frame = sys._current_frames().get(main)
+                while frame is not None:
+                    if frame.f_code.co_name == "acquire" and frame.f_code.co_filename.endswith(poller):
+                        open(args["polling"], "w").close()
+                        return
+                    frame = frame.f_back
+                time.sleep(0.005)
+
+        threading.Thread(target=watch, daemon=True).start()
     deadline = time.monotonic() + 60
     while not os.path.exists(args["go"]) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -526,7 +542,7 @@ HOLDER_WITH_WORKERS = """
     ds.close()  # from now on only the two forked workers hold the segment (and its lease)
     gc.collect()
     print(json.dumps({"rows": rows, "len": len(ds)}), flush=True)
-    time.sleep(600)
+    time.sleep(600)  # the workers hold the segment until the test kills them
 """
 
 
@@ -948,14 +964,15 @@ def test_daemon_killed_while_client_waits(reaper: Reaper, big_h5: Path) -> None:
     d = reaper.start(reaper.daemon())
     c = reaper.client(d)
     go = work / "go"
+    polling = [work / f"polling-{i}" for i in range(n_clients)]
     procs = [reaper.python(WAITING_CLIENT, json.dumps({
         "path": str(big_h5), "fallback": "lazy", "timeout": timeout, "runtime_dir": str(d.runtime_dir),
-        "go": str(go), "rows": PROBE_ROWS})) for _ in range(n_clients)]
+        "go": str(go), "rows": PROBE_ROWS, "polling": str(polling[i])})) for i in range(n_clients)]
     for p in procs:
         read_json_line(p, 90)  # imported
     go.touch()
     seg = wait_loading(c, big_h5, 30)
-    time.sleep(0.2)  # every client is in its polling loop by now
+    assert wait_for(lambda: all(f.exists() for f in polling), 30), [f.name for f in polling if not f.exists()]
     assert next(s for s in segments_of(c, big_h5))["state"] == "loading"
     c.close()
     tree = descendants(d.pid)

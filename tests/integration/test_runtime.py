@@ -295,7 +295,7 @@ LOCKER = """
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX if sys.argv[2] == "ex" else fcntl.LOCK_SH)
     print("locked", flush=True)
-    time.sleep(60)
+    time.sleep(60)  # holds the lock until the test kills it
 """
 
 

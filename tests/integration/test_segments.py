@@ -613,7 +613,7 @@ CHILD_ATTACH = """
     from h5serve.segments import attach_segment
     seg = attach_segment(Path(sys.argv[1]), sys.argv[2])
     print(hashlib.sha256(seg.data.tobytes()).hexdigest(), flush=True)
-    time.sleep(60)
+    time.sleep(60)  # holds the lease until the test kills it
 """
 
 

@@ -206,7 +206,9 @@ def test_stop_signals_only_the_daemon_never_the_pid_in_the_pidfile(daemon: Daemo
         stopper = subprocess.Popen([*h5serve_cli_argv(), "stop"], env=daemon.env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(7)  # past the shutdown request's 5 s timeout: stop has signalled by now
+            # stop's shutdown request times out (the daemon is stopped), then stop signals it:
+            # the SIGTERM waits, pending, until the daemon runs again
+            assert wait_for(lambda: signal_pending(daemon.pid, signal.SIGTERM), 30), "stop never signalled the daemon"
             os.kill(daemon.pid, signal.SIGCONT)
             out, err = stopper.communicate(timeout=60)
         finally:
@@ -217,6 +219,14 @@ def test_stop_signals_only_the_daemon_never_the_pid_in_the_pidfile(daemon: Daemo
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` was sent to the process ``pid`` and waits, undelivered (it is stopped)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+    return bool(pending >> (sig - 1) & 1)
 
 
 def h5serve_cli_argv() -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import BudgetExceeded, ConfigError, DataError, ShmFull, UnsupportedDataset
 from h5serve.sharding import GLOBAL, NODE
 
-from ..helpers import WORLD_4, Daemon, open_ds, rank_args, short_tmpdir
+from ..helpers import WORLD_4, Daemon, open_ds, rank_args, short_tmpdir, wait_for
 
 ROWS = 29  # odd: uneven shards
 WORLD = WORLD_4  # node mode: 2 nodes of 2 ranks
@@ -283,10 +282,8 @@ def test_changed_file_is_never_served_stale(tmp_path: Path, shared_daemon: Daemo
             assert_rows(collate(ds.__getitems__(list(range(6)))), h5_rows(path, "tokens"))
         finally:
             ds.close()
-    deadline = time.monotonic() + 30
-    while len([s for s in daemon.status()["segments"] if s["file"] == str(path.resolve())]) > 1:
-        assert time.monotonic() < deadline, "the old file's segment was not evicted once stale and unheld"
-        time.sleep(0.2)
+    assert wait_for(lambda: len([s for s in daemon.status()["segments"] if s["file"] == str(path.resolve())]) <= 1,
+                    30), "the old file's segment was not evicted once stale and unheld"
     done = subprocess.run(["python", "-m", "h5serve", "status", "--verify"], env=daemon.env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "every one matches" in done.stdout, done.stdout + done.stderr
@@ -311,10 +308,7 @@ def test_restart_after_kill_adopts_vlen_segments(vfile: Path, daemon: Daemon) ->
     SharedH5Dataset(vfile, **kwargs).close()
     before = daemon.segment_files()
     os.kill(daemon.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while daemon.alive():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert wait_for(lambda: not daemon.alive(), 10), "the SIGKILLed daemon is still alive"
     daemon.start()
     status = daemon.status()
     assert status["counters"]["adopted"] == 3 and daemon.segment_files() == before

@@ -1,5 +1,5 @@
-"""Unit tests for h5serve.topology.slurm and h5serve._plan_cli: hostlists, task layouts, node
-plans, ``h5serve plan`` output.
+"""Unit tests for h5serve.topology (hostlist, nodeplan, slurm, plan) and h5serve._plan_cli:
+hostlists, task layouts, node plans, ``h5serve plan`` output.
 
 The environment sets below are recorded from (or modelled exactly on) real SLURM jobs:
 ``env | grep SLURM`` in a batch script and inside ``srun`` tasks.
@@ -19,18 +19,16 @@ from hypothesis import strategies as st
 
 from h5serve._plan_cli import add_plan_arguments, plan_from_args, run_plan
 from h5serve.errors import ConfigError, H5ServeError
-from h5serve.topology.slurm import (
+from h5serve.topology.hostlist import (
     MAX_HOSTS,
-    NodePlan,
     expand_nodelist,
     expand_tasks_per_node,
     format_ranks,
     parse_tasks_per_node,
-    plan_explicit,
-    plan_from_env,
-    plan_from_layout,
-    resolve_plan,
 )
+from h5serve.topology.nodeplan import NodePlan, plan_explicit, plan_from_layout
+from h5serve.topology.plan import resolve_plan
+from h5serve.topology.slurm import plan_from_env
 
 HINT = "run inside a SLURM allocation or pass --world-size/--tasks-per-node/--node-rank"
 
