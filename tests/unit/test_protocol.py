@@ -448,7 +448,7 @@ def test_hostile_length_prefix_is_rejected_without_allocating():
         assert_rejected(head + b"\xff\xff\xff\xff")
 
 
-def test_deep_nesting_is_rejected_or_decoded_without_crash():
+def test_deep_nesting_is_rejected_with_a_protocol_error() -> None:
     deep = b"\x91" * 5000 + b"\xc0"  # [[[[...nil...]]]]
     assert_rejected(deep)
     nested_map = pack({"v": VERSION, "id": 1, "op": "ping", "x": [[[[[[[[1]]]]]]]]})
