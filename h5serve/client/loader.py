@@ -224,10 +224,12 @@ def make_loader(
       of: one memcpy per batch instead of a new shared-memory file per tensor.
       ``worker_ring=False`` returns ordinary tensors, as a plain DataLoader does.
 
-    The loader is a ``ShmDataLoader`` (a DataLoader that skips torch's per-batch profiler
-    record while no profiler runs). ``loader_class``: a DataLoader subclass to build instead, e.g. torchdata's
-    ``StatefulDataLoader``, whose ``state_dict()`` then holds the batch sampler's state as of
-    the last batch it returned (workers' prefetching accounted for) and resumes mid-epoch.
+    The loader is a ``ShmDataLoader``: a DataLoader that, with ``num_workers=0``, skips torch's
+    per-batch profiler record while no profiler runs and gathers each batch in one call on a
+    view of the batch sampler's order (the same batches). ``loader_class``: a DataLoader
+    subclass to build instead, e.g. torchdata's ``StatefulDataLoader``, whose ``state_dict()``
+    then holds the batch sampler's state as of the last batch it returned (workers'
+    prefetching accounted for) and resumes mid-epoch.
 
     Other keyword arguments go to ``loader_class`` as they are.
 
