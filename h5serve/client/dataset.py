@@ -24,7 +24,7 @@ from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_wor
 from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
-from .gather import as_positions
+from .gather import as_positions, trusted_positions
 from .resharding import check_not_measured_by_distributed_sampler
 
 if TYPE_CHECKING:
@@ -274,10 +274,34 @@ class SharedH5Dataset(Dataset):
             return self.fields.batch(columns)
         return self.fields.batch(self._gather(indices))
 
+    def collated_batch(self, positions: np.ndarray) -> Any:
+        """``collate(self.__getitems__(positions))`` for int64 ``positions`` already known to lie in
+        ``[0, len(self))``, with no check per batch: what ShmDataLoader's own iterator calls with
+        views of its batch sampler's order, checked once a pass (``IndexBatches.within``). Only for
+        a dataset whose batches are SharedH5Dataset's own (``plain_batches``)."""
+        columns = self._backend.gather(trusted_positions(positions))
+        fields = self.fields
+        if fields.layout == XY and not fields.transformed:  # what collate returns, without the Batch between
+            x = columns[0]
+            if len(columns) == 1:
+                if isinstance(x, torch.Tensor):
+                    return x
+            elif isinstance(x, torch.Tensor) and isinstance(columns[1], torch.Tensor):
+                return x, columns[1]
+        return collate(fields.batch(columns))
+
     def _ring_ready(self) -> bool:
         """Whether batches are plain numeric tensors of x (and y), which a ring slot holds."""
         return (self.fields.layout == XY and not self.fields.transformed
                 and all(np.dtype(d).kind in "biufc" for d in self._backend.out_dtypes))
+
+    def plain_batches(self) -> bool:
+        """Whether ``collated_batch`` gives what DataLoader would (``collate`` of ``__getitems__``):
+        batches gathered as SharedH5Dataset gathers them (neither method overridden by a
+        subclass), outside a make_loader worker's ring."""
+        cls = type(self)
+        return (cls.__getitems__ is SharedH5Dataset.__getitems__ and cls._gather is SharedH5Dataset._gather
+                and not ring.active())
 
     def close(self) -> None:
         """Release the mapping and lease (or the h5py handle) held by this process."""

@@ -31,14 +31,14 @@ what the user set. A child that knows its OpenMP runtime is fork-safe may raise 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import _process
 
-__all__ = ["RowSource", "as_column", "as_positions", "index_batches"]
+__all__ = ["IndexBatches", "RowSource", "as_column", "as_positions", "trusted_positions"]
 
 class RowSource:
     """Rows of one array, gathered by local position into fresh tensors of ``out_dtype``.
@@ -145,18 +145,59 @@ def _checked(positions: torch.Tensor | None, array: np.ndarray, length: int) -> 
     return (torch.from_numpy(array) if positions is None else positions), array
 
 
-def index_batches(order: torch.Tensor, batch_size: int, end: int | None = None,
-                  arrays: bool = False) -> Iterator[torch.Tensor | np.ndarray]:
-    """``order[:end]`` (an int64 tensor) cut into compact batches of ``batch_size`` indices:
-    NumPy arrays when ``arrays`` (what crosses to DataLoader workers), else int64 tensors
-    sharing a fresh array's memory, which ``as_positions`` takes without converting again.
+class IndexBatches:
+    """One pass of a batch sampler: ``order[:end]`` (an int64 tensor) cut into batches of
+    ``batch_size`` indices, each counted in ``counter._yielded`` as it is handed out.
 
-    Copies, not views: torch ops on a view of the whole order cost time in proportion to the
-    order (index_select: ~7 ms for 100k), and pickling one to a worker sends it all. A NumPy
-    slice copy is ~2 us a batch; a torch ``clone`` ~8 us.
+    Iterating gives compact copies: NumPy arrays when ``arrays`` (what crosses to DataLoader
+    workers), else int64 tensors sharing a fresh array's memory, which ``as_positions`` takes
+    without converting again. Copies, not views: torch ops on a view of the whole order cost
+    time in proportion to the order (index_select: ~7 ms for 100k), and pickling one to a
+    worker sends it all. A NumPy slice copy is ~2 us a batch; a torch ``clone`` ~8 us.
+
+    ``next_view()`` is for ShmDataLoader's own iterator, in the process that gathers: the same
+    batch as a NumPy view of ``order`` (the whole pass, contiguous), with no copy and no tensor;
+    ``within(rows)`` checks every index of the pass at once, so no batch needs its own check.
     """
-    whole = order.numpy()
-    stop = len(whole) if end is None else end
-    for i in range(0, stop, batch_size):
-        batch = whole[i : min(i + batch_size, stop)].copy()
-        yield batch if arrays else _remember(torch.from_numpy(batch), batch)
+
+    __slots__ = ("order", "batch_size", "arrays", "_counter", "_next")
+
+    def __init__(self, counter: Any, order: torch.Tensor, batch_size: int, end: int | None = None,
+                 arrays: bool = False) -> None:
+        whole = order.numpy()
+        self.order: np.ndarray = np.ascontiguousarray(whole if end is None else whole[:end])
+        self.batch_size = batch_size
+        self.arrays = arrays
+        self._counter = counter
+        self._next = 0
+
+    def __iter__(self) -> IndexBatches:
+        return self
+
+    def __next__(self) -> Any:  # a tensor, or an array when ``arrays``
+        batch = self.next_view().copy()
+        return batch if self.arrays else _remember(torch.from_numpy(batch), batch)
+
+    def next_view(self) -> np.ndarray:
+        """The next batch as a view of ``order``, counted as handed out.
+
+        Raised after the last batch: StopIteration."""
+        start = self._next
+        view = self.order[start : start + self.batch_size]
+        if not len(view):
+            raise StopIteration
+        self._next = start + len(view)
+        self._counter._yielded += len(view)
+        return view
+
+    def within(self, rows: int) -> bool:
+        """Whether every index of the pass is a position in ``[0, rows)`` (one pass over the
+        order: negatives are huge as unsigned)."""
+        return not self.order.size or bool(np.maximum.reduce(self.order.view(np.uint64)) < rows)
+
+
+def trusted_positions(array: np.ndarray) -> torch.Tensor:
+    """``array`` (int64 positions already known to lie in range, e.g. a view ``IndexBatches.within``
+    vouched for) as the tensor the backends take, with no check; ``RowSource.take`` gathers
+    with ``array`` itself."""
+    return _remember(torch.from_numpy(array), array)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 # torch internals (stable since torch 1.x): ShmDataLoader's iterator is torch's, minus one record
+from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ..checks import is_int
@@ -24,7 +25,8 @@ from ..errors import ConfigError
 from ..sharding import GLOBAL, NODE
 from . import ring
 from ._process import return_batch_memory
-from .dataset import collate
+from .dataset import SharedH5Dataset, collate
+from .gather import IndexBatches
 from .lazy import h5_worker_init_fn
 from .node_sampler import NodePlace, NodeShuffleSampler
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
@@ -32,17 +34,54 @@ from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleS
 __all__ = ["ShmDataLoader", "make_loader", "seed_worker"]
 
 DEFAULT_PREFETCH_FACTOR = 2
+
+
 class _LeanIterator(_SingleProcessDataLoaderIter):
-    """torch's single-process iterator without its per-batch ``record_function`` while no
-    profiler runs (with one, exactly torch's). That record costs ~20 us a batch here,
-    15% of a 256-row gather from shared memory (docs/performance.md)."""
+    """torch's single-process iterator with two shortcuts that change no batch:
+
+    - no per-batch profiler ``record_function`` while no profiler runs (~20 us a batch here);
+      with one, torch's own ``__next__`` records every batch;
+    - over make_loader's batch sampler, a SharedH5Dataset and ``collate``, a batch is one call
+      (``SharedH5Dataset.collated_batch``) on a view of the sampler's epoch order, checked once
+      per pass, instead of an index tensor, torch's fetcher, a check per batch and a ``Batch``
+      for ``collate`` to unpack. Each such step costs microseconds right after a batch's copy
+      has flushed the CPU's caches (docs/performance.md).
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._choose_path(loader)
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        self._choose_path(loader)
+
+    def _choose_path(self, loader: DataLoader) -> None:
+        batches, dataset = self._sampler_iter, self._dataset
+        self._next_view: Callable[[], np.ndarray] | None = None
+        if (type(batches) is IndexBatches and loader.collate_fn is collate and isinstance(dataset, SharedH5Dataset)
+                and dataset.plain_batches() and batches.within(len(dataset.indices))):
+            self._next_view = batches.next_view
+            self._collated = dataset.collated_batch
+        self._fast = self._next_view is not None and not self._pin_memory
+
+    def _next_data(self) -> Any:
+        if self._next_view is None:
+            return super()._next_data()
+        data = self._collated(self._next_view())
+        if self._pin_memory:
+            data = pin_memory(data, self._pin_memory_device)
+        return data
 
     def __next__(self) -> Any:
         if torch.autograd._profiler_enabled():
             return super().__next__()
-        if self._sampler_iter is None:
-            self._reset()  # type: ignore[call-arg]  # as torch's own __next__ calls it
-        data = self._next_data()
+        if self._fast:
+            data = self._collated(self._next_view())  # type: ignore[misc]
+        else:
+            if self._sampler_iter is None:
+                self._reset()  # type: ignore[call-arg]  # as torch's own __next__ calls it
+            data = self._next_data()
         self._num_yielded += 1
         return data
 
@@ -50,8 +89,9 @@ class _LeanIterator(_SingleProcessDataLoaderIter):
 class ShmDataLoader(DataLoader):
     """The DataLoader make_loader builds: torch's, except that with ``num_workers=0`` over a
     map-style dataset its iterator skips the profiler record of every batch while no profiler
-    is running (torch.profiler still sees each batch). Nothing else differs; any DataLoader
-    argument works."""
+    is running (torch.profiler still sees each batch), and over make_loader's own batch
+    sampler, dataset and collate it gathers each batch in one call. The batches are the same;
+    any DataLoader argument works."""
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0 and self._dataset_kind == _DatasetKind.Map:
@@ -184,10 +224,12 @@ def make_loader(
       of: one memcpy per batch instead of a new shared-memory file per tensor.
       ``worker_ring=False`` returns ordinary tensors, as a plain DataLoader does.
 
-    The loader is a ``ShmDataLoader`` (a DataLoader that skips torch's per-batch profiler
-    record while no profiler runs). ``loader_class``: a DataLoader subclass to build instead, e.g. torchdata's
-    ``StatefulDataLoader``, whose ``state_dict()`` then holds the batch sampler's state as of
-    the last batch it returned (workers' prefetching accounted for) and resumes mid-epoch.
+    The loader is a ``ShmDataLoader``: a DataLoader that, with ``num_workers=0``, skips torch's
+    per-batch profiler record while no profiler runs and gathers each batch in one call on a
+    view of the batch sampler's order (the same batches). ``loader_class``: a DataLoader
+    subclass to build instead, e.g. torchdata's ``StatefulDataLoader``, whose ``state_dict()``
+    then holds the batch sampler's state as of the last batch it returned (workers'
+    prefetching accounted for) and resumes mid-epoch.
 
     Other keyword arguments go to ``loader_class`` as they are.
 

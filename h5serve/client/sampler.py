@@ -15,7 +15,7 @@ from torch.utils.data import Sampler
 from ..checks import is_int
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
-from .gather import index_batches
+from .gather import IndexBatches
 from .resharding import check_not_rebuilt, check_not_resharded
 
 __all__ = ["EpochShuffleSampler", "EpochBatchSampler", "DistributedShuffleSampler", "distributed_num_samples",
@@ -137,11 +137,9 @@ class EpochShuffleSampler(Sampler[int]):
         check_batch_size(batch_size)
         return self._counted(self._remaining(), batch_size, drop_last, False)
 
-    def _counted(self, order: torch.Tensor, batch_size: int, drop_last: bool, arrays: bool) -> Iterator[Any]:
+    def _counted(self, order: torch.Tensor, batch_size: int, drop_last: bool, arrays: bool) -> IndexBatches:
         end = len(order) - len(order) % batch_size if drop_last else len(order)
-        for batch in index_batches(order, batch_size, end, arrays):
-            self._yielded += len(batch)
-            yield batch
+        return IndexBatches(self, order, batch_size, end, arrays)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """What to checkpoint next to the model. ``consumed``: samples of this epoch already
@@ -278,12 +276,10 @@ _DIST_STATE_KEYS = ("sampler", "mode", "data_len", "seed", "shuffle", "drop_last
                     "consumed", "consumed_global")
 
 
-def counted_batches(sampler: Any, order: torch.Tensor) -> Iterator[Any]:
-    """``order`` cut into ``sampler.batch_size`` batches (copies: see EpochShuffleSampler.batches),
+def counted_batches(sampler: Any, order: torch.Tensor) -> IndexBatches:
+    """``order`` cut into ``sampler.batch_size`` batches (copies: see gather.IndexBatches),
     numpy arrays when ``sampler.arrays``, each counted in ``sampler._yielded`` as it is handed out."""
-    for batch in index_batches(order, sampler.batch_size, arrays=sampler.arrays):
-        sampler._yielded += len(batch)
-        yield batch
+    return IndexBatches(sampler, order, sampler.batch_size, arrays=sampler.arrays)
 
 
 def distributed_num_samples(data_len: int, world_size: int, drop_last: bool) -> int:
