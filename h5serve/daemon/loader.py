@@ -60,13 +60,13 @@ from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
 from ._process import drop_forkserver_alive_fd, set_pdeathsig
-from .checksum import FollowingCrc
+from .checksum import RunningCrc
 from .fileset import read_files_part
 from .parts import DaemonGone, PartResult, Parts, error_of
 from .vlenload import load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "kill_load", "loader_context",
-           "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
+           "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
@@ -87,6 +87,9 @@ class LoadJob:
     load_processes: int = 1  # processes one load may be split across (the loader and its children)
     checksum: bool = True  # crc32 of the rows into the header, for `h5serve status --verify`
     drop_page_cache: bool = True  # drop the source file's cached pages of the rows read, once published
+    # the parts, planned by the daemon from the metadata it holds (``load_spans``), so that the
+    # loader need not open the file before it forks; None: the loader plans them itself
+    spans: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -179,35 +182,23 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
                progress: Callable[[int], None], checksum: bool, f: h5py.File | None = None,
                drop_page_cache: bool = False) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
-    this process's own h5py handle (``f``, or the file opened here), hashing them as they land
-    when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
+    this process's own h5py handle (``f``, or the file opened here), hashing them on their way
+    in when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
     at explicit offsets, so every part can write through the one inherited descriptor. Many
     files as one dataset: each file of the span opened in turn (fileset.py), its cached pages
-    dropped as it is done with ``drop_page_cache``, and the part hashed once it is written."""
-    flat = writer.data.reshape(-1).view(np.uint8)
-    row = flat.nbytes // max(len(writer.data), 1)
-    k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
+    dropped as it is done with ``drop_page_cache``."""
+    crc = RunningCrc() if checksum else None
+    hashed = None if crc is None else crc.update
     if meta.files:
-        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache)
-        return PartResult(copied, LOAD_CRC.update(flat[k0 * row:k1 * row], 0) if checksum else -1)
+        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache, hashed)
+        return PartResult(copied, -1 if crc is None else crc.value)
     if f is None:
         with open_h5(meta.source_path) as f:
             return _read_part(meta, rows, writer, span, progress, checksum, f)
     info = inspect_dataset(f, meta.key)
-    crc = FollowingCrc(flat, k0 * row, k1 * row) if checksum else None
-
-    def landed(done: int) -> None:
-        if crc is not None:
-            crc.advance((k0 + done) * row)
-        progress(done)
-
-    try:
-        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span,
-                                 dest=writer.data_target())
-        return PartResult(copied, -1 if crc is None else crc.result())
-    finally:
-        if crc is not None:
-            crc.close()
+    copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, progress, span=span,
+                             dest=writer.data_target(), hashed=hashed)
+    return PartResult(copied, -1 if crc is None else crc.value)
 
 
 def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: Parts | None,
@@ -236,21 +227,43 @@ def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int,
         return -1, []
 
 
-def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int, int] | None]:
+def _one_process(meta: SegmentMeta, processes: int) -> bool:
+    """Whether a load is read by one process whatever its size."""
+    return processes <= 1 or meta.rows == 0 or bool(meta.vlen)
+
+
+def _too_small(meta: SegmentMeta) -> bool:
+    """Whether a one-file shard spans too few source rows to be worth more than one process."""
+    rows = meta.row_range
+    return (rows.stop - rows.start) * row_nbytes(meta.row_shape, np.dtype(meta.source_dtype)) < 2 * min_part_bytes()
+
+
+def load_spans(info: DatasetInfo, meta: SegmentMeta, processes: int) -> tuple[tuple[int, int], ...]:
+    """The parts of a one-file load, planned from ``info`` (the daemon's metadata of the
+    dataset, so that the loader opens nothing before it forks); one part when not worth it."""
+    if _one_process(meta, processes) or meta.files or _too_small(meta):
+        return (meta.row_range.span,)
+    return tuple(plan_parts(info, meta.row_range, processes))
+
+
+def _spans(job: LoadJob, rows: RowRange) -> list[tuple[int, int] | None]:
     """Parts for one load: ``[None]`` (one process reads the whole shard) unless it is worth
-    splitting. Opens the file only when it may be (and closes it before anything forks)."""
-    if processes <= 1 or meta.rows == 0:
+    splitting. Opens the file only when it may be and the daemon did not plan the parts (and
+    closes it before anything forks)."""
+    meta, processes = job.meta, job.load_processes
+    if _one_process(meta, processes):
         return [None]
-    span_rows = rows.stop - rows.start
-    row = row_nbytes(meta.row_shape, np.dtype(meta.source_dtype))
     if meta.files:  # split at file boundaries: each process opens its own files
+        row = row_nbytes(meta.row_shape, np.dtype(meta.source_dtype))
         spans = plan_file_parts(rows, meta.file_rows, row, processes, min_part_bytes())
-        return [None] if len(spans) <= 1 else list(spans)
-    if span_rows * row < 2 * min_part_bytes():
+    elif _too_small(meta):
         return [None]
-    with open_h5(meta.source_path) as f:
-        info = inspect_dataset(f, meta.key)
-    spans = plan_parts(info, rows, processes)
+    elif job.spans is not None:
+        spans = list(job.spans)
+    else:
+        with open_h5(meta.source_path) as f:
+            info = inspect_dataset(f, meta.key)
+        spans = plan_parts(info, rows, processes)
     return [None] if len(spans) <= 1 else list(spans)
 
 
@@ -266,7 +279,7 @@ def _run(job: LoadJob, reply: Connection) -> None:
         writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group)
         started = time.monotonic_ns()
         rows = meta.row_range
-        spans: list[tuple[int, int] | None] = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
+        spans = _spans(job, rows)
         if len(spans) > 1:  # fork before this process opens the file for reading
             parts = Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):

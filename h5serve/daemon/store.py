@@ -59,7 +59,7 @@ from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
 from .fileset import ResolvedFiles, files_meta
-from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, loader_context, start_load
+from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
 
@@ -104,6 +104,7 @@ class Entry:
     active_at: float = 0.0  # when ``activity`` last moved (monotonic)
     asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
     modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
+    spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
 
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
@@ -226,7 +227,7 @@ class SegmentStore:
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
-        return self._acquire_meta(req, SegmentMeta(
+        meta = SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
             source_size=ident.size, source_mtime_ns=ident.mtime_ns, key=req.key,
             mode=req.mode, world_size=req.world_size, rank=req.rank,
@@ -236,10 +237,13 @@ class SegmentStore:
             depends=tuple(source.as_tuple() for source in resolved.sources),
             # variable-length rows: values estimated for the budget until the load counts them
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
-        ))
+        )
+        return self._acquire_meta(req, meta, lambda: load_spans(info, meta, self.load_processes))
 
-    def _acquire_meta(self, req: Acquire, meta: SegmentMeta) -> AcquireResult:
-        """``acquire`` once the request's files are resolved into the segment ``meta`` describes."""
+    def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
+                      spans: Callable[[], tuple[tuple[int, int], ...]] | None = None) -> AcquireResult:
+        """``acquire`` once the request's files are resolved into the segment ``meta`` describes;
+        ``spans()`` plans its load's parts (None: the loader does)."""
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
@@ -249,7 +253,7 @@ class SegmentStore:
             if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
-            entry = self._start(name, meta)
+            entry = self._start(name, meta, None if spans is None else spans())
         entry.last_used = time.monotonic()
         entry.asked_as = (req.mode, req.world_size, req.rank)
         entry.modes.add(req.mode)
@@ -285,9 +289,9 @@ class SegmentStore:
         return AcquireResult(state, name, str(self.shm_dir), done, meta.rows, meta.total_rows, os.getuid(),
                              st.st_dev, st.st_ino)
 
-    def _start(self, name: str, meta: SegmentMeta) -> Entry:
+    def _start(self, name: str, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
         self._make_room(meta.file_size, meta)
-        entry = Entry(name, meta, "loading", tmp_name=temporary_name(name))
+        entry = Entry(name, meta, "loading", tmp_name=temporary_name(name), spans=spans)
         self.entries[name] = entry
         self.counters["loads_requested"] += 1
         self._launch_pending()
@@ -301,7 +305,7 @@ class SegmentStore:
             if entry.state == "loading" and entry.process is None:
                 job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
                               self.load_processes, self.checksum,
-                              self.drop_page_cache and not self._read_again_soon(entry))
+                              self.drop_page_cache and not self._read_again_soon(entry), entry.spans)
                 entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = entry.active_at = time.monotonic()
                 running += 1

@@ -1,0 +1,138 @@
+"""A client waiting for a load attaches when the segment is published, not at its next poll.
+
+- ``PublishWatch`` (segments/arrival.py) on a real directory of /dev/shm: a name renamed into
+  it ends a wait at once; other names do not; a name already there has arrived.
+- End to end: a real daemon and loader; the loader is stopped mid-load (SIGSTOP) while a client
+  waits with a poll pause of a minute, then continued: the client is ready within seconds,
+  so it was woken by the publication (before, it slept the whole pause).
+
+Every test has a deadline and kills or continues what it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from h5serve import connection
+from h5serve.connection import DaemonClient
+from h5serve.protocol import Acquire, AcquireResult
+from h5serve.segments.arrival import PublishWatch
+
+from ..helpers import Daemon, short_workdir
+from .test_hangs import find_loader, start_load
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    where = Path(tempfile.mkdtemp(prefix="h5s-wake-", dir="/dev/shm"))
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _publish_later(directory: Path, name: str, after: float) -> threading.Thread:
+    """Write ``name`` under a temporary name and rename it into place ``after`` seconds from now."""
+    def publish() -> None:
+        time.sleep(after)
+        tmp = directory / f"{name}.tmp-1-x"
+        tmp.write_bytes(b"rows")
+        os.rename(tmp, directory / name)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rename_into_the_dir_ends_the_wait(shm_dir: Path) -> None:
+    with PublishWatch(shm_dir, "seg") as watch:
+        assert not watch.arrived
+        _publish_later(shm_dir, "seg", 0.2)
+        started = time.monotonic()
+        assert watch.wait(60)
+        assert time.monotonic() - started < 30  # woken by the event, not at the end of the pause
+
+
+def test_other_names_do_not_end_the_wait(shm_dir: Path) -> None:
+    with PublishWatch(shm_dir, "seg") as watch:
+        _publish_later(shm_dir, "segment-of-someone-else", 0).join(10)
+        started = time.monotonic()
+        assert not watch.wait(0.3)
+        assert time.monotonic() - started >= 0.3
+        assert not watch.arrived
+
+
+def test_a_name_published_before_the_watch_has_arrived(shm_dir: Path) -> None:
+    _publish_later(shm_dir, "seg", 0).join(10)
+    with PublishWatch(shm_dir, "seg") as watch:
+        assert watch.arrived and watch.wait(0)
+
+
+def test_a_watch_on_a_missing_dir_still_sleeps_the_pause(shm_dir: Path) -> None:
+    with PublishWatch(shm_dir / "gone", "seg") as watch:  # no inotify watch: plain sleeps
+        started = time.monotonic()
+        assert not watch.wait(0.2)
+        assert time.monotonic() - started >= 0.2
+
+
+def _write_big(path: Path, rows: int = 8192, row_shape: tuple[int, ...] = (3, 64, 64)) -> Path:
+    """~100 MB of uncompressed rows: a load long enough to be caught and stopped."""
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", (rows, *row_shape), dtype="uint8", chunks=(64, *row_shape))
+        for a in range(0, rows, 1024):
+            x[a:a + 1024] = np.full((min(1024, rows - a), *row_shape), a // 1024, dtype=np.uint8)
+    return path
+
+
+def test_a_waiting_client_is_ready_when_the_segment_is_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connection, "poll_pause", lambda waited: 60.0)  # a poll a minute: only the watch can wake it
+    with short_workdir("h5s-wake-") as work:
+        path = _write_big(work / "big.h5")
+        d = Daemon("--load-processes", "1", "--keep-page-cache")
+        stopped = 0
+        try:
+            d.start()
+            request = Acquire(str(path), "x", 1, 0)
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                start_load(client, request)
+                stopped, tmp = find_loader(d, 10)
+                os.kill(stopped, signal.SIGSTOP)
+                assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
+                got: list[AcquireResult | BaseException] = []
+
+                def wait() -> None:
+                    try:
+                        got.append(client.acquire(request))
+                    except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                        got.append(exc)
+
+                waiter = threading.Thread(target=wait, daemon=True)
+                waiter.start()
+                time.sleep(0.3)  # the client has asked, heard "loading" and is in its minute-long pause
+                assert not got, got
+                os.kill(stopped, signal.SIGCONT)
+                continued = time.monotonic()
+                waiter.join(30)
+                assert got and isinstance(got[0], AcquireResult), got
+                assert got[0].state == "ready"
+                assert time.monotonic() - continued < 30  # not the 60 s pause
+        finally:
+            if stopped:
+                try:
+                    os.kill(stopped, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            d.stop()
