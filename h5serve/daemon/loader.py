@@ -59,14 +59,14 @@ from ..hdf5.source import DatasetInfo, identities_unchanged, inspect_dataset, op
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
-from ._process import drop_forkserver_alive_fd, set_pdeathsig
+from ._process import LOADER_NAME, drop_forkserver_alive_fd, set_pdeathsig, set_process_name
 from .checksum import RunningCrc
 from .fileset import read_files_part
 from .parts import DaemonGone, PartResult, Parts, error_of
 from .vlenload import load_vlen
 
-__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "kill_load", "loader_context",
-           "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon", "kill_load",
+           "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
@@ -135,11 +135,12 @@ def loader_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(
-        ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader"])
+        ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader",
+         "h5serve.daemon.spare"])
     return ctx
 
 
-def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
+def die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
     """Make sure a loader never outlives its daemon, so a SIGKILLed daemon never gets a
     segment published behind its back. Returns a cheap "is the daemon gone?" check.
 
@@ -267,8 +268,11 @@ def _spans(job: LoadJob, rows: RowRange) -> list[tuple[int, int] | None]:
     return [None] if len(spans) <= 1 else list(spans)
 
 
-def _run(job: LoadJob, reply: Connection) -> None:
-    daemon_gone = _die_with_daemon(job.daemon_pid)
+def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None) -> None:
+    """Run ``job`` in this (loader) process and report on ``reply``; ``daemon_gone``: the check
+    ``die_with_daemon`` returned, when this process already armed it (a spare: spare.py)."""
+    daemon_gone = daemon_gone or die_with_daemon(job.daemon_pid)
+    set_process_name(LOADER_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
     writer: SegmentWriter | None = None
     parts: Parts | None = None
@@ -363,7 +367,7 @@ def start_load(ctx: multiprocessing.context.ForkServerContext,
     """Start a loader process for ``job``; the returned pipe end receives
     one LoadOk or LoadError (nothing when the loader stopped because the daemon is gone)."""
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
+    process = ctx.Process(target=run_load, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
                           daemon=True)
     process.start()
     sender.close()

@@ -62,6 +62,7 @@ from .fileset import ResolvedFiles, files_meta
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
+from .spare import Spare, start_spare
 
 __all__ = ["SegmentStore"]
 
@@ -69,6 +70,8 @@ log = logging.getLogger("h5serve.daemon")
 # Shown in `status --json` from the start, so watchers never see a key appear.
 # damaged: published segments found changed (missing, truncated, made writable, header rewritten)
 # and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
+SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
+SPARE_RETRY_S = 10.0  # after a spare could not be started
 COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
             "damaged", "stalled")
 
@@ -156,6 +159,8 @@ class SegmentStore:
         self._last_sweep = time.monotonic()
         self._sweep: Future[set[str]] | None = None
         self._ctx = loader_context()
+        self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
+        self._spare_after = time.monotonic() + SPARE_DELAY_S
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -306,8 +311,14 @@ class SegmentStore:
                 job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
                               self.load_processes, self.checksum,
                               self.drop_page_cache and not self._read_again_soon(entry), entry.spans)
-                entry.process, entry.reply = start_load(self._ctx, job)
+                spare, self._spare = self._spare, None
+                if spare is not None and spare.take(job):
+                    entry.process, entry.reply = spare.process, spare.reply
+                else:
+                    entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = entry.active_at = time.monotonic()
+                self._spare_after = 0.0  # the forkserver is warm
+                self._keep_spare()
                 running += 1
                 log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
                          entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
@@ -424,6 +435,20 @@ class SegmentStore:
                            f"the loader process died (exit code {exitcode}); see the daemon log")
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
+        self._keep_spare()
+
+    def _keep_spare(self) -> None:
+        """Start a spare loader once the forkserver is warm (after the first load, or
+        SPARE_DELAY_S after the start: no request waits for the forkserver's imports on its
+        account). The next spare starts as soon as one is used, while that load runs, so no
+        load finishing waits for it either."""
+        if self._spare is not None or time.monotonic() < self._spare_after:
+            return
+        try:
+            self._spare = start_spare(self._ctx, os.getpid())
+        except OSError as exc:  # out of processes or files: loads start their own loader
+            self._spare_after = time.monotonic() + SPARE_RETRY_S
+            log.warning("could not start a spare loader (%s); loads start their own", exc)
 
     def _release_loader(self, entry: Entry) -> None:
         """Forget a finished (or killed) loader; it is reaped later, without waiting for it."""
@@ -546,6 +571,9 @@ class SegmentStore:
         Clients that already mapped a segment keep reading it: unlink removes the name, the
         memory goes when the last mapping does.
         """
+        if self._spare is not None:
+            self._spare.discard()
+            self._spare = None
         for entry in self.entries.values():
             if entry.process is not None:
                 entry.process.kill()

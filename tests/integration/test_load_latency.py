@@ -1,6 +1,10 @@
-"""A client waiting for a load attaches when the segment is published, not at its next poll.
+"""What a load costs beyond copying its rows: waiting for a loader to start, and for the client
+to notice the segment.
 
-- ``PublishWatch`` (segments/arrival.py) on a real directory of /dev/shm: a name renamed into
+- A spare loader (daemon/spare.py) waits for the next load: the load runs in it; the next
+  spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``).
+- A client waiting for a load attaches when the segment is published, not at its next poll.
+  ``PublishWatch`` (segments/arrival.py) on a real directory of /dev/shm: a name renamed into
   it ends a wait at once; other names do not; a name already there has arrived.
 - End to end: a real daemon and loader; the loader is stopped mid-load (SIGSTOP) while a client
   waits with a poll pause of a minute, then continued: the client is ready within seconds,
@@ -29,8 +33,9 @@ from h5serve.connection import DaemonClient
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments.arrival import PublishWatch
 
-from ..helpers import Daemon, short_workdir
+from ..helpers import Daemon, make_h5, short_workdir, wait_for
 from .test_hangs import find_loader, start_load
+from .test_parallel_load import descendants
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,4 +140,66 @@ def test_a_waiting_client_is_ready_when_the_segment_is_published(monkeypatch: py
                     os.kill(stopped, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
+            d.stop()
+
+
+def spares_of(daemon_pid: int) -> list[int]:
+    """The daemon's spare loaders: its descendants named h5serve-spare."""
+    found = []
+    for pid in descendants(daemon_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "h5serve-spare":
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_next_load_runs_in_the_spare_loader() -> None:
+    with short_workdir("h5s-spare-") as work:
+        small, big = make_h5(work / "small.h5"), _write_big(work / "big.h5")
+        d = Daemon("--load-processes", "1")
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"  # the forkserver is warm
+                assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+                (spare,) = spares_of(d.pid)
+                start_load(client, Acquire(str(big), "x", 1, 0))
+                loader, _ = find_loader(d, 10)
+                assert loader == spare  # the load runs in the spare, renamed
+                with open(f"/proc/{loader}/comm") as f:
+                    assert f.read().strip() == "h5serve-load"
+                assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"
+                assert wait_for(lambda: len(spares_of(d.pid)) == 1 and spares_of(d.pid) != [spare], 10)
+        finally:
+            d.stop()
+
+
+@pytest.mark.parametrize("how", ["kill -9", "h5serve stop"])
+def test_a_spare_loader_goes_with_the_daemon(how: str) -> None:
+    with short_workdir("h5s-spare-") as work:
+        small = make_h5(work / "small.h5")
+        d = Daemon("--load-processes", "1")
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
+            assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+            tree = list(descendants(d.pid))
+            if how == "kill -9":
+                os.kill(d.pid, signal.SIGKILL)
+            else:
+                d.stop()
+            assert wait_for(lambda: not any(_alive(p) for p in tree), 10), [p for p in tree if _alive(p)]
+        finally:
             d.stop()
