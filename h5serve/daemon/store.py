@@ -1,5 +1,6 @@
 """The daemon's registry of segments: single-flight loads, LRU eviction under a memory
-budget, adoption of complete segments left by a previous daemon, cleanup on shutdown.
+budget, adoption of complete segments left by a previous daemon (leftovers.py), cleanup on
+shutdown. Its records (``Entry``, ``LoadFailure``, the counters) are in entries.py.
 
 Everything here runs on the control loop's thread; loads run in loader processes and are
 reaped by ``poll_loads``.
@@ -13,8 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
+from dataclasses import replace
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ import numpy as np
 from ..errors import (
     AccessDenied,
     BudgetExceeded,
-    H5ServeError,
     SegmentError,
     error_from_code,
 )
@@ -41,24 +40,21 @@ from ..segments import (
     SegmentMeta,
     check_published,
     count_leases,
-    describe_file,
     header_checksum,
-    is_own_file,
     published_mode,
     read_activity,
-    read_meta,
     read_progress,
     segment_name,
-    segment_prefix,
     temporary_name,
-    temporary_owner_pid,
     try_evict,
 )
 from ..sharding import Selection
 from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
+from .entries import COUNTERS, Entry, LoadFailure, not_ours
 from .fileset import ResolvedFiles, files_meta
+from .leftovers import adopt_leftovers, own_files
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
@@ -67,51 +63,8 @@ from .spare import Spare, start_spare
 __all__ = ["SegmentStore"]
 
 log = logging.getLogger("h5serve.daemon")
-# Shown in `status --json` from the start, so watchers never see a key appear.
-# damaged: published segments found changed (missing, truncated, made writable, header rewritten)
-# and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
 SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
 SPARE_RETRY_S = 10.0  # after a spare could not be started
-COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
-            "damaged", "stalled")
-
-
-@dataclass(frozen=True)
-class LoadFailure:
-    """A failed load, remembered for FAILURE_MEMORY_S so pollers get its error, not a retry."""
-
-    at: float  # time.monotonic() when it failed
-    code: str  # as in h5serve.errors
-    message: str
-
-
-@dataclass
-class Entry:
-    name: str
-    meta: SegmentMeta
-    state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    hits: int = 0
-    tmp_name: str = ""
-    process: ForkServerProcess | None = None  # a loader, started by loader_context()
-    reply: Connection | None = None
-    load_started: float = 0.0
-    load_seconds: float = 0.0
-    load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
-    load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
-    load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
-    header: bytes = b""  # the header as published, compared byte for byte before each hit
-    checksum: str = ""  # "crc32:..." of the rows, as the loader computed it ("" when not computed)
-    activity: tuple[int, int] = (0, 0)  # (rows done, activity counter) last read from the temporary
-    active_at: float = 0.0  # when ``activity`` last moved (monotonic)
-    asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
-    modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
-    spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
-
-    def label(self) -> tuple[str, int, int]:
-        """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
-        return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
 
 
 def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
@@ -120,11 +73,6 @@ def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
     unique = {ident for identities in sources.values() for ident in identities}
     changed = {ident for ident in unique if not identities_unchanged([ident])}
     return {name for name, identities in sources.items() if changed.intersection(identities)}
-
-
-def _not_ours(st: os.stat_result) -> bool:
-    """For remove_if: keep (leave alone) anything that is not a regular file of ours."""
-    return not is_own_file(st)
 
 
 class SegmentStore:
@@ -164,52 +112,12 @@ class SegmentStore:
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
-        """Load the naming secret; remove temporaries of dead loaders; adopt complete segments
-        whose source is unchanged. Only regular files of our own are read or removed: anything
-        else under the prefix (another user's file, a symlink, a FIFO) is logged and left."""
+        """Load the naming secret; adopt what an earlier daemon on this runtime dir left
+        (leftovers.py: complete segments whose sources are unchanged; the rest removed)."""
         self.secret = load_secret(self.location.directory)
-        for path in self._own_files():
-            if temporary_owner_pid(path.name) is not None:
-                # A live loader holds an exclusive lock on its temporary; a dead one's lock is
-                # gone with it (pids in names can be reused or belong to unreaped zombies).
-                if try_evict(path):
-                    log.info("removed %s left by a dead loader", path.name)
-                continue
-            try:
-                meta, complete = read_meta(path)
-                unchanged = identities_unchanged(meta.identities())
-            except H5ServeError as exc:
-                log.info("dropping %s: %s", path.name, exc)
-                complete = unchanged = False
-            if complete and unchanged and segment_name(self.namespace, meta, self.secret) == path.name:
-                self.entries[path.name] = Entry(path.name, meta, "ready")
-                self.counters["adopted"] += 1
-                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank,
-                         meta.world_size)
-            else:
-                remove_if(path, keep=_not_ours)
-
-    def _own_files(self) -> list[Path]:
-        """This daemon's files in the shm dir: under its prefix, regular, owned by its euid
-        (lstat). The prefix is public, so the rest is logged and never touched."""
-        prefix = segment_prefix(self.namespace)
-        try:
-            names = sorted(n for n in os.listdir(self.shm_dir) if n.startswith(prefix))
-        except OSError as exc:
-            log.warning("cannot list %s: %s", self.shm_dir, exc.strerror)
-            return []
-        own = []
-        for name in names:
-            path = self.shm_dir / name
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if is_own_file(st):
-                own.append(path)
-            else:
-                log.warning("%s is %s, not a segment of this daemon: leaving it alone", path, describe_file(st))
-        return own
+        for entry in adopt_leftovers(self.shm_dir, self.namespace, self.secret):
+            self.entries[entry.name] = entry
+            self.counters["adopted"] += 1
 
     # ----- requests ------------------------------------------------------------------------
     def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
@@ -282,7 +190,7 @@ class SegmentStore:
             log.warning("%s; loading %s[%s] rank %d/%d again", exc, entry.meta.source_path, entry.meta.key,
                         entry.meta.rank, entry.meta.world_size)
             self.counters["damaged"] += 1
-            remove_if(path, keep=_not_ours)
+            remove_if(path, keep=not_ours)
             del self.entries[entry.name]
             return False
         if not entry.header:  # adopted from a previous daemon: its header was checked against meta
@@ -470,7 +378,7 @@ class SegmentStore:
         try:  # the header as published: every later hit compares the file with it
             entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
         except SegmentError as exc:
-            remove_if(self.shm_dir / entry.name, keep=_not_ours)
+            remove_if(self.shm_dir / entry.name, keep=not_ours)
             self._fail(entry, SegmentError.code, f"{exc} right after it was loaded; ask again to load it again")
             return
         entry.checksum = header_checksum(entry.header)
@@ -496,7 +404,7 @@ class SegmentStore:
 
     def _fail(self, entry: Entry, code: str, message: str) -> None:
         """A load failed: drop its temporary and entry; pollers get the error for FAILURE_MEMORY_S."""
-        remove_if(self.shm_dir / entry.tmp_name, keep=_not_ours)
+        remove_if(self.shm_dir / entry.tmp_name, keep=not_ours)
         del self.entries[entry.name]
         self.failures[entry.name] = LoadFailure(time.monotonic(), code, message)
         self.counters["load_errors"] += 1
@@ -581,7 +489,7 @@ class SegmentStore:
         # The namespace is this runtime dir, whose pidfile lock we hold: every regular file of
         # our euid under the prefix is ours (published, or a temporary of a loader we just
         # killed). The prefix is public, so anything else there is someone else's: left alone.
-        for path in self._own_files():
-            if not remove_if(path, keep=_not_ours):
+        for path in own_files(self.shm_dir, self.namespace):
+            if not remove_if(path, keep=not_ours):
                 log.warning("cannot remove segment %s; remove it by hand", path)
         self.entries.clear()
