@@ -63,6 +63,7 @@ from ._process import LOADER_NAME, drop_forkserver_alive_fd, set_pdeathsig, set_
 from .checksum import RunningCrc
 from .fileset import read_files_part
 from .parts import DaemonGone, PartResult, Parts, error_of
+from .reserve import Reservation
 from .vlenload import load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon", "kill_load",
@@ -99,7 +100,7 @@ class LoadStats:
     parts: int  # processes the rows were read by
     create_s: float  # creating (and reserving) the segment
     copied_bytes: int  # bytes copied file to file instead of through h5py
-    read_s: float  # reading every row, all parts
+    read_s: float  # reading every row, all parts, from when the segment was reserved
     part_s: tuple[float, ...]  # when each part was done, from the start of the reads
     checksum: str  # "crc32c:..." as stored in the header, "" when not computed
     checksum_s: float
@@ -180,25 +181,27 @@ def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: in
 
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-               progress: Callable[[int], None], checksum: bool, f: h5py.File | None = None,
-               drop_page_cache: bool = False) -> PartResult:
+               progress: Callable[[int], None], checksum: bool, ready: Callable[[], None],
+               f: h5py.File | None = None, drop_page_cache: bool = False) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
     this process's own h5py handle (``f``, or the file opened here), hashing them on their way
     in when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
     at explicit offsets, so every part can write through the one inherited descriptor. Many
     files as one dataset: each file of the span opened in turn (fileset.py), its cached pages
-    dropped as it is done with ``drop_page_cache``."""
+    dropped as it is done with ``drop_page_cache``. ``ready()`` returns once the segment is
+    reserved: called before the first write."""
     crc = RunningCrc() if checksum else None
     hashed = None if crc is None else crc.update
     if meta.files:
+        ready()
         copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache, hashed)
         return PartResult(copied, -1 if crc is None else crc.value)
     if f is None:
         with open_h5(meta.source_path) as f:
-            return _read_part(meta, rows, writer, span, progress, checksum, f)
+            return _read_part(meta, rows, writer, span, progress, checksum, ready, f)
     info = inspect_dataset(f, meta.key)
     copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, progress, span=span,
-                             dest=writer.data_target(), hashed=hashed)
+                             dest=writer.data_target(), hashed=hashed, ready=ready)
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
@@ -276,24 +279,28 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
     writer: SegmentWriter | None = None
     parts: Parts | None = None
+    reservation: Reservation | None = None
     try:
         meta = job.meta
         t0 = time.monotonic_ns()
-        # variable-length rows: created with no values (meta.values is the store's estimate), grown as read
-        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group)
-        started = time.monotonic_ns()
         rows = meta.row_range
         spans = _spans(job, rows)
-        if len(spans) > 1:  # fork before this process opens the file for reading
+        # variable-length rows: created with no values (meta.values is the store's estimate), grown as read;
+        # every byte reserved in a thread while this process and its parts get ready (reserve.py)
+        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group,
+                                reserve=False)
+        started = time.monotonic_ns()
+        if len(spans) > 1:  # fork before this process opens the file for reading, and starts a thread
             parts = Parts(len(spans))
             for index, span in enumerate(spans[1:], 1):
                 assert span is not None  # more than one part: each has its span
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
-                         writer: SegmentWriter = writer) -> PartResult:
+                         writer: SegmentWriter = writer, parts: Parts = parts) -> PartResult:
                     return _read_part(meta, rows, writer, span, progress, job.checksum,
-                                      drop_page_cache=job.drop_page_cache)
+                                      lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
+        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
         shown = 0
 
         def progress(rows_done: int, writer: SegmentWriter = writer) -> None:
@@ -311,9 +318,11 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
 
         with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
             if meta.vlen:
+                reservation.wait()
                 first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
             else:
-                first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source, job.drop_page_cache)
+                first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, reservation.wait, source,
+                                   job.drop_page_cache)
             copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:
@@ -331,8 +340,9 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
             # sit in HDF5's heaps, which data_extents does not describe)
             drop = job.drop_page_cache and not meta.files and not meta.vlen
             fd, extents = _read_extents(source, meta, rows) if drop else (-1, [])
-            stats = LoadStats(parts=len(spans), create_s=(started - t0) / 1e9, copied_bytes=copied,
-                              read_s=(read_done - started) / 1e9,
+            reserved = max(reservation.done_ns, started)  # the rows could be written from then on
+            stats = LoadStats(parts=len(spans), create_s=(started - t0) / 1e9 + reservation.seconds,
+                              copied_bytes=copied, read_s=(read_done - reserved) / 1e9,
                               part_s=tuple((t - started) / 1e9 for t in finished),
                               checksum=checksum, checksum_s=(time.monotonic_ns() - read_done) / 1e9,
                               page_cache_drop_bytes=sum(size for _, size in extents), values=writer.meta.values)
@@ -348,6 +358,8 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
         if parts is not None:
             parts.kill_all()  # before the temporary goes: nothing writes into it any more
+        if reservation is not None:
+            reservation.settle()  # nothing uses the descriptor any more when it is closed
         if writer is not None:
             writer.abort()
         if not isinstance(exc, DaemonGone):

@@ -141,6 +141,7 @@ def read_shard_into(
     span: tuple[int, int] | None = None,
     dest: tuple[int, int] | None = None,
     hashed: Hasher | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
     chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global
@@ -154,7 +155,9 @@ def read_shard_into(
     slower than either. Returns the bytes copied file to file.
 
     ``hashed``: called with every byte of ``out[k0:k1]`` as it is written, in ascending
-    order (a load's checksum, computed while the bytes are in the CPU's cache).
+    order (a load's checksum, computed while the bytes are in the CPU's cache). ``ready``:
+    called once the rows' places in the file are known, before the first write (a load
+    waits there for its segment's reservation: daemon/reserve.py).
 
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
     ends early: DataError.
@@ -171,6 +174,8 @@ def read_shard_into(
         copy = None
         if dest is not None and copier is not None:
             copy = _row_copier(dset, info, rows, out.dtype, dest, copier, hashed)
+        if ready is not None:
+            ready()
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
             k0, k1 = local_range(a, b, start, step, len(out))
             if k1 <= k0:

@@ -1,6 +1,9 @@
 """What a load costs beyond copying its rows: waiting for a loader to start, and for the client
 to notice the segment.
 
+- A segment is reserved in a thread while the loader and its part processes get ready
+  (daemon/reserve.py): a full /dev/shm is still a ShmFull, with every part process stopped
+  and nothing left behind.
 - A spare loader (daemon/spare.py) waits for the next load: the load runs in it; the next
   spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``).
 - A client waiting for a load attaches when the segment is published, not at its next poll.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -29,13 +33,15 @@ import numpy as np
 import pytest
 
 from h5serve import connection
+from h5serve.client import SharedH5Dataset
 from h5serve.connection import DaemonClient
+from h5serve.errors import ShmFull
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments.arrival import PublishWatch
 
-from ..helpers import Daemon, make_h5, short_workdir, wait_for
+from ..helpers import Daemon, make_h5, short_tmpdir, short_workdir, wait_for
 from .test_hangs import find_loader, start_load
-from .test_parallel_load import descendants
+from .test_parallel_load import descendants, loaders_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,3 +209,27 @@ def test_a_spare_loader_goes_with_the_daemon(how: str) -> None:
             assert wait_for(lambda: not any(_alive(p) for p in tree), 10), [p for p in tree if _alive(p)]
         finally:
             d.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_split_load_into_a_full_shm_is_shm_full_and_leaves_nothing() -> None:
+    mnt = short_tmpdir("h5s-tmpfs-")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G", "--load-processes", "3")
+    d.env["H5SERVE_MIN_PART_BYTES"] = str(1 << 20)  # 6 MiB of rows: three parts
+    try:
+        with short_workdir("h5s-full-") as work:
+            d.start()
+            path = work / "big.h5"
+            with h5py.File(path, "w") as f:
+                f.create_dataset("x", data=np.ones((6144, 1024), dtype=np.uint8), chunks=(256, 1024))
+            with pytest.raises(ShmFull, match=r"needs 6\.0 MiB, .* free"):
+                SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error", timeout=30)
+            assert wait_for(lambda: not loaders_of(d.pid), 10), descendants(d.pid)
+            assert os.listdir(mnt) == []  # the failed temporary was removed
+            assert d.status()["running"] is True
+    finally:
+        d.stop()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        os.rmdir(mnt)
