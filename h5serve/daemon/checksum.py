@@ -2,9 +2,10 @@
 
 Each loader process hashes the rows of its own part as they pass on their way into the
 segment (``read_shard_into(hashed=...)``): rows copied file to file go through a small buffer
-(pread, hash, pwrite: rawcopy.HASHED_COPY_BYTES), rows read through h5py are hashed in the
-staging buffer before they are written. The parts' crcs are joined in row order with
-``LOAD_CRC.combine``.
+(pread, hash, pwrite: rawcopy.HASHED_COPY_BYTES; a load read by one process writes in a
+second thread, rawcopy.WriteBehind, while it reads and hashes the next buffer), rows read
+through h5py are hashed in the staging buffer before they are written. The parts' crcs are
+joined in row order with ``LOAD_CRC.combine``.
 
 History: a load first copied every row and then read the whole segment again for its crc
 (~0.15 s for 293 MiB on 2 cores); then a thread hashed the rows through the segment's mapping

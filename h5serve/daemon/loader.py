@@ -201,7 +201,7 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
             return _read_part(meta, rows, writer, span, progress, checksum, ready, f)
     info = inspect_dataset(f, meta.key)
     copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, progress, span=span,
-                             dest=writer.data_target(), hashed=hashed, ready=ready)
+                             dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None)
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
@@ -290,8 +290,10 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group,
                                 reserve=False)
         started = time.monotonic_ns()
-        if len(spans) > 1:  # fork before this process opens the file for reading, and starts a thread
-            parts = Parts(len(spans))
+        parts = Parts(len(spans)) if len(spans) > 1 else None
+        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
+        if parts is not None:  # fork before this process opens the file for reading
+            # (the reservation thread is in posix_fallocate, holding no lock the children could need)
             for index, span in enumerate(spans[1:], 1):
                 assert span is not None  # more than one part: each has its span
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
@@ -300,7 +302,6 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                                       lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
-        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
         shown = 0
 
         def progress(rows_done: int, writer: SegmentWriter = writer) -> None:

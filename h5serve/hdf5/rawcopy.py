@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ from ..units import row_nbytes
 from .source import DatasetInfo
 
 __all__ = ["COPY_BUFFER_BYTES", "HASHED_COPY_BYTES", "MAX_MAPPED_CHUNKS", "FileCopier", "Hasher", "StoredRows",
-           "copy_rows", "data_extents", "drop_cached", "read_stored_rows", "stored_rows", "write_all"]
+           "WriteBehind", "copy_rows", "data_extents", "drop_cached", "read_stored_rows", "stored_rows", "write_all"]
 
 COPY_BUFFER_BYTES = 4 * 1024 * 1024  # big enough for few syscalls, small enough to stay in cache
 HASHED_COPY_BYTES = 512 * 1024  # a hashed copy's buffer: read, hashed and written from the CPU's cache
@@ -142,10 +144,12 @@ class FileCopier:
     on its file position), else ``pread``/``pwrite`` through a buffer; a copy that is hashed
     as it goes, through a buffer of at most HASHED_COPY_BYTES. Close it when done."""
 
-    def __init__(self, buffer_bytes: int = COPY_BUFFER_BYTES, splice: bool = True) -> None:
+    def __init__(self, buffer_bytes: int = COPY_BUFFER_BYTES, splice: bool = True, write_behind: bool = False) -> None:
         self._buffer_bytes = buffer_bytes
         self._buffer: memoryview | None = None
         self._hash_buffer: memoryview | None = None
+        self._write_behind = write_behind  # hashed copies: pwrite in a thread of their own (WriteBehind)
+        self._writer: WriteBehind | None = None
         self._pipe: tuple[int, int] | None = None
         self._pipe_bytes = 0
         self.splice = splice and hasattr(os, "splice")
@@ -182,6 +186,11 @@ class FileCopier:
         Raised when the source ends first (truncated while it is read), or cannot be read or
         written: OSError.
         """
+        if hashed is not None and self._write_behind:
+            if self._writer is None:
+                self._writer = WriteBehind(min(self._buffer_bytes, HASHED_COPY_BYTES))
+            self._writer.copy(src_fd, src_offset, size, dest_fd, dest_offset, hashed)
+            return
         if hashed is not None:
             _copy_buffered(src_fd, src_offset, size, dest_fd, dest_offset, self.hash_buffer, hashed)
             return
@@ -213,7 +222,20 @@ class FileCopier:
         if done < size:
             _copy_buffered(src_fd, src_offset + done, size - done, dest_fd, dest_offset + done, self.buffer)
 
+    def finish(self) -> None:
+        """Return once every byte copied is written.
+
+        Raised when a write behind failed: OSError.
+        """
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
+        """Release the pipe, the buffers and the writer thread (after waiting for its writes);
+        never raises: ``finish`` reports a failed write."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         if self._pipe is not None:
             for fd in self._pipe:
                 os.close(fd)
@@ -225,6 +247,68 @@ class FileCopier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WriteBehind:
+    """A hashed copy on two cores: this thread reads and hashes the next buffer while a thread
+    of its own ``pwrite``s the last one (every call releases the GIL). One process alone hashed
+    and wrote a 307 MB load's rows in 125-155 ms on the bench's VM against 80-95 ms for the
+    bare copy; reading and writing side by side takes the hash off the copy's path. Buffers
+    are reused only once written; ``flush`` waits for every write."""
+
+    _BUFFERS = 3
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for _ in range(self._BUFFERS):
+            self._free.put(memoryview(bytearray(buffer_bytes)))
+        self._todo: queue.SimpleQueue[tuple[memoryview, int, int, int] | None] = queue.SimpleQueue()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._write, name="h5serve-write", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        while (item := self._todo.get()) is not None:
+            buffer, size, fd, offset = item
+            if self._error is None:
+                try:
+                    write_all(fd, buffer[:size], offset)
+                except OSError as exc:
+                    self._error = exc
+            self._free.put(buffer)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def copy(self, src_fd: int, src_offset: int, size: int, dest_fd: int, dest_offset: int, hashed: Hasher) -> None:
+        """As ``_copy_buffered`` with ``hashed``, the writes done behind.
+
+        Raised when the source ends first, or a read or an earlier write failed: OSError.
+        """
+        done = 0
+        while done < size:
+            buffer = self._free.get()
+            self._check()
+            piece = buffer[: min(len(buffer), size - done)]
+            _read_exactly(src_fd, piece, src_offset + done)
+            hashed(piece)
+            self._todo.put((buffer, len(piece), dest_fd, dest_offset + done))
+            done += len(piece)
+
+    def flush(self) -> None:
+        """Wait until every buffer handed over is written (every buffer is free again).
+
+        Raised when a write failed: OSError.
+        """
+        buffers = [self._free.get() for _ in range(self._BUFFERS)]
+        for buffer in buffers:
+            self._free.put(buffer)
+        self._check()
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join()
 
 
 def _copy_buffered(src_fd: int, src_offset: int, size: int, dest_fd: int, dest_offset: int, buffer: memoryview,

@@ -142,6 +142,7 @@ def read_shard_into(
     dest: tuple[int, int] | None = None,
     hashed: Hasher | None = None,
     ready: Callable[[], None] | None = None,
+    write_behind: bool = False,
 ) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
     chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global
@@ -157,7 +158,9 @@ def read_shard_into(
     ``hashed``: called with every byte of ``out[k0:k1]`` as it is written, in ascending
     order (a load's checksum, computed while the bytes are in the CPU's cache). ``ready``:
     called once the rows' places in the file are known, before the first write (a load
-    waits there for its segment's reservation: daemon/reserve.py).
+    waits there for its segment's reservation: daemon/reserve.py). ``write_behind``: hashed
+    copies are written by a thread of their own (rawcopy.WriteBehind), for a load that has a
+    core to spare.
 
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
     ends early: DataError.
@@ -169,7 +172,7 @@ def read_shard_into(
     out_row = row_nbytes(info.row_shape, out.dtype)
     buffer: np.ndarray | None = None
     stage: np.ndarray | None = None
-    copier = FileCopier() if dest is not None else None
+    copier = FileCopier(write_behind=write_behind) if dest is not None else None
     try:
         copy = None
         if dest is not None and copier is not None:
@@ -197,6 +200,8 @@ def read_shard_into(
             done += k1 - k0
             if progress is not None:
                 progress(done)
+        if copier is not None:
+            copier.finish()  # every row is written before the caller publishes
     finally:
         if copier is not None:
             copier.close()

@@ -54,8 +54,8 @@ def work() -> Iterator[Path]:
         yield where
 
 
-def _hashed_read(path: Path, key: str, rows: RowRange | Selection, span: tuple[int, int] | None = None
-                 ) -> tuple[np.ndarray, str]:
+def _hashed_read(path: Path, key: str, rows: RowRange | Selection, span: tuple[int, int] | None = None,
+                 write_behind: bool = False) -> tuple[np.ndarray, str]:
     """The rows read into a fresh /dev/shm file as a load reads them, and the crc of what the hash saw."""
     with h5py.File(path, "r") as f:
         info = inspect_dataset(f, key)
@@ -66,7 +66,8 @@ def _hashed_read(path: Path, key: str, rows: RowRange | Selection, span: tuple[i
         try:
             os.posix_fallocate(fd, 0, out.nbytes)
             crc = RunningCrc()
-            read_shard_into(f[key], info, rows, out, span=span, dest=(fd, 0), hashed=crc.update)
+            read_shard_into(f[key], info, rows, out, span=span, dest=(fd, 0), hashed=crc.update,
+                            write_behind=write_behind)
             written = np.frombuffer(os.pread(fd, out.nbytes, 0), dtype=info.dtype).reshape(out.shape)
         finally:
             os.close(fd)
@@ -74,11 +75,12 @@ def _hashed_read(path: Path, key: str, rows: RowRange | Selection, span: tuple[i
     return written, LOAD_CRC.text(crc.value)
 
 
+@pytest.mark.parametrize("write_behind", [False, True], ids=["inline", "write-behind"])
 @pytest.mark.parametrize("key", ["x", "contiguous", "gzip", "holes"])
 @pytest.mark.parametrize("rows", [Selection("contiguous", 1, 0), Selection("interleave", 3, 1),
                                   Selection("contiguous", 3, 2)], ids=["whole", "interleave", "last-third"])
-def test_the_hash_sees_exactly_the_rows_written(work: Path, key: str, rows: Selection) -> None:
-    written, crc = _hashed_read(work / "plain.h5", key, rows)
+def test_the_hash_sees_exactly_the_rows_written(work: Path, key: str, rows: Selection, write_behind: bool) -> None:
+    written, crc = _hashed_read(work / "plain.h5", key, rows, write_behind=write_behind)
     with h5py.File(work / "plain.h5", "r") as f:
         r = rows.rows(ROWS)
         expected = f[key][:][r.start:r.stop:r.step]
@@ -95,21 +97,39 @@ def test_a_part_hashes_its_own_rows(work: Path) -> None:
     assert np.array_equal(written[3 * CHUNK:11 * CHUNK], expected)
 
 
-@pytest.mark.parametrize("splice", [True, False], ids=["splice", "buffered"])
-def test_a_hashed_copy_passes_every_byte_in_order(work: Path, splice: bool) -> None:
+@pytest.mark.parametrize(("splice", "write_behind"), [(True, False), (False, False), (True, True)],
+                         ids=["splice", "buffered", "write-behind"])
+def test_a_hashed_copy_passes_every_byte_in_order(work: Path, splice: bool, write_behind: bool) -> None:
     data = (work / "plain.h5").read_bytes()
     seen: list[bytes] = []
     target = f"/dev/shm/h5s-hash-{os.getpid()}"
     fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with open(work / "plain.h5", "rb") as src, FileCopier(buffer_bytes=5000, splice=splice) as copier:
+        with open(work / "plain.h5", "rb") as src, \
+                FileCopier(buffer_bytes=5000, splice=splice, write_behind=write_behind) as copier:
             copier.copy(src.fileno(), 123, len(data) - 200, fd, 10, lambda piece: seen.append(bytes(piece)))
+            copier.finish()
         assert os.pread(fd, len(data), 10) == data[123:-77]
     finally:
         os.close(fd)
         os.unlink(target)
     assert b"".join(seen) == data[123:-77]
     assert max(len(piece) for piece in seen) <= 5000
+
+
+def test_a_failed_write_behind_is_an_error(work: Path) -> None:
+    target = f"/dev/shm/h5s-hash-{os.getpid()}"
+    with open(target, "wb"):
+        pass
+    read_only = os.open(target, os.O_RDONLY)  # every pwrite fails (EBADF)
+    try:
+        with open(work / "plain.h5", "rb") as src, FileCopier(buffer_bytes=5000, write_behind=True) as copier:
+            with pytest.raises(OSError):
+                copier.copy(src.fileno(), 0, 100_000, read_only, 0, lambda piece: None)
+                copier.finish()
+    finally:
+        os.close(read_only)
+        os.unlink(target)
 
 
 def _loaded_checksum(d: Daemon, request: Acquire) -> tuple[str, int]:
