@@ -29,12 +29,19 @@ from .protocol import (
     encode_request,
 )
 from .runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
+from .segments.arrival import PublishWatch
 
-__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S"]
+__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "poll_pause"]
 
 
 DEFAULT_TIMEOUT_S = 5.0
 FIRST_POLL_S = 0.002
+
+
+def poll_pause(waited: float) -> float:
+    """The pause before polling a load again, ``waited`` seconds into the wait: a tenth of it,
+    FIRST_POLL_S to POLL_INTERVAL_S (a publication ends it early: ``acquire``)."""
+    return min(max(waited / 10, FIRST_POLL_S), POLL_INTERVAL_S)
 
 
 class DaemonClient:
@@ -171,8 +178,9 @@ class DaemonClient:
     ) -> AcquireResult:
         """Ask for a segment and poll until it is loaded. Each poll is bounded by the timeout,
         so a daemon that dies mid-load surfaces as DaemonUnavailable, never a hang. The pause
-        between polls is a tenth of the time waited so far (FIRST_POLL_S to POLL_INTERVAL_S):
-        noticing a finished load never adds more than about 10% to it.
+        between polls (``poll_pause``) is cut short the moment the segment's name is published
+        in the shm dir (inotify: segments/arrival.py), so a finished load is noticed within a
+        round trip or two rather than at the next poll.
 
         ``deadline`` (a ``time.monotonic()`` value) bounds the whole wait, polls included;
         None waits as long as the daemon answers each poll and the load goes on (the daemon
@@ -182,20 +190,34 @@ class DaemonClient:
         DaemonUnavailable. Raised when the load fails: the daemon's error class.
         """
         started = time.monotonic()
-        while True:
-            result = AcquireResult.from_wire(self.request_by(request, deadline))
-            if result.state == "ready":
-                return result
-            if on_progress is not None:
-                on_progress(result)
-            pause = min(max((time.monotonic() - started) / 10, FIRST_POLL_S), POLL_INTERVAL_S)
-            if deadline is not None and time.monotonic() + pause >= deadline:
-                raise DaemonUnavailable(
-                    f"the daemon's load of {request.path}[{request.key}] rank {request.rank}/{request.world_size} "
-                    f"did not finish within timeout={self.timeout:g}s ({result.rows_done} of {result.rows_total} "
-                    "rows so far; it goes on for later jobs); pass a larger timeout=, or timeout=None to wait "
-                    "as long as the load makes progress"
-                )
-            time.sleep(pause)
+        watch: PublishWatch | None = None
+        quick = FIRST_POLL_S  # the pause once the name is there (the daemon is told within moments)
+        try:
+            while True:
+                result = AcquireResult.from_wire(self.request_by(request, deadline))
+                if result.state == "ready":
+                    return result
+                if on_progress is not None:
+                    on_progress(result)
+                pause = poll_pause(time.monotonic() - started)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise DaemonUnavailable(
+                        f"the daemon's load of {request.path}[{request.key}] rank {request.rank}/"
+                        f"{request.world_size} did not finish within timeout={self.timeout:g}s ({result.rows_done} "
+                        f"of {result.rows_total} rows so far; it goes on for later jobs); pass a larger timeout=, "
+                        "or timeout=None to wait as long as the load makes progress"
+                    )
+                if watch is None and result.name:
+                    watch = PublishWatch(result.shm_dir, result.name)
+                if watch is None:
+                    time.sleep(pause)
+                elif watch.arrived:  # published, the daemon not yet told: ask again soon, then less often
+                    time.sleep(min(quick, pause))
+                    quick *= 2
+                else:
+                    watch.wait(pause)
+        finally:
+            if watch is not None:
+                watch.close()
 
 

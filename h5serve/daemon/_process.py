@@ -3,7 +3,9 @@ place, each with why and what it depends on (the client's are in h5serve/client/
 
 - ``drop_forkserver_alive_fd``: a loader closes its inherited copy of the forkserver's
   "alive" pipe;
-- ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies.
+- ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies;
+- ``set_process_name``: a loader shows as ``h5serve-load`` (a spare waiting for its job as
+  ``h5serve-spare``) in ps, top and /proc/PID/comm.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import ctypes
 import os
 import signal
 
-__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig"]
+__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "SPARE_NAME", "LOADER_NAME"]
 
-_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+_PR_SET_PDEATHSIG = 1  # prctl options (linux/prctl.h)
+_PR_SET_NAME = 15
+LOADER_NAME = "h5serve-load"
+SPARE_NAME = "h5serve-spare"
 
 
 def drop_forkserver_alive_fd() -> None:
@@ -46,5 +51,18 @@ def set_pdeathsig() -> None:
     """
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def set_process_name(name: str) -> None:
+    """Name this process (``/proc/PID/comm``, at most 15 bytes) for ps and top.
+
+    Why: loaders are forkserver children named "python"; an operator (or a test) tells a
+    loader at work from a spare waiting for its job by this name. Version: Linux
+    ``prctl(PR_SET_NAME)``; a no-op where libc has no ``prctl``.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass

@@ -21,7 +21,7 @@ from ..errors import SourceChanged
 from ..hdf5.compound import FieldRows, rows_dataset
 from ..hdf5.files import check_agreement, pieces
 from ..hdf5.identity import FileIdentity, open_h5_verified
-from ..hdf5.rawcopy import data_extents, drop_cached
+from ..hdf5.rawcopy import Hasher, data_extents, drop_cached
 from ..hdf5.reads import read_shard_into
 from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
 from ..protocol import Acquire
@@ -107,11 +107,12 @@ def _quick_info(dset: h5py.Dataset | FieldRows, key: str) -> DatasetInfo:
 
 
 def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-                    progress: Callable[[int], None], drop_page_cache: bool = False) -> int:
+                    progress: Callable[[int], None], drop_page_cache: bool = False,
+                    hashed: Hasher | None = None) -> int:
     """Read the shard's rows among global rows ``span`` (None: all), file by file, each file
     opened here (and checked to be the one resolved) and its rows pwritten into their place in
-    the segment. With ``drop_page_cache`` each file's cached pages of the rows read are dropped
-    once its rows are in. Returns the bytes copied file to file.
+    the segment, passed to ``hashed`` in row order. With ``drop_page_cache`` each file's cached
+    pages of the rows read are dropped once its rows are in. Returns the bytes copied file to file.
 
     Raised when a file is no longer the one resolved (replaced, rows changed): SourceChanged;
     when its rows cannot be read: DataError.
@@ -137,7 +138,7 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
                 progress(before + n)
 
             copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1], piece_progress,
-                                      dest=None if small else (fd, base + piece.k0 * out_row))
+                                      dest=None if small else (fd, base + piece.k0 * out_row), hashed=hashed)
             if drop_page_cache:
                 try:
                     extents = data_extents(dset, *piece.local.span)

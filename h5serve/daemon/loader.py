@@ -60,14 +60,15 @@ from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
-from ._process import drop_forkserver_alive_fd, set_pdeathsig
-from .checksum import FollowingCrc
+from ._process import LOADER_NAME, drop_forkserver_alive_fd, set_pdeathsig, set_process_name
+from .checksum import RunningCrc
 from .fileset import read_files_part
 from .parts import DaemonGone, PartResult, Parts, error_of
+from .reserve import Reservation
 from .vlenload import load_vlen
 
-__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "kill_load", "loader_context",
-           "start_forkserver", "plan_parts", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon", "kill_load",
+           "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES", "MIN_PART_ENV"]
 
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
@@ -88,6 +89,9 @@ class LoadJob:
     load_processes: int = 1  # processes one load may be split across (the loader and its children)
     checksum: bool = True  # crc32 of the rows into the header, for `h5serve status --verify`
     drop_page_cache: bool = True  # drop the source file's cached pages of the rows read, once published
+    # the parts, planned by the daemon from the metadata it holds (``load_spans``), so that the
+    # loader need not open the file before it forks; None: the loader plans them itself
+    spans: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class LoadStats:
     parts: int  # processes the rows were read by
     create_s: float  # creating (and reserving) the segment
     copied_bytes: int  # bytes copied file to file instead of through h5py
-    read_s: float  # reading every row, all parts
+    read_s: float  # reading every row, all parts, from when the segment was reserved
     part_s: tuple[float, ...]  # when each part was done, from the start of the reads
     checksum: str  # "crc32c:..." as stored in the header, "" when not computed
     checksum_s: float
@@ -133,11 +137,12 @@ def loader_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(
-        ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader"])
+        ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader",
+         "h5serve.daemon.spare"])
     return ctx
 
 
-def _die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
+def die_with_daemon(daemon_pid: int) -> Callable[[], bool]:
     """Make sure a loader never outlives its daemon, so a SIGKILLed daemon never gets a
     segment published behind its back. Returns a cheap "is the daemon gone?" check.
 
@@ -177,38 +182,28 @@ def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: in
 
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
-               progress: Callable[[int], None], checksum: bool, f: h5py.File | None = None,
-               drop_page_cache: bool = False) -> PartResult:
+               progress: Callable[[int], None], checksum: bool, ready: Callable[[], None],
+               f: h5py.File | None = None, drop_page_cache: bool = False) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
-    this process's own h5py handle (``f``, or the file opened here), hashing them as they land
-    when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
+    this process's own h5py handle (``f``, or the file opened here), hashing them on their way
+    in when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
     at explicit offsets, so every part can write through the one inherited descriptor. Many
     files as one dataset: each file of the span opened in turn (fileset.py), its cached pages
-    dropped as it is done with ``drop_page_cache``, and the part hashed once it is written."""
-    flat = writer.data.reshape(-1).view(np.uint8)
-    row = flat.nbytes // max(len(writer.data), 1)
-    k0, k1 = (0, len(writer.data)) if span is None else local_range(*span, rows.start, rows.step, len(writer.data))
+    dropped as it is done with ``drop_page_cache``. ``ready()`` returns once the segment is
+    reserved: called before the first write."""
+    crc = RunningCrc() if checksum else None
+    hashed = None if crc is None else crc.update
     if meta.files:
-        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache)
-        return PartResult(copied, LOAD_CRC.update(flat[k0 * row:k1 * row], 0) if checksum else -1)
+        ready()
+        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache, hashed)
+        return PartResult(copied, -1 if crc is None else crc.value)
     if f is None:
         with open_h5(meta.source_path) as f:
-            return _read_part(meta, rows, writer, span, progress, checksum, f)
+            return _read_part(meta, rows, writer, span, progress, checksum, ready, f)
     info = inspect_dataset(f, meta.key)
-    crc = FollowingCrc(flat, k0 * row, k1 * row) if checksum else None
-
-    def landed(done: int) -> None:
-        if crc is not None:
-            crc.advance((k0 + done) * row)
-        progress(done)
-
-    try:
-        copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, landed, span=span,
-                                 dest=writer.data_target())
-        return PartResult(copied, -1 if crc is None else crc.result())
-    finally:
-        if crc is not None:
-            crc.close()
+    copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, progress, span=span,
+                             dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None)
+    return PartResult(copied, -1 if crc is None else crc.value)
 
 
 def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: Parts | None,
@@ -237,45 +232,75 @@ def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int,
         return -1, []
 
 
-def _spans(meta: SegmentMeta, rows: RowRange, processes: int) -> list[tuple[int, int] | None]:
+def _one_process(meta: SegmentMeta, processes: int) -> bool:
+    """Whether a load is read by one process whatever its size."""
+    return processes <= 1 or meta.rows == 0 or bool(meta.vlen)
+
+
+def _too_small(meta: SegmentMeta) -> bool:
+    """Whether a one-file shard spans too few source rows to be worth more than one process."""
+    rows = meta.row_range
+    return (rows.stop - rows.start) * row_nbytes(meta.row_shape, np.dtype(meta.source_dtype)) < 2 * min_part_bytes()
+
+
+def load_spans(info: DatasetInfo, meta: SegmentMeta, processes: int) -> tuple[tuple[int, int], ...]:
+    """The parts of a one-file load, planned from ``info`` (the daemon's metadata of the
+    dataset, so that the loader opens nothing before it forks); one part when not worth it."""
+    if _one_process(meta, processes) or meta.files or _too_small(meta):
+        return (meta.row_range.span,)
+    return tuple(plan_parts(info, meta.row_range, processes))
+
+
+def _spans(job: LoadJob, rows: RowRange) -> list[tuple[int, int] | None]:
     """Parts for one load: ``[None]`` (one process reads the whole shard) unless it is worth
-    splitting. Opens the file only when it may be (and closes it before anything forks)."""
-    if processes <= 1 or meta.rows == 0:
+    splitting. Opens the file only when it may be and the daemon did not plan the parts (and
+    closes it before anything forks)."""
+    meta, processes = job.meta, job.load_processes
+    if _one_process(meta, processes):
         return [None]
-    span_rows = rows.stop - rows.start
-    row = row_nbytes(meta.row_shape, np.dtype(meta.source_dtype))
     if meta.files:  # split at file boundaries: each process opens its own files
+        row = row_nbytes(meta.row_shape, np.dtype(meta.source_dtype))
         spans = plan_file_parts(rows, meta.file_rows, row, processes, min_part_bytes())
-        return [None] if len(spans) <= 1 else list(spans)
-    if span_rows * row < 2 * min_part_bytes():
+    elif _too_small(meta):
         return [None]
-    with open_h5(meta.source_path) as f:
-        info = inspect_dataset(f, meta.key)
-    spans = plan_parts(info, rows, processes)
+    elif job.spans is not None:
+        spans = list(job.spans)
+    else:
+        with open_h5(meta.source_path) as f:
+            info = inspect_dataset(f, meta.key)
+        spans = plan_parts(info, rows, processes)
     return [None] if len(spans) <= 1 else list(spans)
 
 
-def _run(job: LoadJob, reply: Connection) -> None:
-    daemon_gone = _die_with_daemon(job.daemon_pid)
+def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None) -> None:
+    """Run ``job`` in this (loader) process and report on ``reply``; ``daemon_gone``: the check
+    ``die_with_daemon`` returned, when this process already armed it (a spare: spare.py)."""
+    daemon_gone = daemon_gone or die_with_daemon(job.daemon_pid)
+    set_process_name(LOADER_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
     writer: SegmentWriter | None = None
     parts: Parts | None = None
+    reservation: Reservation | None = None
     try:
         meta = job.meta
         t0 = time.monotonic_ns()
-        # variable-length rows: created with no values (meta.values is the store's estimate), grown as read
-        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group)
-        started = time.monotonic_ns()
         rows = meta.row_range
-        spans: list[tuple[int, int] | None] = [None] if meta.vlen else _spans(meta, rows, job.load_processes)
-        if len(spans) > 1:  # fork before this process opens the file for reading
-            parts = Parts(len(spans))
+        spans = _spans(job, rows)
+        # variable-length rows: created with no values (meta.values is the store's estimate), grown as read;
+        # every byte reserved in a thread while this process and its parts get ready (reserve.py)
+        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group,
+                                reserve=False)
+        started = time.monotonic_ns()
+        parts = Parts(len(spans)) if len(spans) > 1 else None
+        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
+        if parts is not None:  # fork before this process opens the file for reading
+            # (the reservation thread is in posix_fallocate, holding no lock the children could need)
             for index, span in enumerate(spans[1:], 1):
                 assert span is not None  # more than one part: each has its span
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
-                         writer: SegmentWriter = writer) -> PartResult:
+                         writer: SegmentWriter = writer, parts: Parts = parts) -> PartResult:
                     return _read_part(meta, rows, writer, span, progress, job.checksum,
-                                      drop_page_cache=job.drop_page_cache)
+                                      lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
@@ -295,9 +320,11 @@ def _run(job: LoadJob, reply: Connection) -> None:
 
         with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
             if meta.vlen:
+                reservation.wait()
                 first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
             else:
-                first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, source, job.drop_page_cache)
+                first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, reservation.wait, source,
+                                   job.drop_page_cache)
             copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:
@@ -315,8 +342,9 @@ def _run(job: LoadJob, reply: Connection) -> None:
             # sit in HDF5's heaps, which data_extents does not describe)
             drop = job.drop_page_cache and not meta.files and not meta.vlen
             fd, extents = _read_extents(source, meta, rows) if drop else (-1, [])
-            stats = LoadStats(parts=len(spans), create_s=(started - t0) / 1e9, copied_bytes=copied,
-                              read_s=(read_done - started) / 1e9,
+            reserved = max(reservation.done_ns, started)  # the rows could be written from then on
+            stats = LoadStats(parts=len(spans), create_s=(started - t0) / 1e9 + reservation.seconds,
+                              copied_bytes=copied, read_s=(read_done - reserved) / 1e9,
                               part_s=tuple((t - started) / 1e9 for t in finished),
                               checksum=checksum, checksum_s=(time.monotonic_ns() - read_done) / 1e9,
                               page_cache_drop_bytes=sum(size for _, size in extents), values=writer.meta.values)
@@ -332,6 +360,8 @@ def _run(job: LoadJob, reply: Connection) -> None:
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
         if parts is not None:
             parts.kill_all()  # before the temporary goes: nothing writes into it any more
+        if reservation is not None:
+            reservation.settle()  # nothing uses the descriptor any more when it is closed
         if writer is not None:
             writer.abort()
         if not isinstance(exc, DaemonGone):
@@ -351,7 +381,7 @@ def start_load(ctx: multiprocessing.context.ForkServerContext,
     """Start a loader process for ``job``; the returned pipe end receives
     one LoadOk or LoadError (nothing when the loader stopped because the daemon is gone)."""
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_run, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
+    process = ctx.Process(target=run_load, args=(job, sender), name=f"h5serve-load-{job.meta.key}-r{job.meta.rank}",
                           daemon=True)
     process.start()
     sender.close()

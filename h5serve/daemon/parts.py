@@ -29,6 +29,7 @@ __all__ = ["Parts", "PartResult", "PartFailed", "DaemonGone", "error_of", "EXIT_
 
 _REAP_S = 5.0  # how long killed children get to be reaped before the loader stops waiting
 EXIT_DAEMON_GONE = 3  # a child's exit status when it stopped because the daemon is gone
+_RESERVED_POLL_S = 0.0005  # how often a part process looks whether the segment is reserved
 
 
 class DaemonGone(Exception):
@@ -66,18 +67,34 @@ class Parts:
 
     ``counters[i]`` is the rows part ``i`` has written (part 0: the loader's own),
     ``finished[i]`` when it was done (``time.monotonic_ns``), ``copied[i]`` the bytes it
-    copied file to file and ``crcs[i]`` the crc32 of its rows (-1: not computed), in a shared
-    anonymous mapping created before the forks.
+    copied file to file and ``crcs[i]`` the crc32 of its rows (-1: not computed), and whether
+    the segment is reserved yet, in a shared anonymous mapping created before the forks.
     """
 
     def __init__(self, count: int) -> None:
-        self._shared = mmap.mmap(-1, 32 * count)
+        self._shared = mmap.mmap(-1, 32 * count + 8)
         self.counters = np.frombuffer(self._shared, dtype=np.int64, count=count)
         self.finished = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=8 * count)
         self.copied = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=16 * count)
         self.crcs = np.frombuffer(self._shared, dtype=np.int64, count=count, offset=24 * count)
+        self._reserved = np.frombuffer(self._shared, dtype=np.int64, count=1, offset=32 * count)
         self.children: dict[int, tuple[int, int, tuple[int, int]]] = {}  # pid -> (part, read fd, span)
         self._payload: dict[int, bytearray] = {}
+
+    def mark_reserved(self) -> None:
+        """The segment is reserved: the parts may write (reserve.py)."""
+        self._reserved[0] = 1
+
+    def wait_reserved(self, daemon_gone: Callable[[], bool]) -> None:
+        """In a part process: wait until the loader has reserved the segment (the loader kills
+        its parts when that fails).
+
+        Raised when the daemon is gone meanwhile: DaemonGone.
+        """
+        while not self._reserved[0]:
+            if daemon_gone():
+                raise DaemonGone()
+            time.sleep(_RESERVED_POLL_S)
 
     def rows_done(self) -> int:
         return int(self.counters.sum())

@@ -359,6 +359,8 @@ class Server:
                     continue
                 raise
             self.guard.check()
+            # loaders first: a poll that arrives with its load's report is answered "ready"
+            self.store.poll_loads()
             for n in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
                 if n % _GUARD_EVERY == _GUARD_EVERY - 1:  # connections keep arriving while we answer
                     self.guard.check()
@@ -372,7 +374,6 @@ class Server:
                     sock.send_multipart([identity.bytes, reply], zmq.NOBLOCK)
                 except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
                     pass
-            self.store.poll_loads()
             self.store.sweep()
             loading = any(e.state == "loading" for e in self.store.entries.values())
             self.notifier.tick(loading)

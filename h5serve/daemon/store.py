@@ -1,5 +1,6 @@
 """The daemon's registry of segments: single-flight loads, LRU eviction under a memory
-budget, adoption of complete segments left by a previous daemon, cleanup on shutdown.
+budget, adoption of complete segments left by a previous daemon (leftovers.py), cleanup on
+shutdown. Its records (``Entry``, ``LoadFailure``, the counters) are in entries.py.
 
 Everything here runs on the control loop's thread; loads run in loader processes and are
 reaped by ``poll_loads``.
@@ -13,8 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
+from dataclasses import replace
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ import numpy as np
 from ..errors import (
     AccessDenied,
     BudgetExceeded,
-    H5ServeError,
     SegmentError,
     error_from_code,
 )
@@ -37,73 +36,31 @@ from ..segments import (
     SegmentMeta,
     check_published,
     count_leases,
-    describe_file,
     header_checksum,
-    is_own_file,
     published_mode,
     read_activity,
-    read_meta,
     read_progress,
     segment_name,
-    segment_prefix,
     temporary_name,
-    temporary_owner_pid,
     try_evict,
 )
 from ..sharding import Selection
 from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
+from .entries import COUNTERS, Entry, LoadFailure, not_ours
 from .fileset import ResolvedFiles, files_meta
-from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, loader_context, start_load
+from .leftovers import adopt_leftovers, own_files
+from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .resolve import Resolver
 from .secret import load_secret
+from .spare import Spare, start_spare
 
 __all__ = ["SegmentStore"]
 
 log = logging.getLogger("h5serve.daemon")
-# Shown in `status --json` from the start, so watchers never see a key appear.
-# damaged: published segments found changed (missing, truncated, made writable, header rewritten)
-# and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
-COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
-            "damaged", "stalled")
-
-
-@dataclass(frozen=True)
-class LoadFailure:
-    """A failed load, remembered for FAILURE_MEMORY_S so pollers get its error, not a retry."""
-
-    at: float  # time.monotonic() when it failed
-    code: str  # as in h5serve.errors
-    message: str
-
-
-@dataclass
-class Entry:
-    name: str
-    meta: SegmentMeta
-    state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    hits: int = 0
-    tmp_name: str = ""
-    process: ForkServerProcess | None = None  # a loader, started by loader_context()
-    reply: Connection | None = None
-    load_started: float = 0.0
-    load_seconds: float = 0.0
-    load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
-    load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
-    load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
-    header: bytes = b""  # the header as published, compared byte for byte before each hit
-    checksum: str = ""  # "crc32:..." of the rows, as the loader computed it ("" when not computed)
-    activity: tuple[int, int] = (0, 0)  # (rows done, activity counter) last read from the temporary
-    active_at: float = 0.0  # when ``activity`` last moved (monotonic)
-    asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
-    modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
-
-    def label(self) -> tuple[str, int, int]:
-        """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
-        return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
+SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
+SPARE_RETRY_S = 10.0  # after a spare could not be started
 
 
 def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
@@ -112,11 +69,6 @@ def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
     unique = {ident for identities in sources.values() for ident in identities}
     changed = {ident for ident in unique if not identities_unchanged([ident])}
     return {name for name, identities in sources.items() if changed.intersection(identities)}
-
-
-def _not_ours(st: os.stat_result) -> bool:
-    """For remove_if: keep (leave alone) anything that is not a regular file of ours."""
-    return not is_own_file(st)
 
 
 class SegmentStore:
@@ -151,55 +103,17 @@ class SegmentStore:
         self._last_sweep = time.monotonic()
         self._sweep: Future[set[str]] | None = None
         self._ctx = loader_context()
+        self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
+        self._spare_after = time.monotonic() + SPARE_DELAY_S
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
-        """Load the naming secret; remove temporaries of dead loaders; adopt complete segments
-        whose source is unchanged. Only regular files of our own are read or removed: anything
-        else under the prefix (another user's file, a symlink, a FIFO) is logged and left."""
+        """Load the naming secret; adopt what an earlier daemon on this runtime dir left
+        (leftovers.py: complete segments whose sources are unchanged; the rest removed)."""
         self.secret = load_secret(self.location.directory)
-        for path in self._own_files():
-            if temporary_owner_pid(path.name) is not None:
-                # A live loader holds an exclusive lock on its temporary; a dead one's lock is
-                # gone with it (pids in names can be reused or belong to unreaped zombies).
-                if try_evict(path):
-                    log.info("removed %s left by a dead loader", path.name)
-                continue
-            try:
-                meta, complete = read_meta(path)
-                unchanged = identities_unchanged(meta.identities())
-            except H5ServeError as exc:
-                log.info("dropping %s: %s", path.name, exc)
-                complete = unchanged = False
-            if complete and unchanged and segment_name(self.namespace, meta, self.secret) == path.name:
-                self.entries[path.name] = Entry(path.name, meta, "ready")
-                self.counters["adopted"] += 1
-                log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank,
-                         meta.world_size)
-            else:
-                remove_if(path, keep=_not_ours)
-
-    def _own_files(self) -> list[Path]:
-        """This daemon's files in the shm dir: under its prefix, regular, owned by its euid
-        (lstat). The prefix is public, so the rest is logged and never touched."""
-        prefix = segment_prefix(self.namespace)
-        try:
-            names = sorted(n for n in os.listdir(self.shm_dir) if n.startswith(prefix))
-        except OSError as exc:
-            log.warning("cannot list %s: %s", self.shm_dir, exc.strerror)
-            return []
-        own = []
-        for name in names:
-            path = self.shm_dir / name
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if is_own_file(st):
-                own.append(path)
-            else:
-                log.warning("%s is %s, not a segment of this daemon: leaving it alone", path, describe_file(st))
-        return own
+        for entry in adopt_leftovers(self.shm_dir, self.namespace, self.secret):
+            self.entries[entry.name] = entry
+            self.counters["adopted"] += 1
 
     # ----- requests ------------------------------------------------------------------------
     def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
@@ -222,7 +136,7 @@ class SegmentStore:
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
-        return self._acquire_meta(req, SegmentMeta(
+        meta = SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
             source_size=ident.size, source_mtime_ns=ident.mtime_ns, key=req.key,
             mode=req.mode, world_size=req.world_size, rank=req.rank,
@@ -232,10 +146,13 @@ class SegmentStore:
             depends=tuple(source.as_tuple() for source in resolved.sources),
             # variable-length rows: values estimated for the budget until the load counts them
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
-        ))
+        )
+        return self._acquire_meta(req, meta, lambda: load_spans(info, meta, self.load_processes))
 
-    def _acquire_meta(self, req: Acquire, meta: SegmentMeta) -> AcquireResult:
-        """``acquire`` once the request's files are resolved into the segment ``meta`` describes."""
+    def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
+                      spans: Callable[[], tuple[tuple[int, int], ...]] | None = None) -> AcquireResult:
+        """``acquire`` once the request's files are resolved into the segment ``meta`` describes;
+        ``spans()`` plans its load's parts (None: the loader does)."""
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
@@ -245,7 +162,7 @@ class SegmentStore:
             if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
-            entry = self._start(name, meta)
+            entry = self._start(name, meta, None if spans is None else spans())
         entry.last_used = time.monotonic()
         entry.asked_as = (req.mode, req.world_size, req.rank)
         entry.modes.add(req.mode)
@@ -269,7 +186,7 @@ class SegmentStore:
             log.warning("%s; loading %s[%s] rank %d/%d again", exc, entry.meta.source_path, entry.meta.key,
                         entry.meta.rank, entry.meta.world_size)
             self.counters["damaged"] += 1
-            remove_if(path, keep=_not_ours)
+            remove_if(path, keep=not_ours)
             del self.entries[entry.name]
             return False
         if not entry.header:  # adopted from a previous daemon: its header was checked against meta
@@ -281,9 +198,9 @@ class SegmentStore:
         return AcquireResult(state, name, str(self.shm_dir), done, meta.rows, meta.total_rows, os.getuid(),
                              st.st_dev, st.st_ino)
 
-    def _start(self, name: str, meta: SegmentMeta) -> Entry:
+    def _start(self, name: str, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
         self._make_room(meta.file_size, meta)
-        entry = Entry(name, meta, "loading", tmp_name=temporary_name(name))
+        entry = Entry(name, meta, "loading", tmp_name=temporary_name(name), spans=spans)
         self.entries[name] = entry
         self.counters["loads_requested"] += 1
         self._launch_pending()
@@ -297,9 +214,15 @@ class SegmentStore:
             if entry.state == "loading" and entry.process is None:
                 job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
                               self.load_processes, self.checksum,
-                              self.drop_page_cache and not self._read_again_soon(entry))
-                entry.process, entry.reply = start_load(self._ctx, job)
+                              self.drop_page_cache and not self._read_again_soon(entry), entry.spans)
+                spare, self._spare = self._spare, None
+                if spare is not None and spare.take(job):
+                    entry.process, entry.reply = spare.process, spare.reply
+                else:
+                    entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = entry.active_at = time.monotonic()
+                self._spare_after = 0.0  # the forkserver is warm
+                self._keep_spare()
                 running += 1
                 log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
                          entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
@@ -416,6 +339,20 @@ class SegmentStore:
                            f"the loader process died (exit code {exitcode}); see the daemon log")
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
+        self._keep_spare()
+
+    def _keep_spare(self) -> None:
+        """Start a spare loader once the forkserver is warm (after the first load, or
+        SPARE_DELAY_S after the start: no request waits for the forkserver's imports on its
+        account). The next spare starts as soon as one is used, while that load runs, so no
+        load finishing waits for it either."""
+        if self._spare is not None or time.monotonic() < self._spare_after:
+            return
+        try:
+            self._spare = start_spare(self._ctx, os.getpid())
+        except OSError as exc:  # out of processes or files: loads start their own loader
+            self._spare_after = time.monotonic() + SPARE_RETRY_S
+            log.warning("could not start a spare loader (%s); loads start their own", exc)
 
     def _release_loader(self, entry: Entry) -> None:
         """Forget a finished (or killed) loader; it is reaped later, without waiting for it."""
@@ -437,7 +374,7 @@ class SegmentStore:
         try:  # the header as published: every later hit compares the file with it
             entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
         except SegmentError as exc:
-            remove_if(self.shm_dir / entry.name, keep=_not_ours)
+            remove_if(self.shm_dir / entry.name, keep=not_ours)
             self._fail(entry, SegmentError.code, f"{exc} right after it was loaded; ask again to load it again")
             return
         entry.checksum = header_checksum(entry.header)
@@ -463,7 +400,7 @@ class SegmentStore:
 
     def _fail(self, entry: Entry, code: str, message: str) -> None:
         """A load failed: drop its temporary and entry; pollers get the error for FAILURE_MEMORY_S."""
-        remove_if(self.shm_dir / entry.tmp_name, keep=_not_ours)
+        remove_if(self.shm_dir / entry.tmp_name, keep=not_ours)
         del self.entries[entry.name]
         self.failures[entry.name] = LoadFailure(time.monotonic(), code, message)
         self.counters["load_errors"] += 1
@@ -538,6 +475,9 @@ class SegmentStore:
         Clients that already mapped a segment keep reading it: unlink removes the name, the
         memory goes when the last mapping does.
         """
+        if self._spare is not None:
+            self._spare.discard()
+            self._spare = None
         for entry in self.entries.values():
             if entry.process is not None:
                 entry.process.kill()
@@ -545,7 +485,7 @@ class SegmentStore:
         # The namespace is this runtime dir, whose pidfile lock we hold: every regular file of
         # our euid under the prefix is ours (published, or a temporary of a loader we just
         # killed). The prefix is public, so anything else there is someone else's: left alone.
-        for path in self._own_files():
-            if not remove_if(path, keep=_not_ours):
+        for path in own_files(self.shm_dir, self.namespace):
+            if not remove_if(path, keep=not_ours):
                 log.warning("cannot remove segment %s; remove it by hand", path)
         self.entries.clear()

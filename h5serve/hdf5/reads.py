@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import DataError
 from ..sharding import RowRange, Selection, as_rows
 from ..units import row_nbytes
-from .rawcopy import FileCopier, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
+from .rawcopy import FileCopier, Hasher, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
 from .source import DatasetInfo
 
 __all__ = ["BLOCK_BYTES", "local_range", "shard_span", "split_span", "read_block_into", "read_shard_into",
@@ -140,6 +140,9 @@ def read_shard_into(
     progress: Callable[[int], None] | None = None,
     span: tuple[int, int] | None = None,
     dest: tuple[int, int] | None = None,
+    hashed: Hasher | None = None,
+    ready: Callable[[], None] | None = None,
+    write_behind: bool = False,
 ) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
     chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global
@@ -152,6 +155,13 @@ def read_shard_into(
     buffer and ``pwrite``n, because filling a fresh tmpfs mapping page fault by page fault is
     slower than either. Returns the bytes copied file to file.
 
+    ``hashed``: called with every byte of ``out[k0:k1]`` as it is written, in ascending
+    order (a load's checksum, computed while the bytes are in the CPU's cache). ``ready``:
+    called once the rows' places in the file are known, before the first write (a load
+    waits there for its segment's reservation: daemon/reserve.py). ``write_behind``: hashed
+    copies are written by a thread of their own (rawcopy.WriteBehind), for a load that has a
+    core to spare.
+
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
     ends early: DataError.
     """
@@ -162,11 +172,13 @@ def read_shard_into(
     out_row = row_nbytes(info.row_shape, out.dtype)
     buffer: np.ndarray | None = None
     stage: np.ndarray | None = None
-    copier = FileCopier() if dest is not None else None
+    copier = FileCopier(write_behind=write_behind) if dest is not None else None
     try:
         copy = None
         if dest is not None and copier is not None:
-            copy = _row_copier(dset, info, rows, out.dtype, dest, copier)
+            copy = _row_copier(dset, info, rows, out.dtype, dest, copier, hashed)
+        if ready is not None:
+            ready()
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
             k0, k1 = local_range(a, b, start, step, len(out))
             if k1 <= k0:
@@ -177,12 +189,19 @@ def read_shard_into(
                 if stage is None or len(stage) < k1 - k0:
                     stage = np.empty((k1 - k0, *out.shape[1:]), dtype=out.dtype)
                 buffer = _read_positions(dset, info, start, step, k0, k1, stage[: k1 - k0], buffer)
-                write_all(dest[0], stage[: k1 - k0].reshape(-1).view(np.uint8).data, dest[1] + k0 * out_row)
+                staged = stage[: k1 - k0].reshape(-1).view(np.uint8).data
+                if hashed is not None:
+                    hashed(staged)
+                write_all(dest[0], staged, dest[1] + k0 * out_row)
             else:
                 buffer = _read_positions(dset, info, start, step, k0, k1, out[k0:k1], buffer)
+                if hashed is not None:
+                    hashed(out[k0:k1].reshape(-1).view(np.uint8).data)
             done += k1 - k0
             if progress is not None:
                 progress(done)
+        if copier is not None:
+            copier.finish()  # every row is written before the caller publishes
     finally:
         if copier is not None:
             copier.close()
@@ -190,7 +209,8 @@ def read_shard_into(
 
 
 def _row_copier(dset: h5py.Dataset, info: DatasetInfo, rows: RowRange, out_dtype: np.dtype,
-                dest: tuple[int, int], copier: FileCopier) -> Callable[[int, int], bool] | None:
+                dest: tuple[int, int], copier: FileCopier,
+                hashed: Hasher | None = None) -> Callable[[int, int], bool] | None:
     """``copy(k0, k1)``: copy the selection's rows at local positions ``[k0, k1)`` file to file
     into ``dest`` with ``copier``, False when they must go through h5py; None when no row can be copied."""
     stored = stored_rows(dset, info, out_dtype) if rows.step == 1 else None
@@ -201,7 +221,7 @@ def _row_copier(dset: h5py.Dataset, info: DatasetInfo, rows: RowRange, out_dtype
 
     def copy(k0: int, k1: int) -> bool:
         try:
-            return copy_rows(stored, first + k0, first + k1, fd, offset + k0 * stored.row_bytes, copier)
+            return copy_rows(stored, first + k0, first + k1, fd, offset + k0 * stored.row_bytes, copier, hashed)
         except OSError as exc:
             raise read_error(exc, dset, info, first + k0, first + k1) from exc
 

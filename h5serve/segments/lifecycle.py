@@ -116,6 +116,14 @@ class SegmentWriter:
         return self.store_checksum(data_checksum(self._map, self.meta.header_size, self.meta.nbytes, threads,
                                                  lambda _: self.mark_activity()))
 
+    def reserve_all(self) -> None:
+        """Reserve every byte of the segment as created (``posix_fallocate``), for a segment
+        created with ``reserve=False``; before any row is written.
+
+        Raised when the shm filesystem has no room: ShmFull.
+        """
+        _fallocate(self._fd, 0, self.meta.file_size, self.meta, self.path.parent)
+
     def reserve(self, offset: int, length: int) -> None:
         """Reserve ``length`` more bytes of the data area from ``offset`` (``posix_fallocate``,
         growing the file) before they are written: variable-length values, whose size is
@@ -215,10 +223,14 @@ def _publish_failure(final: Path, exc: OSError) -> str:
             "(its owner or root can), or restart the daemon with another --shm-dir")
 
 
-def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Path) -> None:
-    """``posix_fallocate``, a full tmpfs or a file size limit as ShmFull."""
+def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Path, size_only: bool = False) -> None:
+    """``posix_fallocate`` (``size_only``: ``ftruncate`` to that size), a full tmpfs or a file
+    size limit as ShmFull."""
     try:
-        os.posix_fallocate(fd, offset, length)
+        if size_only:
+            os.ftruncate(fd, offset + length)
+        else:
+            os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         size = offset + length
         if exc.errno == errno.EFBIG:
@@ -235,9 +247,11 @@ def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Pa
         raise
 
 
-def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None) -> SegmentWriter:
+def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None,
+                   reserve: bool = True) -> SegmentWriter:
     """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete.
-    Mode 0600, or 0640 owned by ``group`` (a gid) when given.
+    Mode 0600, or 0640 owned by ``group`` (a gid) when given. ``reserve=False``: the caller
+    reserves (``SegmentWriter.reserve_all``) before it writes any row.
 
     Raised when the shm filesystem has no room for it: ShmFull (says needed and free bytes).
     """
@@ -248,7 +262,8 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
         if group is not None:
             os.fchown(fd, -1, group)
             os.fchmod(fd, 0o640)
-        _fallocate(fd, 0, meta.file_size, meta, Path(shm_dir))
+        # reserve=False: its size (the mapping needs it), nothing allocated yet
+        _fallocate(fd, 0, meta.file_size, meta, Path(shm_dir), size_only=not reserve)
         blob = meta_blob(meta)
         header = FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob), CHECKSUM_NONE, b"", 0)
         os.pwrite(fd, header.ljust(META_OFFSET, b"\0") + blob, 0)

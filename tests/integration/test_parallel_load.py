@@ -64,10 +64,19 @@ def descendants(pid: int) -> dict[int, int]:
     return out
 
 
+def _is_spare(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "h5serve-spare"
+    except OSError:
+        return False
+
+
 def loaders_of(daemon_pid: int) -> list[int]:
     """Loader processes and their part children: every descendant of the daemon below its
-    direct children (the forkserver, and the resource tracker if any)."""
-    return [p for p, parent in descendants(daemon_pid).items() if parent != daemon_pid]
+    direct children (the forkserver, and the resource tracker if any), but the spare loader
+    waiting for the next load (daemon/spare.py)."""
+    return [p for p, parent in descendants(daemon_pid).items() if parent != daemon_pid and not _is_spare(p)]
 
 
 def holding(pids: list[int], marker: str) -> list[int]:

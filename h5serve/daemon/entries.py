@@ -1,0 +1,63 @@
+"""The store's records: a segment it knows (``Entry``), a load that failed (``LoadFailure``),
+and the counters ``status`` shows."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess
+
+from ..segments import SegmentMeta, is_own_file
+
+__all__ = ["COUNTERS", "Entry", "LoadFailure", "not_ours"]
+
+# Shown in `status --json` from the start, so watchers never see a key appear.
+# damaged: published segments found changed (missing, truncated, made writable, header rewritten)
+# and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
+COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
+            "damaged", "stalled")
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A failed load, remembered for FAILURE_MEMORY_S so pollers get its error, not a retry."""
+
+    at: float  # time.monotonic() when it failed
+    code: str  # as in h5serve.errors
+    message: str
+
+
+@dataclass
+class Entry:
+    name: str
+    meta: SegmentMeta
+    state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    hits: int = 0
+    tmp_name: str = ""
+    process: ForkServerProcess | None = None  # a loader, started by loader_context()
+    reply: Connection | None = None
+    load_started: float = 0.0
+    load_seconds: float = 0.0
+    load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
+    load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
+    load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
+    header: bytes = b""  # the header as published, compared byte for byte before each hit
+    checksum: str = ""  # "crc32:..." of the rows, as the loader computed it ("" when not computed)
+    activity: tuple[int, int] = (0, 0)  # (rows done, activity counter) last read from the temporary
+    active_at: float = 0.0  # when ``activity`` last moved (monotonic)
+    asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
+    modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
+    spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
+
+    def label(self) -> tuple[str, int, int]:
+        """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
+        return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
+
+
+def not_ours(st: os.stat_result) -> bool:
+    """For remove_if: keep (leave alone) anything that is not a regular file of ours."""
+    return not is_own_file(st)

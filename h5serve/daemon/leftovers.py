@@ -1,0 +1,78 @@
+"""What an earlier daemon on the same runtime dir left in the shm dir, after a ``kill -9``:
+temporaries of dead loaders are removed, complete segments whose source files are unchanged
+are adopted, the rest is removed. Only regular files of this daemon's euid under its prefix
+are read or removed: anything else there (another user's file, a symlink, a FIFO) is logged
+and left alone, since the prefix is public."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..errors import H5ServeError
+from ..hdf5.source import identities_unchanged
+from ..safeio import remove_if
+from ..segments import (
+    describe_file,
+    is_own_file,
+    read_meta,
+    segment_name,
+    segment_prefix,
+    temporary_owner_pid,
+    try_evict,
+)
+from .entries import Entry, not_ours
+
+__all__ = ["adopt_leftovers", "own_files"]
+
+log = logging.getLogger("h5serve.daemon")
+
+
+def own_files(shm_dir: Path, namespace: str) -> list[Path]:
+    """This daemon's files in the shm dir: under its prefix, regular, owned by its euid
+    (lstat). The prefix is public, so the rest is logged and never touched."""
+    prefix = segment_prefix(namespace)
+    try:
+        names = sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix))
+    except OSError as exc:
+        log.warning("cannot list %s: %s", shm_dir, exc.strerror)
+        return []
+    own = []
+    for name in names:
+        path = shm_dir / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if is_own_file(st):
+            own.append(path)
+        else:
+            log.warning("%s is %s, not a segment of this daemon: leaving it alone", path, describe_file(st))
+    return own
+
+
+def adopt_leftovers(shm_dir: Path, namespace: str, secret: bytes) -> list[Entry]:
+    """Remove temporaries of dead loaders; the complete segments whose sources are unchanged,
+    as ready entries; remove the rest."""
+    adopted = []
+    for path in own_files(shm_dir, namespace):
+        if temporary_owner_pid(path.name) is not None:
+            # A live loader holds an exclusive lock on its temporary; a dead one's lock is
+            # gone with it (pids in names can be reused or belong to unreaped zombies).
+            if try_evict(path):
+                log.info("removed %s left by a dead loader", path.name)
+            continue
+        try:
+            meta, complete = read_meta(path)
+            unchanged = identities_unchanged(meta.identities())
+        except H5ServeError as exc:
+            log.info("dropping %s: %s", path.name, exc)
+            complete = unchanged = False
+        if complete and unchanged and segment_name(namespace, meta, secret) == path.name:
+            adopted.append(Entry(path.name, meta, "ready"))
+            log.info("adopted %s (%s[%s] rank %d/%d)", path.name, meta.source_path, meta.key, meta.rank,
+                     meta.world_size)
+        else:
+            remove_if(path, keep=not_ours)
+    return adopted

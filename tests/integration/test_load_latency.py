@@ -1,0 +1,235 @@
+"""What a load costs beyond copying its rows: waiting for a loader to start, and for the client
+to notice the segment.
+
+- A segment is reserved in a thread while the loader and its part processes get ready
+  (daemon/reserve.py): a full /dev/shm is still a ShmFull, with every part process stopped
+  and nothing left behind.
+- A spare loader (daemon/spare.py) waits for the next load: the load runs in it; the next
+  spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``).
+- A client waiting for a load attaches when the segment is published, not at its next poll.
+  ``PublishWatch`` (segments/arrival.py) on a real directory of /dev/shm: a name renamed into
+  it ends a wait at once; other names do not; a name already there has arrived.
+- End to end: a real daemon and loader; the loader is stopped mid-load (SIGSTOP) while a client
+  waits with a poll pause of a minute, then continued: the client is ready within seconds,
+  so it was woken by the publication (before, it slept the whole pause).
+
+Every test has a deadline and kills or continues what it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from h5serve import connection
+from h5serve.client import SharedH5Dataset
+from h5serve.connection import DaemonClient
+from h5serve.errors import ShmFull
+from h5serve.protocol import Acquire, AcquireResult
+from h5serve.segments.arrival import PublishWatch
+
+from ..helpers import Daemon, make_h5, short_tmpdir, short_workdir, wait_for
+from .test_hangs import find_loader, start_load
+from .test_parallel_load import descendants, loaders_of
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    where = Path(tempfile.mkdtemp(prefix="h5s-wake-", dir="/dev/shm"))
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _publish_later(directory: Path, name: str, after: float) -> threading.Thread:
+    """Write ``name`` under a temporary name and rename it into place ``after`` seconds from now."""
+    def publish() -> None:
+        time.sleep(after)
+        tmp = directory / f"{name}.tmp-1-x"
+        tmp.write_bytes(b"rows")
+        os.rename(tmp, directory / name)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rename_into_the_dir_ends_the_wait(shm_dir: Path) -> None:
+    with PublishWatch(shm_dir, "seg") as watch:
+        assert not watch.arrived
+        _publish_later(shm_dir, "seg", 0.2)
+        started = time.monotonic()
+        assert watch.wait(60)
+        assert time.monotonic() - started < 30  # woken by the event, not at the end of the pause
+
+
+def test_other_names_do_not_end_the_wait(shm_dir: Path) -> None:
+    with PublishWatch(shm_dir, "seg") as watch:
+        _publish_later(shm_dir, "segment-of-someone-else", 0).join(10)
+        started = time.monotonic()
+        assert not watch.wait(0.3)
+        assert time.monotonic() - started >= 0.3
+        assert not watch.arrived
+
+
+def test_a_name_published_before_the_watch_has_arrived(shm_dir: Path) -> None:
+    _publish_later(shm_dir, "seg", 0).join(10)
+    with PublishWatch(shm_dir, "seg") as watch:
+        assert watch.arrived and watch.wait(0)
+
+
+def test_a_watch_on_a_missing_dir_still_sleeps_the_pause(shm_dir: Path) -> None:
+    with PublishWatch(shm_dir / "gone", "seg") as watch:  # no inotify watch: plain sleeps
+        started = time.monotonic()
+        assert not watch.wait(0.2)
+        assert time.monotonic() - started >= 0.2
+
+
+def _write_big(path: Path, rows: int = 8192, row_shape: tuple[int, ...] = (3, 64, 64)) -> Path:
+    """~100 MB of uncompressed rows: a load long enough to be caught and stopped."""
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", (rows, *row_shape), dtype="uint8", chunks=(64, *row_shape))
+        for a in range(0, rows, 1024):
+            x[a:a + 1024] = np.full((min(1024, rows - a), *row_shape), a // 1024, dtype=np.uint8)
+    return path
+
+
+def test_a_waiting_client_is_ready_when_the_segment_is_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connection, "poll_pause", lambda waited: 60.0)  # a poll a minute: only the watch can wake it
+    with short_workdir("h5s-wake-") as work:
+        path = _write_big(work / "big.h5")
+        d = Daemon("--load-processes", "1", "--keep-page-cache")
+        stopped = 0
+        try:
+            d.start()
+            request = Acquire(str(path), "x", 1, 0)
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                start_load(client, request)
+                stopped, tmp = find_loader(d, 10)
+                os.kill(stopped, signal.SIGSTOP)
+                assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
+                got: list[AcquireResult | BaseException] = []
+
+                def wait() -> None:
+                    try:
+                        got.append(client.acquire(request))
+                    except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                        got.append(exc)
+
+                waiter = threading.Thread(target=wait, daemon=True)
+                waiter.start()
+                time.sleep(0.3)  # the client has asked, heard "loading" and is in its minute-long pause
+                assert not got, got
+                os.kill(stopped, signal.SIGCONT)
+                continued = time.monotonic()
+                waiter.join(30)
+                assert got and isinstance(got[0], AcquireResult), got
+                assert got[0].state == "ready"
+                assert time.monotonic() - continued < 30  # not the 60 s pause
+        finally:
+            if stopped:
+                try:
+                    os.kill(stopped, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            d.stop()
+
+
+def spares_of(daemon_pid: int) -> list[int]:
+    """The daemon's spare loaders: its descendants named h5serve-spare."""
+    found = []
+    for pid in descendants(daemon_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "h5serve-spare":
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_next_load_runs_in_the_spare_loader() -> None:
+    with short_workdir("h5s-spare-") as work:
+        small, big = make_h5(work / "small.h5"), _write_big(work / "big.h5")
+        d = Daemon("--load-processes", "1")
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"  # the forkserver is warm
+                assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+                (spare,) = spares_of(d.pid)
+                start_load(client, Acquire(str(big), "x", 1, 0))
+                loader, _ = find_loader(d, 10)
+                assert loader == spare  # the load runs in the spare, renamed
+                with open(f"/proc/{loader}/comm") as f:
+                    assert f.read().strip() == "h5serve-load"
+                assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"
+                assert wait_for(lambda: len(spares_of(d.pid)) == 1 and spares_of(d.pid) != [spare], 10)
+        finally:
+            d.stop()
+
+
+@pytest.mark.parametrize("how", ["kill -9", "h5serve stop"])
+def test_a_spare_loader_goes_with_the_daemon(how: str) -> None:
+    with short_workdir("h5s-spare-") as work:
+        small = make_h5(work / "small.h5")
+        d = Daemon("--load-processes", "1")
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
+            assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+            tree = list(descendants(d.pid))
+            if how == "kill -9":
+                os.kill(d.pid, signal.SIGKILL)
+            else:
+                d.stop()
+            assert wait_for(lambda: not any(_alive(p) for p in tree), 10), [p for p in tree if _alive(p)]
+        finally:
+            d.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_split_load_into_a_full_shm_is_shm_full_and_leaves_nothing() -> None:
+    mnt = short_tmpdir("h5s-tmpfs-")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G", "--load-processes", "3")
+    d.env["H5SERVE_MIN_PART_BYTES"] = str(1 << 20)  # 6 MiB of rows: three parts
+    try:
+        with short_workdir("h5s-full-") as work:
+            d.start()
+            path = work / "big.h5"
+            with h5py.File(path, "w") as f:
+                f.create_dataset("x", data=np.ones((6144, 1024), dtype=np.uint8), chunks=(256, 1024))
+            with pytest.raises(ShmFull, match=r"needs 6\.0 MiB, .* free"):
+                SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error", timeout=30)
+            assert wait_for(lambda: not loaders_of(d.pid), 10), descendants(d.pid)
+            assert os.listdir(mnt) == []  # the failed temporary was removed
+            assert d.status()["running"] is True
+    finally:
+        d.stop()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        os.rmdir(mnt)
