@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..errors import H5ServeError
-from ..hdf5.source import identities_unchanged
+from ..hdf5.identity import identities_unchanged
 from ..safeio import remove_if
 from ..segments import (
     describe_file,

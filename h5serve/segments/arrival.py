@@ -70,8 +70,10 @@ class PublishWatch:
             if self._fd < 0:
                 time.sleep(remaining)
                 break
+            poller = select.poll()  # not select(): a training process may hold descriptors past 1024
+            poller.register(self._fd, select.POLLIN)
             try:
-                if not select.select([self._fd], [], [], remaining)[0]:
+                if not poller.poll(remaining * 1000):
                     break
             except InterruptedError:
                 continue

@@ -77,6 +77,31 @@ def test_a_rename_into_the_dir_ends_the_wait(shm_dir: Path) -> None:
         assert time.monotonic() - started < 30  # woken by the event, not at the end of the pause
 
 
+def test_a_watch_above_descriptor_1024_still_wakes(shm_dir: Path) -> None:
+    """A training process may hold more than 1,024 descriptors (sockets, files, workers'
+    pipes): the watch's descriptor lands above select()'s limit and must still be waited on."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"this process may open only {hard} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        with PublishWatch(shm_dir, "seg") as watch:
+            assert watch._fd > 1024
+            _publish_later(shm_dir, "seg", 0.2)
+            started = time.monotonic()
+            assert watch.wait(60)
+            assert time.monotonic() - started < 30
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_other_names_do_not_end_the_wait(shm_dir: Path) -> None:
     with PublishWatch(shm_dir, "seg") as watch:
         _publish_later(shm_dir, "segment-of-someone-else", 0).join(10)
