@@ -318,8 +318,8 @@ def _shm_copy_rate(path: Path, fallocate: bool = False, kernel: bool = False, co
     """MB/s of moving rank 0's half of the x dataset's stored bytes from the file into a fresh
     /dev/shm file: ``pread``/``pwrite`` through a 4 MiB buffer, or (``kernel``) ``sendfile``
     (a kernel-side splice, no user buffer). ``fallocate``: the ``posix_fallocate`` of the
-    target is timed too (a load reserves every page before writing: design.md's no-SIGBUS
-    rule), which makes this the limit of a load from request to ready. ``cold``: the file is
+    target is timed too (a load reserves every page before writing: the no-SIGBUS
+    rule of docs/reliability.md), which makes this the limit of a load from request to ready. ``cold``: the file is
     dropped from the page cache first. What rawcopy does, minus HDF5 and the daemon."""
     with h5py.File(path, "r") as f:
         d = f["x"]
