@@ -125,7 +125,7 @@ def _run(script: str, timeout: float = 180) -> str:
 
 
 _THREADS = """
-import os, warnings, torch
+import os, threading, warnings, torch
 warnings.simplefilter("ignore")
 from h5serve.client import SharedH5Dataset, make_loader, collate
 torch.set_num_threads(2)
@@ -133,6 +133,9 @@ def threads():
     return len(os.listdir("/proc/self/task"))
 for rt in ({runtime_dir!r}, "/nonexistent-h5s-rt"):
     ds = SharedH5Dataset({path!r}, "x", "y", runtime_dir=rt, timeout=0.5, dtype_x="float32")
+    for t in threading.enumerate():  # the acquire's inotify descriptor is closed by a short-lived thread
+        if t.name == "h5serve-unwatch":
+            t.join(10)
     before = threads()
     big = torch.arange(0, len(ds), 2)  # ~20k rows of 192 bytes: torch.index_select ran this on its pool
     for _ in range(3):
