@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,3 +63,14 @@ def public_dir() -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=["shm", "lazy"])
+def where(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """How to open a dataset, both ways: from the module's daemon (``fallback="error"``), or
+    lazily with no daemon (``fallback="lazy"``)."""
+    if request.param == "shm":
+        daemon: Daemon = request.getfixturevalue("shared_daemon")
+        return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
+    request.getfixturevalue("no_daemon_env")
+    return {"fallback": "lazy"}

@@ -61,16 +61,6 @@ def fields_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _file(tmp_path_factory.mktemp("fields") / "fields.h5")
 
 
-@pytest.fixture(params=["shm", "lazy"])
-def where(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """How to open a dataset: from the module's daemon (no fallback), or lazily (no daemon)."""
-    if request.param == "shm":
-        daemon: Daemon = request.getfixturevalue("shared_daemon")
-        return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
-    request.getfixturevalue("no_daemon_env")
-    return {"fallback": "lazy"}
-
-
 def h5_column(path: Path, key: str, rows: np.ndarray, dtype: Any = None, encoding: str | None = None) -> Any:
     """h5py's own read of ``key`` (a field with ``dataset:field``) at ``rows``."""
     with h5py.File(path, "r") as f:

@@ -30,15 +30,6 @@ def h5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_h5(tmp_path_factory.mktemp("lean") / "data.h5", rows=ROWS, row_shape=(3, 4))
 
 
-@pytest.fixture(params=["shm", "lazy"])
-def where(request: pytest.FixtureRequest) -> dict[str, Any]:
-    if request.param == "shm":
-        daemon: Daemon = request.getfixturevalue("shared_daemon")
-        return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
-    request.getfixturevalue("no_daemon_env")
-    return {"fallback": "lazy"}
-
-
 def own_path(loader: DataLoader) -> Any:
     """A new iterator over ``loader``, asserted to be ShmDataLoader's own path (its internals:
     otherwise these tests would compare torch's path with itself)."""

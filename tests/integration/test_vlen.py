@@ -60,16 +60,6 @@ def vfile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _file(tmp_path_factory.mktemp("vlen") / "vlen.h5")
 
 
-@pytest.fixture(params=["shm", "lazy"])
-def where(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """How to open a dataset: from the module's daemon (no fallback), or lazily (no daemon)."""
-    if request.param == "shm":
-        daemon: Daemon = request.getfixturevalue("shared_daemon")
-        return {"runtime_dir": daemon.runtime_dir, "fallback": "error"}
-    request.getfixturevalue("no_daemon_env")
-    return {"fallback": "lazy"}
-
-
 def h5_rows(path: Path, key: str) -> list[Any]:
     """h5py's own read of every row of ``key``: arrays, or str for strings."""
     with h5py.File(path, "r") as f:
