@@ -4,6 +4,7 @@ always kill what they started."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -164,3 +165,24 @@ def sample_data(meta: Any) -> np.ndarray:
     """Distinct values for every element of ``meta``'s rows."""
     n = meta.rows * int(np.prod(meta.row_shape, dtype=np.int64))
     return (np.arange(n) * 3 + 1).astype(meta.np_dtype).reshape((meta.rows, *meta.row_shape))
+
+
+def torchrun_two_ranks(job: Path, args: list[str], out: Path, runtime_dir: Path, deadline: float) -> list[dict]:
+    """``job`` under torchrun with 2 gloo ranks, each writing ``out/rank{r}.json``; killed (with
+    everything it started) at ``deadline`` seconds. Returns both ranks' reports."""
+    out.mkdir()
+    env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(job.parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), *args]
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        output = f"killed after {deadline} s: a rank waited in a collective (unequal batches?)"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, output[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -4,11 +4,6 @@ that hung before (513 rows, batch 256: rank 0 had 2 batches, rank 1 one)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from itertools import chain
 from pathlib import Path
 
@@ -23,7 +18,7 @@ from h5serve.equalise import EpochSize, equal_epoch_size
 from h5serve.errors import ConfigError
 from h5serve.sharding import MODES, Selection, shard_sizes
 
-from ..helpers import Daemon, make_h5
+from ..helpers import Daemon, make_h5, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -286,23 +281,8 @@ def test_make_loader_resume_in_the_padded_tail_with_workers(rows513: Path, share
 
 def run_job(path: Path, out: Path, runtime_dir: Path, configs: list[str], deadline: float = 150) -> list[dict]:
     """torchrun with 2 gloo ranks; killed (with everything it started) at ``deadline``."""
-    out.mkdir()
-    env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(JOB.parent.parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB),
-           str(path), str(out), "--configs", ",".join(configs), "--collective-timeout", "60"]
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        output = f"killed after {deadline} s: a rank waited in a collective (unequal batches?)"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 0, output[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_two_ranks(JOB, [str(path), str(out), "--configs", ",".join(configs), "--collective-timeout", "60"],
+                              out, runtime_dir, deadline)
 
 
 @pytest.mark.slow

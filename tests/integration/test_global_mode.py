@@ -5,10 +5,6 @@ tensors, resume, and a real 2-rank DDP job covering every row once per epoch."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from itertools import chain, islice
 from pathlib import Path
 
@@ -24,7 +20,7 @@ from h5serve.client.sampler import distributed_num_samples
 from h5serve.errors import ConfigError
 from h5serve.sharding import ALL_MODES, GLOBAL, RowRange, Selection, shard_sizes
 
-from ..helpers import Daemon, h5serve_cli, make_h5
+from ..helpers import Daemon, h5serve_cli, make_h5, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -327,23 +323,7 @@ def test_make_loader_on_global_is_distributed_sampler(daemon: Daemon, data_file:
 def run_job(path: Path, out: Path, runtime_dir: Path, deadline: float = 200,
             extra: list[str] | None = None) -> list[dict]:
     """torchrun with 2 gloo ranks; killed (with everything it started) at ``deadline``."""
-    out.mkdir()
-    env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(JOB.parent.parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB),
-           str(path), str(out), *(extra or [])]
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        output = f"killed after {deadline} s: a rank waited in a collective (unequal batches?)"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 0, output[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_two_ranks(JOB, [str(path), str(out), *(extra or [])], out, runtime_dir, deadline)
 
 
 @pytest.mark.slow
