@@ -263,7 +263,7 @@ class WriteBehind:
         for _ in range(self._BUFFERS):
             self._free.put(memoryview(bytearray(buffer_bytes)))
         self._todo: queue.SimpleQueue[tuple[memoryview, int, int, int] | None] = queue.SimpleQueue()
-        self._error: OSError | None = None
+        self._error: Exception | None = None
         self._thread = threading.Thread(target=self._write, name="h5serve-write", daemon=True)
         self._thread.start()
 
@@ -273,8 +273,8 @@ class WriteBehind:
             if self._error is None:
                 try:
                     write_all(fd, buffer[:size], offset)
-                except OSError as exc:
-                    self._error = exc
+                except Exception as exc:  # noqa: BLE001 - raised by the copying thread; the buffer still goes back,
+                    self._error = exc  # or flush() would wait for it forever
             self._free.put(buffer)
 
     def _check(self) -> None:
