@@ -8,6 +8,7 @@ destroyed (``linger=0``) and rebuilt, so a late reply can never be taken for the
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -31,11 +32,18 @@ from .protocol import (
 from .runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
 from .segments.arrival import PublishWatch
 
-__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "poll_pause"]
+__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "WATCHED_POLL_S", "poll_pause"]
 
 
 DEFAULT_TIMEOUT_S = 5.0
 FIRST_POLL_S = 0.002
+
+
+# Between polls of a load whose publication a PublishWatch will announce: the polls then only
+# update the progress bar and notice a failed load or a dead daemon. Each poll wakes this
+# process and the daemon, CPU a load on a small node would rather have (~20 polls of a
+# 0.15 s load at the short pauses).
+WATCHED_POLL_S = 0.2
 
 
 def poll_pause(waited: float) -> float:
@@ -199,6 +207,8 @@ class DaemonClient:
                     return result
                 if on_progress is not None:
                     on_progress(result)
+                if watch is None and result.name:
+                    watch = PublishWatch(result.shm_dir, result.name)
                 pause = poll_pause(time.monotonic() - started)
                 if deadline is not None and time.monotonic() + pause >= deadline:
                     raise DaemonUnavailable(
@@ -207,8 +217,9 @@ class DaemonClient:
                         f"of {result.rows_total} rows so far; it goes on for later jobs); pass a larger timeout=, "
                         "or timeout=None to wait as long as the load makes progress"
                     )
-                if watch is None and result.name:
-                    watch = PublishWatch(result.shm_dir, result.name)
+                if watch is not None and watch.watching:  # longer, leaving the last short pause for a last poll
+                    left = math.inf if deadline is None else deadline - time.monotonic() - pause
+                    pause = max(pause, min(WATCHED_POLL_S, left))
                 if watch is None:
                     time.sleep(pause)
                 elif watch.arrived:  # published, the daemon not yet told: ask again soon, then less often

@@ -61,6 +61,10 @@ __all__ = ["SegmentStore"]
 log = logging.getLogger("h5serve.daemon")
 SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
 SPARE_RETRY_S = 10.0  # after a spare could not be started
+# after the last running load finished, before the next spare: forking one while a load runs
+# takes a core from it, and the daemon answers nobody until the forkserver replied (2-8 ms):
+# the clients of the load just published attach first
+SPARE_AFTER_LOAD_S = 0.05
 
 
 def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
@@ -222,7 +226,6 @@ class SegmentStore:
                     entry.process, entry.reply = start_load(self._ctx, job)
                 entry.load_started = entry.active_at = time.monotonic()
                 self._spare_after = 0.0  # the forkserver is warm
-                self._keep_spare()
                 running += 1
                 log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
                          entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
@@ -344,9 +347,12 @@ class SegmentStore:
     def _keep_spare(self) -> None:
         """Start a spare loader once the forkserver is warm (after the first load, or
         SPARE_DELAY_S after the start: no request waits for the forkserver's imports on its
-        account). The next spare starts as soon as one is used, while that load runs, so no
-        load finishing waits for it either."""
+        account). The next one starts SPARE_AFTER_LOAD_S after the loads running when one was
+        used are done, not beside them (a load that finds no spare starts its own loader)."""
         if self._spare is not None or time.monotonic() < self._spare_after:
+            return
+        if any(entry.process is not None for entry in self.entries.values()):
+            self._spare_after = time.monotonic() + SPARE_AFTER_LOAD_S
             return
         try:
             self._spare = start_spare(self._ctx, os.getpid())

@@ -60,6 +60,11 @@ class PublishWatch:
         # published before the watch was set up: seen now, or never
         self.arrived = os.path.lexists(self.directory / name)
 
+    @property
+    def watching(self) -> bool:
+        """Whether inotify watches the directory (else ``wait`` sleeps its whole timeout)."""
+        return self._fd >= 0
+
     def wait(self, timeout: float) -> bool:
         """Sleep until the name arrives or ``timeout`` seconds pass; True once it has arrived."""
         deadline = time.monotonic() + timeout

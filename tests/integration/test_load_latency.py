@@ -35,6 +35,7 @@ import pytest
 from h5serve import connection
 from h5serve.client import SharedH5Dataset
 from h5serve.connection import DaemonClient
+from h5serve.daemon import store
 from h5serve.errors import ShmFull
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments.arrival import PublishWatch
@@ -213,6 +214,81 @@ def test_the_next_load_runs_in_the_spare_loader() -> None:
                 assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"
                 assert wait_for(lambda: len(spares_of(d.pid)) == 1 and spares_of(d.pid) != [spare], 10)
         finally:
+            d.stop()
+
+
+def test_no_spare_starts_beside_a_running_load() -> None:
+    """A spare forked while a load runs takes a core from it: the next one waits for the loads."""
+    with short_workdir("h5s-spare-") as work:
+        small, big = make_h5(work / "small.h5"), _write_big(work / "big.h5")
+        d = Daemon("--load-processes", "1")
+        stopped = 0
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
+                assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+                start_load(client, Acquire(str(big), "x", 1, 0))
+                stopped, tmp = find_loader(d, 10)  # the load took the spare
+                os.kill(stopped, signal.SIGSTOP)
+                assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
+                # the daemon's loop goes round every few ms: ten times SPARE_AFTER_LOAD_S and more
+                assert not wait_for(lambda: spares_of(d.pid), 10 * store.SPARE_AFTER_LOAD_S)
+                os.kill(stopped, signal.SIGCONT)
+                stopped = 0
+                assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"
+                assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+        finally:
+            if stopped:
+                os.kill(stopped, signal.SIGCONT)
+            d.stop()
+
+
+def test_a_watched_load_is_polled_gently(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While inotify waits for the segment's name, the client asks the daemon about every
+    WATCHED_POLL_S (progress, a failed load), not every few ms, and still returns at once."""
+    asked: list[float] = []
+    request_by = DaemonClient.request_by
+
+    def counted(self: DaemonClient, *args: object, **kwargs: object) -> object:
+        asked.append(time.monotonic())
+        return request_by(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DaemonClient, "request_by", counted)
+    with short_workdir("h5s-gentle-") as work:
+        path = _write_big(work / "big.h5")
+        d = Daemon("--load-processes", "1", "--keep-page-cache")
+        stopped = 0
+        try:
+            d.start()
+            request = Acquire(str(path), "x", 1, 0)
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                start_load(client, request)
+                stopped, _ = find_loader(d, 10)
+                os.kill(stopped, signal.SIGSTOP)
+                got: list[AcquireResult | BaseException] = []
+
+                def wait() -> None:
+                    try:
+                        got.append(client.acquire(request))
+                    except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                        got.append(exc)
+
+                asked.clear()
+                waiter = threading.Thread(target=wait, daemon=True)
+                waiter.start()
+                time.sleep(1.0)
+                polls = len(asked)
+                # every WATCHED_POLL_S once the first reply named the segment; ~45 polls a
+                # second at the short pauses without the watch (measured)
+                assert 2 <= polls <= 1.0 / connection.WATCHED_POLL_S + 4, asked
+                os.kill(stopped, signal.SIGCONT)
+                stopped = 0
+                waiter.join(30)
+                assert got and isinstance(got[0], AcquireResult) and got[0].state == "ready", got
+        finally:
+            if stopped:
+                os.kill(stopped, signal.SIGCONT)
             d.stop()
 
 
