@@ -27,11 +27,18 @@ class Reservation:
         self.done_ns = time.monotonic_ns()  # when it was done (``time.monotonic_ns``)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(writer, done), name="h5serve-reserve", daemon=True)
+        # A thread that has started still needs the GIL to reach posix_fallocate, and this
+        # one's Python work (opening the file, finding its chunks) kept it for a switch
+        # interval (5 ms) first: returning once the thread is on its way into the call
+        # (which lets the GIL go) starts the reservation at once.
+        self._entering = threading.Event()
         self._thread.start()
+        self._entering.wait()
 
     def _run(self, writer: SegmentWriter, done: Callable[[], None]) -> None:
         started = time.monotonic_ns()
         try:
+            self._entering.set()
             writer.reserve_all()
             done()
         except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the loader's own thread

@@ -353,7 +353,8 @@ class Server:
             for fd in self.store.load_fds():
                 poller.register(fd, zmq.POLLIN)
             try:
-                ready = dict(poller.poll(int(POLL_INTERVAL_S * 1000)))
+                # woken when a spare loader is due, to start it while nothing else waits
+                ready = dict(poller.poll(int(min(POLL_INTERVAL_S, self.store.spare_due_in()) * 1000)))
             except zmq.ZMQError as exc:
                 if exc.errno == errno.EINTR:
                     continue
@@ -374,6 +375,8 @@ class Server:
                     sock.send_multipart([identity.bytes, reply], zmq.NOBLOCK)
                 except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
                     pass
+            if sock not in ready:
+                self.store.keep_spare()
             self.store.sweep()
             loading = any(e.state == "loading" for e in self.store.entries.values())
             self.notifier.tick(loading)

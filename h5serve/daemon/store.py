@@ -9,6 +9,7 @@ reaped by ``poll_loads``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -64,7 +65,7 @@ SPARE_RETRY_S = 10.0  # after a spare could not be started
 # after the last running load finished, before the next spare: forking one while a load runs
 # takes a core from it, and the daemon answers nobody until the forkserver replied (2-8 ms):
 # the clients of the load just published attach first
-SPARE_AFTER_LOAD_S = 0.05
+SPARE_AFTER_LOAD_S = 0.02
 
 
 def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
@@ -342,17 +343,20 @@ class SegmentStore:
                            f"the loader process died (exit code {exitcode}); see the daemon log")
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
-        self._keep_spare()
 
-    def _keep_spare(self) -> None:
+    def spare_due_in(self) -> float:
+        """Seconds until ``keep_spare`` would start a spare loader (inf: none is due)."""
+        if self._spare is not None or any(entry.process is not None for entry in self.entries.values()):
+            return math.inf
+        return max(0.0, self._spare_after - time.monotonic())
+
+    def keep_spare(self) -> None:
         """Start a spare loader once the forkserver is warm (after the first load, or
         SPARE_DELAY_S after the start: no request waits for the forkserver's imports on its
         account). The next one starts SPARE_AFTER_LOAD_S after the loads running when one was
-        used are done, not beside them (a load that finds no spare starts its own loader)."""
-        if self._spare is not None or time.monotonic() < self._spare_after:
-            return
-        if any(entry.process is not None for entry in self.entries.values()):
-            self._spare_after = time.monotonic() + SPARE_AFTER_LOAD_S
+        used are done, not beside them (a load that finds no spare starts its own loader). The
+        server calls it when no request waits (forking one holds the daemon for 2-8 ms)."""
+        if self.spare_due_in() > 0:
             return
         try:
             self._spare = start_spare(self._ctx, os.getpid())
@@ -364,6 +368,7 @@ class SegmentStore:
         """Forget a finished (or killed) loader; it is reaped later, without waiting for it."""
         assert entry.process is not None and entry.reply is not None
         entry.reply.close()
+        self._spare_after = max(self._spare_after, time.monotonic() + SPARE_AFTER_LOAD_S)
         self._reaping.append(entry.process)
         entry.process, entry.reply = None, None
 
