@@ -170,10 +170,14 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
         cmd.append("--keep-page-cache")
     for root in args.allow_root or ():
         cmd += ["--allow-root", root]
+    from .daemon._process import quiet_blas
+
+    env = dict(os.environ)
+    quiet_blas(env)
     log = _open_log(dir_fd)
     try:
         return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, env=env
         )
     except OSError as exc:
         raise host_error(exc, f"running {sys.executable} to start the daemon") from exc

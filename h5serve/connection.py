@@ -37,6 +37,9 @@ __all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "WATCHED_POLL_S"
 
 DEFAULT_TIMEOUT_S = 5.0
 FIRST_POLL_S = 0.002
+# The loader tells the daemon right after it renames the segment into place: a client woken by
+# the rename that heard "loading" asks again about this much later (then twice that, ...).
+ARRIVED_POLL_S = 0.0005
 
 
 # Between polls of a load whose publication a PublishWatch will announce: the polls then only
@@ -199,7 +202,7 @@ class DaemonClient:
         """
         started = time.monotonic()
         watch: PublishWatch | None = None
-        quick = FIRST_POLL_S  # the pause once the name is there (the daemon is told within moments)
+        quick = ARRIVED_POLL_S  # the pause once the name is there (the daemon is told within moments)
         try:
             while True:
                 result = AcquireResult.from_wire(self.request_by(request, deadline))

@@ -5,7 +5,8 @@ place, each with why and what it depends on (the client's are in h5serve/client/
   "alive" pipe;
 - ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies;
 - ``set_process_name``: a loader shows as ``h5serve-load`` (a spare waiting for its job as
-  ``h5serve-spare``) in ps, top and /proc/PID/comm.
+  ``h5serve-spare``) in ps, top and /proc/PID/comm;
+- ``quiet_blas``: the daemon and its forkserver start numpy with one OpenBLAS thread.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import ctypes
 import os
 import signal
 
-__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "SPARE_NAME", "LOADER_NAME"]
+__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "quiet_blas", "SPARE_NAME",
+           "LOADER_NAME"]
 
 _PR_SET_PDEATHSIG = 1  # prctl options (linux/prctl.h)
 _PR_SET_NAME = 15
@@ -66,3 +68,16 @@ def set_process_name(name: str) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def quiet_blas(env: os._Environ[str] | dict[str, str]) -> None:
+    """Ask a process started with ``env`` that imports numpy for one OpenBLAS thread, unless
+    the environment already says how many.
+
+    Why: OpenBLAS starts a thread per core when numpy is imported, and each spins for ~0.1 s
+    (measured with perf on the bench's 2-core VM) before it sleeps: the daemon and its
+    forkserver start as a job does (a SLURM prolog), and took a core from its first loads.
+    The daemon and its loaders do no linear algebra. Version: OPENBLAS_NUM_THREADS is read
+    once, when the library loads; a process that already imported numpy keeps its threads.
+    """
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")

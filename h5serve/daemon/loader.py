@@ -60,7 +60,7 @@ from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
 from ..units import row_nbytes
-from ._process import LOADER_NAME, drop_forkserver_alive_fd, set_pdeathsig, set_process_name
+from ._process import LOADER_NAME, drop_forkserver_alive_fd, quiet_blas, set_pdeathsig, set_process_name
 from .checksum import RunningCrc
 from .fileset import read_files_part
 from .parts import DaemonGone, PartResult, Parts, error_of
@@ -129,6 +129,7 @@ def start_forkserver() -> None:
     node), so that the first load does not stall the control loop while it starts."""
     from multiprocessing import forkserver
 
+    quiet_blas(os.environ)  # the forkserver starts with this process's environment
     loader_context()
     forkserver.ensure_running()
 

@@ -217,6 +217,31 @@ def test_the_next_load_runs_in_the_spare_loader() -> None:
             d.stop()
 
 
+def _threads_and_environ(pid: int) -> tuple[int, bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return len(os.listdir(f"/proc/{pid}/task")), f.read()
+
+
+def test_the_daemon_and_its_forkserver_start_no_blas_threads() -> None:
+    """numpy's OpenBLAS would start a thread per core in each, spinning ~0.1 s at start."""
+    with short_workdir("h5s-blas-") as work:
+        small = make_h5(work / "small.h5")
+        d = Daemon("--load-processes", "1")
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir, timeout=10) as client:
+                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
+            _, environ = _threads_and_environ(d.pid)
+            assert b"OPENBLAS_NUM_THREADS=1\0" in environ
+            servers = [p for p, parent in descendants(d.pid).items() if parent == d.pid
+                       and b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            assert servers, descendants(d.pid)
+            for pid in servers:
+                assert _threads_and_environ(pid)[0] == 1  # numpy and h5py imported, no thread started
+        finally:
+            d.stop()
+
+
 def test_no_spare_starts_beside_a_running_load() -> None:
     """A spare forked while a load runs takes a core from it: the next one waits for the loads."""
     with short_workdir("h5s-spare-") as work:
