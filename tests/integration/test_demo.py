@@ -97,8 +97,11 @@ def test_demo_prints_the_three_measured_lines_and_leaves_nothing() -> None:
 def test_interrupted_demo_stops_its_daemon_and_jobs_and_removes_its_dir() -> None:
     with short_workdir("h5s-demo-") as tmp:
         env = {**os.environ, "TMPDIR": str(tmp)}
+        # SIGINT as a terminal delivers it: a suite started in the background of a shell without
+        # job control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
         demo = subprocess.Popen([sys.executable, "-m", "h5serve", "demo", "--rows", str(ROWS)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             # interrupt while job 1 runs: the daemon is up and torchrun ranks are alive
             assert wait_for(lambda: any(tmp.glob("h5serve-demo-*/reports-*/output.txt")), timeout=120)

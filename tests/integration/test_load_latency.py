@@ -134,6 +134,21 @@ def _write_big(path: Path, rows: int = 8192, row_shape: tuple[int, ...] = (3, 64
     return path
 
 
+def _acquire_in_thread(client: DaemonClient, request: Acquire) -> tuple[threading.Thread, list[object]]:
+    """``client.acquire(request)`` in a thread; the list gets its result or its exception."""
+    got: list[object] = []
+
+    def wait() -> None:
+        try:
+            got.append(client.acquire(request))
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's assertions
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    return waiter, got
+
+
 def test_a_waiting_client_is_ready_when_the_segment_is_published(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connection, "poll_pause", lambda waited: 60.0)  # a poll a minute: only the watch can wake it
     with short_workdir("h5s-wake-") as work:
@@ -148,16 +163,7 @@ def test_a_waiting_client_is_ready_when_the_segment_is_published(monkeypatch: py
                 stopped, tmp = find_loader(d, 10)
                 os.kill(stopped, signal.SIGSTOP)
                 assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
-                got: list[AcquireResult | BaseException] = []
-
-                def wait() -> None:
-                    try:
-                        got.append(client.acquire(request))
-                    except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-                        got.append(exc)
-
-                waiter = threading.Thread(target=wait, daemon=True)
-                waiter.start()
+                waiter, got = _acquire_in_thread(client, request)
                 time.sleep(0.3)  # the client has asked, heard "loading" and is in its minute-long pause
                 assert not got, got
                 os.kill(stopped, signal.SIGCONT)
@@ -291,17 +297,8 @@ def test_a_watched_load_is_polled_gently(monkeypatch: pytest.MonkeyPatch) -> Non
                 start_load(client, request)
                 stopped, _ = find_loader(d, 10)
                 os.kill(stopped, signal.SIGSTOP)
-                got: list[AcquireResult | BaseException] = []
-
-                def wait() -> None:
-                    try:
-                        got.append(client.acquire(request))
-                    except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-                        got.append(exc)
-
                 asked.clear()
-                waiter = threading.Thread(target=wait, daemon=True)
-                waiter.start()
+                waiter, got = _acquire_in_thread(client, request)
                 time.sleep(1.0)
                 polls = len(asked)
                 # every WATCHED_POLL_S once the first reply named the segment; ~45 polls a
