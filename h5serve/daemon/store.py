@@ -321,12 +321,15 @@ class SegmentStore:
             if entry.process is None or entry.reply is None:
                 continue
             result: object = None
+            # alive first, then the pipe: a loader that reports and exits between the two looks
+            # is seen dead with its report waiting, never dead with nothing said
+            alive = entry.process.is_alive()
             if entry.reply.poll():
                 try:
                     result = entry.reply.recv()
                 except (EOFError, OSError):
                     result = None
-            elif entry.process.is_alive():
+            elif alive:
                 if check_stalls and self._stalled(entry, now):
                     self._stop_stalled(entry, now)
                 continue
