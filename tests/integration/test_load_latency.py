@@ -18,6 +18,7 @@ Every test has a deadline and kills or continues what it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -149,36 +151,58 @@ def _acquire_in_thread(client: DaemonClient, request: Acquire) -> tuple[threadin
     return waiter, got
 
 
+@dataclass
+class _StoppedLoad:
+    """A daemon whose loader of ``request`` is SIGSTOPped mid-load, and a client of it."""
+
+    client: DaemonClient
+    request: Acquire
+    loader: int
+    running: bool = False
+
+    def resume(self) -> None:
+        if not self.running:
+            self.running = True
+            try:
+                os.kill(self.loader, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+@contextlib.contextmanager
+def _stopped_load(work: Path) -> Iterator[_StoppedLoad]:
+    """A ~100 MB load on a fresh daemon, its loader stopped; resumed and the daemon stopped on exit."""
+    path = _write_big(work / "big.h5")
+    d = Daemon("--load-processes", "1", "--keep-page-cache")
+    load: _StoppedLoad | None = None
+    try:
+        d.start()
+        request = Acquire(str(path), "x", 1, 0)
+        with DaemonClient(d.runtime_dir, timeout=10) as client:
+            start_load(client, request)
+            stopped, tmp = find_loader(d, 10)
+            os.kill(stopped, signal.SIGSTOP)
+            load = _StoppedLoad(client, request, stopped)
+            assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
+            yield load
+    finally:
+        if load is not None:
+            load.resume()
+        d.stop()
+
+
 def test_a_waiting_client_is_ready_when_the_segment_is_published(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connection, "poll_pause", lambda waited: 60.0)  # a poll a minute: only the watch can wake it
-    with short_workdir("h5s-wake-") as work:
-        path = _write_big(work / "big.h5")
-        d = Daemon("--load-processes", "1", "--keep-page-cache")
-        stopped = 0
-        try:
-            d.start()
-            request = Acquire(str(path), "x", 1, 0)
-            with DaemonClient(d.runtime_dir, timeout=10) as client:
-                start_load(client, request)
-                stopped, tmp = find_loader(d, 10)
-                os.kill(stopped, signal.SIGSTOP)
-                assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
-                waiter, got = _acquire_in_thread(client, request)
-                time.sleep(0.3)  # the client has asked, heard "loading" and is in its minute-long pause
-                assert not got, got
-                os.kill(stopped, signal.SIGCONT)
-                continued = time.monotonic()
-                waiter.join(30)
-                assert got and isinstance(got[0], AcquireResult), got
-                assert got[0].state == "ready"
-                assert time.monotonic() - continued < 30  # not the 60 s pause
-        finally:
-            if stopped:
-                try:
-                    os.kill(stopped, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            d.stop()
+    with short_workdir("h5s-wake-") as work, _stopped_load(work) as load:
+        waiter, got = _acquire_in_thread(load.client, load.request)
+        time.sleep(0.3)  # the client has asked, heard "loading" and is in its minute-long pause
+        assert not got, got
+        load.resume()
+        continued = time.monotonic()
+        waiter.join(30)
+        assert got and isinstance(got[0], AcquireResult), got
+        assert got[0].state == "ready"
+        assert time.monotonic() - continued < 30  # not the 60 s pause
 
 
 def spares_of(daemon_pid: int) -> list[int]:
@@ -223,6 +247,20 @@ def test_the_next_load_runs_in_the_spare_loader() -> None:
             d.stop()
 
 
+@contextlib.contextmanager
+def _daemon_after_a_load(work: Path) -> Iterator[Daemon]:
+    """A daemon (one loader process a load) that has loaded a small file: its forkserver is warm."""
+    small = make_h5(work / "small.h5")
+    d = Daemon("--load-processes", "1")
+    try:
+        d.start()
+        with DaemonClient(d.runtime_dir, timeout=10) as client:
+            assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
+        yield d
+    finally:
+        d.stop()
+
+
 def _threads_and_environ(pid: int) -> tuple[int, bytes]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         return len(os.listdir(f"/proc/{pid}/task")), f.read()
@@ -230,22 +268,14 @@ def _threads_and_environ(pid: int) -> tuple[int, bytes]:
 
 def test_the_daemon_and_its_forkserver_start_no_blas_threads() -> None:
     """numpy's OpenBLAS would start a thread per core in each, spinning ~0.1 s at start."""
-    with short_workdir("h5s-blas-") as work:
-        small = make_h5(work / "small.h5")
-        d = Daemon("--load-processes", "1")
-        try:
-            d.start()
-            with DaemonClient(d.runtime_dir, timeout=10) as client:
-                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
-            _, environ = _threads_and_environ(d.pid)
-            assert b"OPENBLAS_NUM_THREADS=1\0" in environ
-            servers = [p for p, parent in descendants(d.pid).items() if parent == d.pid
-                       and b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
-            assert servers, descendants(d.pid)
-            for pid in servers:
-                assert _threads_and_environ(pid)[0] == 1  # numpy and h5py imported, no thread started
-        finally:
-            d.stop()
+    with short_workdir("h5s-blas-") as work, _daemon_after_a_load(work) as d:
+        _, environ = _threads_and_environ(d.pid)
+        assert b"OPENBLAS_NUM_THREADS=1\0" in environ
+        servers = [p for p, parent in descendants(d.pid).items() if parent == d.pid
+                   and b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert servers, descendants(d.pid)
+        for pid in servers:
+            assert _threads_and_environ(pid)[0] == 1  # numpy and h5py imported, no thread started
 
 
 def test_no_spare_starts_beside_a_running_load() -> None:
@@ -286,52 +316,29 @@ def test_a_watched_load_is_polled_gently(monkeypatch: pytest.MonkeyPatch) -> Non
         return request_by(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DaemonClient, "request_by", counted)
-    with short_workdir("h5s-gentle-") as work:
-        path = _write_big(work / "big.h5")
-        d = Daemon("--load-processes", "1", "--keep-page-cache")
-        stopped = 0
-        try:
-            d.start()
-            request = Acquire(str(path), "x", 1, 0)
-            with DaemonClient(d.runtime_dir, timeout=10) as client:
-                start_load(client, request)
-                stopped, _ = find_loader(d, 10)
-                os.kill(stopped, signal.SIGSTOP)
-                asked.clear()
-                waiter, got = _acquire_in_thread(client, request)
-                time.sleep(1.0)
-                polls = len(asked)
-                # every WATCHED_POLL_S once the first reply named the segment; ~45 polls a
-                # second at the short pauses without the watch (measured)
-                assert 2 <= polls <= 1.0 / connection.WATCHED_POLL_S + 4, asked
-                os.kill(stopped, signal.SIGCONT)
-                stopped = 0
-                waiter.join(30)
-                assert got and isinstance(got[0], AcquireResult) and got[0].state == "ready", got
-        finally:
-            if stopped:
-                os.kill(stopped, signal.SIGCONT)
-            d.stop()
+    with short_workdir("h5s-gentle-") as work, _stopped_load(work) as load:
+        asked.clear()
+        waiter, got = _acquire_in_thread(load.client, load.request)
+        time.sleep(1.0)
+        polls = len(asked)
+        # every WATCHED_POLL_S once the first reply named the segment; ~45 polls a
+        # second at the short pauses without the watch (measured)
+        assert 2 <= polls <= 1.0 / connection.WATCHED_POLL_S + 4, asked
+        load.resume()
+        waiter.join(30)
+        assert got and isinstance(got[0], AcquireResult) and got[0].state == "ready", got
 
 
 @pytest.mark.parametrize("how", ["kill -9", "h5serve stop"])
 def test_a_spare_loader_goes_with_the_daemon(how: str) -> None:
-    with short_workdir("h5s-spare-") as work:
-        small = make_h5(work / "small.h5")
-        d = Daemon("--load-processes", "1")
-        try:
-            d.start()
-            with DaemonClient(d.runtime_dir, timeout=10) as client:
-                assert client.acquire(Acquire(str(small), "x", 1, 0)).state == "ready"
-            assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
-            tree = list(descendants(d.pid))
-            if how == "kill -9":
-                os.kill(d.pid, signal.SIGKILL)
-            else:
-                d.stop()
-            assert wait_for(lambda: not any(_alive(p) for p in tree), 10), [p for p in tree if _alive(p)]
-        finally:
+    with short_workdir("h5s-spare-") as work, _daemon_after_a_load(work) as d:
+        assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+        tree = list(descendants(d.pid))
+        if how == "kill -9":
+            os.kill(d.pid, signal.SIGKILL)
+        else:
             d.stop()
+        assert wait_for(lambda: not any(_alive(p) for p in tree), 10), [p for p in tree if _alive(p)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
