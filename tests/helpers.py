@@ -95,6 +95,34 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
     return predicate()
 
 
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def tmpfs(size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's syntax: ``1m``) mounted on a fresh short dir, unmounted and
+    removed on exit; the test is skipped where it cannot be mounted (needs root)."""
+    import pytest
+
+    where = short_tmpdir("h5s-tmpfs-")
+    try:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, timeout=30).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        try:
+            yield where
+        finally:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def expected_checksum(data: bytes | np.ndarray) -> str:
     """The checksum a load records for rows ``data``, computed with the hashing library itself
     (not h5serve's code): crc32c where the crc32c package hashes in hardware, else zlib's crc32."""

@@ -16,32 +16,24 @@ import pytest
 from h5serve.runtime import resolve_runtime
 from h5serve.segments import segment_prefix
 
-from ..helpers import h5serve_cli, short_workdir, wait_for
+from ..helpers import alive, h5serve_cli, short_workdir, wait_for
 
 ROWS = 4000
 ROW_BYTES = 3 * 32 * 32
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _left_behind(workdir: Path, daemon_pid: int) -> list[str]:
     """What a demo whose temp dir was ``workdir`` left: the dir, its daemon, its segments,
     any process still running from the demo's files."""
     left = [str(workdir)] if workdir.exists() else []
-    if daemon_pid and _alive(daemon_pid):
+    if daemon_pid and alive(daemon_pid):
         left.append(f"daemon pid {daemon_pid}")
     prefix = segment_prefix(resolve_runtime(workdir / "rt").namespace)
     left += [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if str(workdir).encode() in f.read() and _alive(int(pid)):
+                if str(workdir).encode() in f.read() and alive(int(pid)):
                     left.append(f"process {pid}")
         except OSError:
             pass
@@ -107,7 +99,7 @@ def test_interrupted_demo_stops_its_daemon_and_jobs_and_removes_its_dir() -> Non
             assert wait_for(lambda: any(tmp.glob("h5serve-demo-*/reports-*/output.txt")), timeout=120)
             workdir = next(tmp.glob("h5serve-demo-*"))
             daemon_pid = int((workdir / "rt" / "h5serve.pid").read_text())
-            assert _alive(daemon_pid)
+            assert alive(daemon_pid)
             demo.send_signal(signal.SIGINT)
             output, _ = demo.communicate(timeout=90)
         finally:

@@ -4,7 +4,6 @@ both backends, and the daemon keeps serving afterwards."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import h5py
@@ -29,7 +28,7 @@ from h5serve.errors import (
     falls_back,
 )
 
-from ..helpers import Daemon, short_tmpdir
+from ..helpers import Daemon, short_tmpdir, tmpfs
 
 
 @pytest.fixture(scope="module")
@@ -156,26 +155,22 @@ def test_budget_exceeded_falls_back_or_raises(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_full_shm_filesystem_is_a_clear_error_not_sigbus(tmp_path: Path) -> None:
-    mnt = short_tmpdir("h5s-tmpfs-")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount tmpfs here")
-    d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G")
-    try:
-        d.start()
-        path = tmp_path / "big.h5"
-        with h5py.File(path, "w") as f:
-            f["x"] = np.ones((4096, 1024), dtype=np.uint8)  # 4 MiB > 1 MiB tmpfs
-        with pytest.raises(ShmFull, match=r"needs 4\.0 MiB, .* free"):
-            SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error")
-        with pytest.warns(RuntimeWarning):
-            ds = SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir)
-        assert ds.backend == "lazy" and ds[0].shape == (1024,)
-        assert os.listdir(mnt) == []  # the failed temporary was removed
-        assert d.status()["running"] is True
-    finally:
-        d.stop()
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-        os.rmdir(mnt)
+    with tmpfs("1m") as mnt:
+        d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G")
+        try:
+            d.start()
+            path = tmp_path / "big.h5"
+            with h5py.File(path, "w") as f:
+                f["x"] = np.ones((4096, 1024), dtype=np.uint8)  # 4 MiB > 1 MiB tmpfs
+            with pytest.raises(ShmFull, match=r"needs 4\.0 MiB, .* free"):
+                SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error")
+            with pytest.warns(RuntimeWarning):
+                ds = SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir)
+            assert ds.backend == "lazy" and ds[0].shape == (1024,)
+            assert os.listdir(mnt) == []  # the failed temporary was removed
+            assert d.status()["running"] is True
+        finally:
+            d.stop()
 
 
 def test_every_error_is_an_h5serve_error() -> None:

@@ -41,7 +41,7 @@ from h5serve.daemon.config import FAILURE_MEMORY_S
 from h5serve.errors import ConfigError, DaemonUnavailable, SegmentError
 from h5serve.protocol import Acquire
 
-from ..helpers import Daemon, make_h5, short_tmpdir, wait_for
+from ..helpers import Daemon, alive, make_h5, short_tmpdir, wait_for
 from .test_reliability import BIG_CHUNK_ROWS, BIG_ROW_SHAPE, patterned_crc, patterned_rows, write_patterned
 
 pytestmark = pytest.mark.timeout(240)
@@ -65,15 +65,6 @@ def big(work: Path) -> Path:
 
 
 # ----- processes ----------------------------------------------------------------------------
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:

@@ -4,7 +4,6 @@ seen from its own and from another mount namespace, and errors without traceback
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -23,7 +22,7 @@ from h5serve.cli import main
 from h5serve.client import SharedH5Dataset
 from h5serve.segments import HEADER_SIZE
 
-from ..helpers import Daemon, h5serve_cli, short_tmpdir
+from ..helpers import Daemon, h5serve_cli, short_tmpdir, tmpfs
 
 
 def inspect_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -145,21 +144,6 @@ def test_a_missing_filter_plugin_names_the_extra(tmp_path: Path, nowhere: Path) 
     assert x["filters"] == [{"id": 32001, "name": "blosc", "available": False, "compression": True}]
     assert "pip install 'h5serve[filters]'" in codes_text(report, "missing_filter")
     assert x["nbytes"] == 1600 and report["needs"][0]["rows"] == 100  # still counted: servable once installed
-
-
-@contextlib.contextmanager
-def tmpfs(size: str) -> Iterator[Path]:
-    where = short_tmpdir("h5s-tmpfs-")
-    try:
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, timeout=30).returncode != 0:
-            pytest.skip("cannot mount a tmpfs here (needs root)")
-        try:
-            yield where
-        finally:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_dockers_64_mib_shm_is_named_and_the_file_does_not_fit(tmp_path: Path, nowhere: Path, capsys) -> None:

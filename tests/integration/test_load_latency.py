@@ -22,7 +22,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -42,7 +41,7 @@ from h5serve.errors import ShmFull
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments.arrival import PublishWatch
 
-from ..helpers import Daemon, make_h5, short_tmpdir, short_workdir, wait_for
+from ..helpers import Daemon, alive, make_h5, short_workdir, tmpfs, wait_for
 from .test_hangs import find_loader, start_load
 from .test_parallel_load import descendants, loaders_of
 
@@ -218,14 +217,6 @@ def spares_of(daemon_pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def test_the_next_load_runs_in_the_spare_loader() -> None:
     with short_workdir("h5s-spare-") as work:
         small, big = make_h5(work / "small.h5"), _write_big(work / "big.h5")
@@ -338,18 +329,15 @@ def test_a_spare_loader_goes_with_the_daemon(how: str) -> None:
             os.kill(d.pid, signal.SIGKILL)
         else:
             d.stop()
-        assert wait_for(lambda: not any(_alive(p) for p in tree), 10), [p for p in tree if _alive(p)]
+        assert wait_for(lambda: not any(alive(p) for p in tree), 10), [p for p in tree if alive(p)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_split_load_into_a_full_shm_is_shm_full_and_leaves_nothing() -> None:
-    mnt = short_tmpdir("h5s-tmpfs-")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount tmpfs here")
-    d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G", "--load-processes", "3")
-    d.env["H5SERVE_MIN_PART_BYTES"] = str(1 << 20)  # 6 MiB of rows: three parts
-    try:
-        with short_workdir("h5s-full-") as work:
+    with tmpfs("2m") as mnt, short_workdir("h5s-full-") as work:
+        d = Daemon("--shm-dir", str(mnt), "--max-memory", "1G", "--load-processes", "3")
+        d.env["H5SERVE_MIN_PART_BYTES"] = str(1 << 20)  # 6 MiB of rows: three parts
+        try:
             d.start()
             path = work / "big.h5"
             with h5py.File(path, "w") as f:
@@ -359,7 +347,5 @@ def test_a_split_load_into_a_full_shm_is_shm_full_and_leaves_nothing() -> None:
             assert wait_for(lambda: not loaders_of(d.pid), 10), descendants(d.pid)
             assert os.listdir(mnt) == []  # the failed temporary was removed
             assert d.status()["running"] is True
-    finally:
-        d.stop()
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-        os.rmdir(mnt)
+        finally:
+            d.stop()

@@ -24,7 +24,7 @@ from h5serve.client.connection import DaemonClient
 from h5serve.errors import DataError
 from h5serve.protocol import Acquire
 
-from ..helpers import Daemon, expected_checksum, h5serve_cli, short_workdir, wait_for
+from ..helpers import Daemon, alive, expected_checksum, h5serve_cli, short_workdir, wait_for
 
 ROWS, ROW_SHAPE, CHUNK_ROWS = 3000, (3, 8, 8), 50
 PARTS = 3
@@ -38,12 +38,6 @@ def _stat_fields(pid: int) -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-
-
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
 
 
 def descendants(pid: int) -> dict[int, int]:

@@ -50,7 +50,7 @@ from h5serve.errors import BudgetExceeded, ProtocolError
 from h5serve.protocol import MAX_FRAME_BYTES, Acquire, AcquireResult, Status
 from h5serve.segments import attach_segment, read_progress
 
-from ..helpers import Daemon, make_h5, short_tmpdir, wait_for
+from ..helpers import Daemon, alive, make_h5, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -114,15 +114,6 @@ def h5_read(path: Path, key: str) -> np.ndarray:
 
 
 # ----- processes --------------------------------------------------------------------------
-def proc_alive(pid: int) -> bool:
-    """Exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _ppid_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -253,7 +244,7 @@ class Reaper:
                 # the daemon is a session leader: its group holds its forkserver and loaders
                 for pid in self.daemon_pids:
                     _killpg(pid)
-                wait_for(lambda: not any(proc_alive(p) for p in self.daemon_pids), 5)
+                wait_for(lambda: not any(alive(p) for p in self.daemon_pids), 5)
                 for name in d.segment_files():  # left by a SIGKILLed daemon
                     try:
                         os.unlink(f"/dev/shm/{name}")
@@ -419,7 +410,7 @@ def test_kill_daemon_mid_load_loader_dies_with_daemon(reaper: Reaper, big_h5: Pa
     c.request(Acquire(str(big_h5), "x", 1, 0))  # a raw acquire starts the load; nobody waits for it
     k = _kill_daemon_mid_load(d, c, big_h5)
     t = time.monotonic()
-    gone = wait_for(lambda: not any(proc_alive(p) for p in k["loaders"]), 10)
+    gone = wait_for(lambda: not any(alive(p) for p in k["loaders"]), 10)
     died_after = time.monotonic() - t
     left = d.segment_files()
     temporaries = [n for n in left if n.startswith(k["name"] + ".tmp-")]
@@ -466,8 +457,8 @@ def test_kill_daemon_mid_load(reaper: Reaper, big_h5: Path, victim: str) -> None
     # every process of the dead daemon is gone (loaders included, see the test above), and
     # the daemon itself is reaped: this machine's PID 1 reaps orphans only every 1-2 s, and a
     # zombie's pid still "exists" for recovery (see test_restart_removes_temporaries_of_a_reused_pid)
-    assert wait_for(lambda: not any(proc_alive(p) for p in k["tree"]), 15), \
-        [p for p in k["tree"] if proc_alive(p)]
+    assert wait_for(lambda: not any(alive(p) for p in k["tree"]), 15), \
+        [p for p in k["tree"] if alive(p)]
     assert wait_for(lambda: not os.path.exists(f"/proc/{d.pid}"), 15), "the killed daemon was never reaped"
     left = d.segment_files()
     temporaries = [n for n in left if ".tmp-" in n]
@@ -516,7 +507,7 @@ def test_restart_removes_temporaries_of_a_reused_pid(reaper: Reaper, big_h5: Pat
     c = reaper.client(d)
     c.request(Acquire(str(big_h5), "x", 1, 0))
     k = _kill_daemon_mid_load(d, c, big_h5, group=True)  # the loader dies mid-write, for sure
-    assert wait_for(lambda: not any(proc_alive(p) for p in k["tree"]), 10)
+    assert wait_for(lambda: not any(alive(p) for p in k["tree"]), 10)
     assert wait_for(lambda: not os.path.exists(f"/proc/{d.pid}"), 15), "the killed daemon was never reaped"
     (tmp,) = d.segment_files()
     assert tmp.startswith(k["name"] + f".tmp-{d.pid}-")
@@ -574,7 +565,7 @@ def test_killed_clients_release_leases(reaper: Reaper) -> None:
 
     os.killpg(child.pid, signal.SIGKILL)
     child.wait(timeout=10)
-    assert wait_for(lambda: not any(proc_alive(p) for p in workers), 10), "DataLoader workers survived SIGKILL"
+    assert wait_for(lambda: not any(alive(p) for p in workers), 10), "DataLoader workers survived SIGKILL"
     # the kernel drops the dead processes' leases: the daemon sees no holder left on A
     assert wait_for(lambda: [x["holders"] for x in segments_of(c) if x["name"] == seg_a["name"]] == [0], 10), \
         segments_of(c)
@@ -992,7 +983,7 @@ def test_daemon_killed_while_client_waits(reaper: Reaper, big_h5: Path) -> None:
 
     # later, a restarted daemon serves new clients. First the dead daemon's processes must be gone:
     # a surviving loader would race the restart's recovery.
-    assert wait_for(lambda: not any(proc_alive(p) for p in tree), 15), [p for p in tree if proc_alive(p)]
+    assert wait_for(lambda: not any(alive(p) for p in tree), 15), [p for p in tree if alive(p)]
     assert wait_for(lambda: not os.path.exists(f"/proc/{d.pid}"), 15), "the killed daemon was never reaped"
     reaper.start(d)
     assert not any(".tmp-" in n for n in d.segment_files())

@@ -24,7 +24,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset
 
-from ..helpers import make_h5, short_workdir, wait_for
+from ..helpers import alive, make_h5, short_workdir, wait_for
 from ..users import PortablePython, User, as_user, throwaway_user
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "slurm"
@@ -84,14 +84,6 @@ def run_script(script: Path, job_id: int, user: User, config: Path,
            "SLURM_JOB_USER": user.name, "H5SERVE_SLURM_CONFIG": str(config)}
     return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=timeout, cwd="/",
                           check=False)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def process_uid(pid: int) -> int:
