@@ -25,6 +25,7 @@ from .errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound,
 from .hdf5.compound import split_field
 from .hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
 from .hdf5.identity import open_h5
+from .hdf5.links import dataset_names
 from .hdf5.source import inspect_dataset
 from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import HEADER_SIZE
@@ -179,17 +180,6 @@ def _prod(values: tuple[int, ...]) -> int:
     for v in values:
         out *= int(v)
     return out
-
-
-def _dataset_keys(f: h5py.File) -> list[str]:
-    names: list[str] = []
-
-    def visit(name: str, obj: object) -> None:
-        if isinstance(obj, h5py.Dataset) and len(names) < MAX_LISTED:
-            names.append(name)
-
-    f.visititems(visit)
-    return names
 
 
 # ----- memory per mode --------------------------------------------------------------------
@@ -398,7 +388,7 @@ def inspect_file(
     if mode is not None and mode not in ALL_MODES:
         raise ConfigError(f"--mode must be one of {', '.join(ALL_MODES)}, got {mode!r}")
     with open_h5(path) as f:
-        names = list(keys) if keys else _dataset_keys(f)
+        names = list(keys) if keys else dataset_names(f, MAX_LISTED)
         if not names:
             raise KeyNotFound(f"{os.fspath(path)!r} holds no datasets; pass an HDF5 file with the rows to train on")
         datasets = tuple(_dataset_report(f, key) for key in names)

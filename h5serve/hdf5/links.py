@@ -13,12 +13,13 @@ import h5py
 
 from ..errors import KeyNotFound, UnsupportedDataset
 
-__all__ = ["MAX_LINKS", "follow"]
+__all__ = ["MAX_LINKS", "dataset_names", "follow"]
 
 MAX_LINKS = 40  # soft and external links followed for one key before it is called a cycle
 
 
-def _dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
+def dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
+    """The paths of the first ``limit`` datasets in ``f`` (HDF5's visiting order)."""
     names: list[str] = []
 
     def visit(name: str, obj: object) -> None:
@@ -82,7 +83,7 @@ def follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
 
     def broken(what: str, missing: bool = False) -> KeyNotFound:
         if missing and not via:
-            names = _dataset_names(f)
+            names = dataset_names(f)
             return KeyNotFound(
                 f"key {key!r} is not in {f.filename}; datasets there: {', '.join(names) or '(none)'}"
             )
