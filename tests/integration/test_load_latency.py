@@ -5,7 +5,8 @@ to notice the segment.
   (daemon/reserve.py): a full /dev/shm is still a ShmFull, with every part process stopped
   and nothing left behind.
 - A spare loader (daemon/spare.py) waits for the next load: the load runs in it; the next
-  spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``).
+  spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``); a waiting
+  spare has taken its own copies of the pages it shared with the forkserver.
 - A client waiting for a load attaches when the segment is published, not at its next poll.
   ``PublishWatch`` (segments/arrival.py) on a real directory of /dev/shm: a name renamed into
   it ends a wait at once; other names do not; a name already there has arrived.
@@ -267,6 +268,33 @@ def test_the_daemon_and_its_forkserver_start_no_blas_threads() -> None:
         assert servers, descendants(d.pid)
         for pid in servers:
             assert _threads_and_environ(pid)[0] == 1  # numpy and h5py imported, no thread started
+
+
+def _writable_shared_dirty_kib(pid: int) -> int:
+    """KiB of ``pid``'s private writable mappings still shared with another process (relro
+    sections, read-only once linked, also count in smaps' Shared_Dirty: not these)."""
+    total, writable = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            name, *rest = line.split()
+            if not name.endswith(":"):
+                writable = rest[0] == "rw-p"
+            elif name == "Shared_Dirty:" and writable:
+                total += int(rest[0])
+    return total
+
+
+def test_a_waiting_spare_shares_no_written_pages_with_the_forkserver() -> None:
+    """A load's first writes would each copy a page the spare shares with the forkserver, and
+    with its reservation thread running each copy interrupts the other core: the spare takes
+    its copies while it waits (~20 MB shared without that)."""
+    with short_workdir("h5s-spare-") as work, _daemon_after_a_load(work) as d:
+        assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
+        (spare,) = spares_of(d.pid)
+        assert wait_for(lambda: _writable_shared_dirty_kib(spare) < 256, 10), _writable_shared_dirty_kib(spare)
+        big = _write_big(work / "big.h5", rows=256)
+        with DaemonClient(d.runtime_dir, timeout=10) as client:  # and it still loads
+            assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"
 
 
 def test_no_spare_starts_beside_a_running_load() -> None:
