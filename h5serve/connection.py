@@ -40,8 +40,6 @@ FIRST_POLL_S = 0.002
 # The loader tells the daemon right after it renames the segment into place: a client woken by
 # the rename that heard "loading" asks again about this much later (then twice that, ...).
 ARRIVED_POLL_S = 0.0005
-
-
 # Between polls of a load whose publication a PublishWatch will announce: the polls then only
 # update the progress bar and notice a failed load or a dead daemon. Each poll wakes this
 # process and the daemon, CPU a load on a small node would rather have (~20 polls of a

@@ -104,6 +104,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def writable_shared_dirty_kib(pid: int | str = "self") -> int:
+    """KiB of ``pid``'s private writable mappings still shared copy-on-write with another
+    process (relro sections, read-only once linked, also count in smaps' Shared_Dirty: not
+    these)."""
+    total, writable = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            name, *rest = line.split()
+            if not name.endswith(":"):
+                writable = rest[0] == "rw-p"
+            elif name == "Shared_Dirty:" and writable:
+                total += int(rest[0])
+    return total
+
+
 @contextlib.contextmanager
 def tmpfs(size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (mount's syntax: ``1m``) mounted on a fresh short dir, unmounted and

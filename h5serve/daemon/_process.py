@@ -92,7 +92,7 @@ def quiet_blas(env: os._Environ[str] | dict[str, str]) -> None:
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def _shared_runs(maps: str = "/proc/self/maps", pagemap: str = "/proc/self/pagemap") -> Iterator[tuple[int, int]]:
+def _shared_runs() -> Iterator[tuple[int, int]]:
     """``(address, bytes)`` of the runs of pages of this process's private writable mappings
     that are present but not mapped by this process alone: shared copy-on-write with the
     process it was forked from."""
@@ -100,7 +100,7 @@ def _shared_runs(maps: str = "/proc/self/maps", pagemap: str = "/proc/self/pagem
 
     page = os.sysconf("SC_PAGE_SIZE")
     present, exclusive = np.uint64(_PAGEMAP_PRESENT), np.uint64(_PAGEMAP_EXCLUSIVE)
-    with open(maps) as lines, open(pagemap, "rb", buffering=0) as entries:
+    with open("/proc/self/maps") as lines, open("/proc/self/pagemap", "rb", buffering=0) as entries:
         for line in lines:
             fields = line.split()
             if len(fields) < 2 or fields[1] != "rw-p":

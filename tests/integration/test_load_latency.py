@@ -42,7 +42,7 @@ from h5serve.errors import ShmFull
 from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments.arrival import PublishWatch
 
-from ..helpers import Daemon, alive, make_h5, short_workdir, tmpfs, wait_for
+from ..helpers import Daemon, alive, make_h5, short_workdir, tmpfs, wait_for, writable_shared_dirty_kib
 from .test_hangs import find_loader, start_load
 from .test_parallel_load import descendants, loaders_of
 
@@ -270,20 +270,6 @@ def test_the_daemon_and_its_forkserver_start_no_blas_threads() -> None:
             assert _threads_and_environ(pid)[0] == 1  # numpy and h5py imported, no thread started
 
 
-def _writable_shared_dirty_kib(pid: int) -> int:
-    """KiB of ``pid``'s private writable mappings still shared with another process (relro
-    sections, read-only once linked, also count in smaps' Shared_Dirty: not these)."""
-    total, writable = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            name, *rest = line.split()
-            if not name.endswith(":"):
-                writable = rest[0] == "rw-p"
-            elif name == "Shared_Dirty:" and writable:
-                total += int(rest[0])
-    return total
-
-
 def test_a_waiting_spare_shares_no_written_pages_with_the_forkserver() -> None:
     """A load's first writes would each copy a page the spare shares with the forkserver, and
     with its reservation thread running each copy interrupts the other core: the spare takes
@@ -291,7 +277,7 @@ def test_a_waiting_spare_shares_no_written_pages_with_the_forkserver() -> None:
     with short_workdir("h5s-spare-") as work, _daemon_after_a_load(work) as d:
         assert wait_for(lambda: len(spares_of(d.pid)) == 1, 10), descendants(d.pid)
         (spare,) = spares_of(d.pid)
-        assert wait_for(lambda: _writable_shared_dirty_kib(spare) < 256, 10), _writable_shared_dirty_kib(spare)
+        assert wait_for(lambda: writable_shared_dirty_kib(spare) < 256, 10), writable_shared_dirty_kib(spare)
         big = _write_big(work / "big.h5", rows=256)
         with DaemonClient(d.runtime_dir, timeout=10) as client:  # and it still loads
             assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"

@@ -18,14 +18,11 @@ import pytest
 from h5serve.daemon import _process
 from h5serve.daemon._process import unshare_inherited_pages
 
+from ..helpers import writable_shared_dirty_kib
+
 pytestmark = pytest.mark.timeout(60)
 
 _BLOCK = 16 * 1024 * 1024
-
-
-def _shared_dirty_kib(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Shared_Dirty:"))
 
 
 def _in_child(work: Callable[[], dict[str, int]]) -> dict[str, int]:
@@ -57,9 +54,9 @@ def _in_child(work: Callable[[], dict[str, int]]) -> dict[str, int]:
 
 
 def _measured(stop: Callable[[], bool]) -> dict[str, int]:
-    before = _shared_dirty_kib()
+    before = writable_shared_dirty_kib()
     copied = unshare_inherited_pages(stop)
-    return {"before": before, "after": _shared_dirty_kib(), "copied": copied}
+    return {"before": before, "after": writable_shared_dirty_kib(), "copied": copied}
 
 
 def test_the_pages_shared_with_the_parent_become_the_childs_own() -> None:
