@@ -81,7 +81,7 @@ class DatasetReport:
 @dataclass(frozen=True)
 class ModeNeed:
     mode: str
-    rows: int  # rows of every counted dataset this node holds (summed over datasets)
+    rows: int  # rows (samples) this node holds: of the longest counted dataset, never summed across datasets
     bytes: int  # shared memory on this node, segment headers included
     fits: bool  # within the budget
 
@@ -204,7 +204,7 @@ def mode_needs(datasets: tuple[DatasetReport, ...], modes: tuple[str, ...], worl
             if not d.counted:
                 continue
             n, segments = mode_rows(mode, d.rows, world_size, ranks_per_node)
-            rows += n
+            rows = max(rows, n)  # x and y of one sample are one row each: a row is counted once
             nbytes += n * d.row_bytes + segments * HEADER_SIZE
         needs.append(ModeNeed(mode, rows, nbytes, nbytes <= budget))
     return tuple(needs)

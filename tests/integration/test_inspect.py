@@ -249,3 +249,17 @@ def test_errors_exit_1_with_a_message_and_no_traceback(plain: Path, tmp_path: Pa
     assert size.returncode == 1 and "is not a size" in size.stderr
     for done in (missing, bad, key, ranks, size):
         assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_rows_per_mode_count_samples_not_datasets(tmp_path: Path, nowhere: Path, capsys) -> None:
+    """Two datasets of 1,000 rows (x and y of the same samples), world size 2: every mode's
+    node holds 1,000 rows (it said 2,000: the rows of x and y added up), and the memory is both."""
+    path = tmp_path / "xy.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.zeros((1000, 4), np.float32))
+        f.create_dataset("y", data=np.zeros(1000, np.int64))
+    report = inspect_json(capsys, str(path), "--world-size", "2")
+    needs = {n["mode"]: (n["rows"], n["bytes"]) for n in report["needs"]}
+    assert needs["global"] == (1000, 1000 * (16 + 8) + 2 * HEADER_SIZE)
+    assert needs["contiguous"] == (1000, 1000 * (16 + 8) + 4 * HEADER_SIZE)
+    assert needs["node"][0] == needs["interleave"][0] == 1000
