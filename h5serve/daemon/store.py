@@ -264,13 +264,20 @@ class SegmentStore:
                 del self.entries[entry.name]
                 self.counters["evictions"] += 1
                 log.info("evicted %s to make room", entry.name)
-        if self.used_bytes() + needed > self.max_memory:
+        used = self.used_bytes()
+        if used + needed > self.max_memory:
             self.counters["refusals"] += 1
+            what = f"{meta.source_path}[{meta.key}] rank {meta.rank} needs {format_bytes(needed)}"
+            if needed > self.max_memory:  # nothing another job could free would make it fit
+                raise BudgetExceeded(
+                    f"{what}, more than the daemon's whole budget of {format_bytes(self.max_memory)} "
+                    f"({self.budget_rule}); restart the daemon with --max-memory of at least "
+                    f"{format_bytes(needed)}, or use a mode that holds fewer rows per node"
+                )
             raise BudgetExceeded(
-                f"{meta.source_path}[{meta.key}] rank {meta.rank} needs {format_bytes(needed)}, but only "
-                f"{format_bytes(self.max_memory - self.used_bytes())} of the daemon's "
-                f"{format_bytes(self.max_memory)} budget is free and the rest is in use; "
-                "restart the daemon with a larger --max-memory or finish other jobs"
+                f"{what}; the daemon's budget is {format_bytes(self.max_memory)} ({self.budget_rule}) and "
+                f"{format_bytes(used)} of it is held by segments jobs are using ({format_bytes(self.max_memory - used)} "
+                "free); finish those jobs, or restart the daemon with a larger --max-memory"
             )
 
     def sweep(self) -> None:

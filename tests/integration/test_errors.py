@@ -143,12 +143,23 @@ def test_budget_exceeded_falls_back_or_raises(tmp_path: Path) -> None:
         f["x"] = np.ones((1000, 256), dtype=np.uint8)
     d = Daemon("--max-memory", "64K").start()
     try:
-        with pytest.raises(BudgetExceeded, match="--max-memory"):
+        with pytest.raises(BudgetExceeded, match="--max-memory") as refused:
             SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir, fallback="error")
+        # nothing is in use: the message says what was needed against the whole budget, not "the rest is in use"
+        assert "more than the daemon's whole budget of 64.0 KiB" in str(refused.value)
+        assert "in use" not in str(refused.value)
         with pytest.warns(RuntimeWarning, match="budget"):
             ds = SharedH5Dataset(path, "x", runtime_dir=d.runtime_dir)
         assert ds.backend == "lazy" and int(ds[999].sum()) == 256
         assert d.status()["counters"]["refusals"] >= 2
+        # 40 KB held by a job, then 40 KB more: fits the budget alone, not beside the first
+        for name in ("half.h5", "other.h5"):
+            with h5py.File(tmp_path / name, "w") as f:
+                f["x"] = np.ones((2, 20_000), dtype=np.uint8)
+        held = SharedH5Dataset(tmp_path / "half.h5", "x", runtime_dir=d.runtime_dir, fallback="error")
+        with pytest.raises(BudgetExceeded) as refused:
+            SharedH5Dataset(tmp_path / "other.h5", "x", runtime_dir=d.runtime_dir, fallback="error")
+        assert "held by segments jobs are using" in str(refused.value) and held.backend == "shm"
     finally:
         d.stop()
 
