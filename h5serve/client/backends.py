@@ -349,7 +349,7 @@ def lazy_backend(spec: BackendSpec) -> LazyBackend | FilesLazyBackend:
 
 class LazyBackend:
     """Rows read through h5py on demand: through a chunk cache when the shard fits the
-    budget (``spec.cache_bytes``; None: half the memory available), else one read per run
+    budget (``spec.cache_bytes``; None: the rank's share of half the node's available memory), else one read per run
     of rows of a chunk, uncached, with an HDF5 chunk cache sized from the chunk shape."""
 
     name = "lazy"

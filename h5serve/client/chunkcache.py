@@ -27,7 +27,7 @@ from ..sharding import RowRange, Selection, as_rows
 from ..units import row_nbytes
 from .gather import RowSource, as_column
 
-__all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options"]
+__all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options", "local_ranks"]
 
 AUTO_CACHE_FRACTION = 0.5  # of MemAvailable: the most one lazy dataset caches by default
 MIN_READ_BYTES = 1 << 20  # small chunks are read a run at a time: each h5py call costs ~30 us
@@ -44,9 +44,20 @@ def _mem_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def auto_cache_bytes() -> int:
-    """The default cache budget: AUTO_CACHE_FRACTION of the memory available now."""
-    return int(_mem_available() * AUTO_CACHE_FRACTION)
+def local_ranks() -> int:
+    """How many ranks of this job share the node, as the launcher says (torchrun's
+    ``LOCAL_WORLD_SIZE``); 1 when not launched by one."""
+    try:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def auto_cache_bytes(ranks: int | None = None) -> int:
+    """The default cache budget of one rank: AUTO_CACHE_FRACTION of the node's memory
+    available now, shared by the ``ranks`` ranks on the node (default: ``local_ranks()``),
+    so that every rank caching its shard stays within that fraction of the node together."""
+    return int(_mem_available() * AUTO_CACHE_FRACTION) // (ranks or local_ranks())
 
 
 def _next_prime(n: int) -> int:

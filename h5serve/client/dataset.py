@@ -82,8 +82,9 @@ class SharedH5Dataset(Dataset):
     The fast path: ``make_loader(ds, batch_size)``, or a DataLoader with
     ``collate_fn=h5serve.client.collate`` (one gather per batch, no per-sample tensors).
     ``cache_bytes``: the lazy backend keeps the chunks it has read in this process, up to
-    the whole shard, when the shard fits in ``cache_bytes`` (default: half the memory
-    available; 0: never cache, read rows through HDF5 each time).
+    the whole shard, when the shard fits in ``cache_bytes`` (default: half the node's
+    available memory shared by the job's ranks on the node, ``LOCAL_WORLD_SIZE``; 0: never
+    cache, read rows through HDF5 each time).
 
     The daemon is trusted only when its runtime dir, socket, pidfile and segments belong to
     this user, root, or ``daemon_user`` (a shared daemon's user name or uid; default

@@ -276,8 +276,9 @@ class SegmentStore:
                 )
             raise BudgetExceeded(
                 f"{what}; the daemon's budget is {format_bytes(self.max_memory)} ({self.budget_rule}) and "
-                f"{format_bytes(used)} of it is held by segments jobs are using ({format_bytes(self.max_memory - used)} "
-                "free); finish those jobs, or restart the daemon with a larger --max-memory"
+                f"{format_bytes(used)} of it is held by segments jobs are using "
+                f"({format_bytes(self.max_memory - used)} free); finish those jobs, or restart the daemon with a "
+                "larger --max-memory"
             )
 
     def sweep(self) -> None:

@@ -486,3 +486,24 @@ def test_make_loader_without_workers_is_torchs_loop_and_profilable(backend: str,
         assert batches == len(loader) and len(records) >= batches
     finally:
         ds.close()
+
+
+def test_the_default_lazy_cache_is_the_rank_s_share_of_the_node(tmp_path: Path, monkeypatch) -> None:
+    """Every rank on a node caching its shard stays within half the node's memory together:
+    the default budget is divided by torchrun's LOCAL_WORLD_SIZE (it was half the memory
+    available in every process)."""
+    from h5serve.client.chunkcache import auto_cache_bytes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = auto_cache_bytes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    shared = auto_cache_bytes()
+    assert 0 < shared <= alone // 4 * 1.1  # MemAvailable moves a little between the two reads
+    path = tmp_path / "one.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 ** 40))  # a share too small for the 16 KB shard
+    with pytest.warns(RuntimeWarning, match="no h5serve daemon"):
+        uncached = SharedH5Dataset(path, "x", timeout=0.2, runtime_dir=tmp_path / "none")
+    assert uncached.backend == "lazy" and not uncached._backend.cached
+    assert float(uncached[999].sum()) == float(np.arange(3996, 4000).sum())
