@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess
 
-from ..segments import SegmentMeta, is_own_file
+from ..segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta, is_own_file
 
 __all__ = ["COUNTERS", "Entry", "LoadFailure", "not_ours"]
 
@@ -52,6 +52,9 @@ class Entry:
     asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
     modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
     spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
+    stamp: PublishStamp = UNKNOWN_STAMP  # inode and ctime as published, checked before each hit and by clients
+    granted: set[int] = field(default_factory=set)  # uids (not the daemon's, not root) answered for it: they
+    # may have its descriptor (handout.py) and see it in status
 
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
