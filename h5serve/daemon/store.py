@@ -498,7 +498,7 @@ class SegmentStore:
                 "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
                 f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
                 "source_dtype": str(np.dtype(m.source_dtype)),
-                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
+                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": self._shown_state(entry),
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
                 "load_read_s": round(entry.load_read_seconds, 4),
@@ -516,6 +516,17 @@ class SegmentStore:
             "counters": dict(self.counters),
             "errors": dict(self.errors),
         }
+
+    def _shown_state(self, entry: Entry) -> str:
+        """``entry.state``, but ``damaged`` for a published segment whose file is no longer as
+        published (one lstat: replaced, or its ctime moved); its next request loads it again."""
+        if entry.state == "loading" or not entry.stamp.ino:
+            return entry.state
+        try:
+            st = os.lstat(self.shm_dir / entry.name)
+        except OSError:
+            return "damaged"
+        return entry.state if entry.stamp.matches(st) else "damaged"
 
     def shutdown(self) -> None:
         """Stop loaders and unlink every segment and temporary of this daemon.
