@@ -26,16 +26,18 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from ..errors import SegmentError
 from ..runtime import HANDOUT_SOCKET_NAME, RuntimeLocation
 from ..segments import PublishStamp, open_published
 from ..segments.handout import MAX_NAME_BYTES, REPLY_NO, REPLY_OK, peer_uid
+from .entries import Entry
 
-__all__ = ["Grant", "HandoutServer", "MAX_CONNECTIONS", "CONNECTION_TIMEOUT_S"]
+__all__ = ["Grant", "HandoutServer", "MAX_CONNECTIONS", "CONNECTION_TIMEOUT_S", "grant", "grants_of"]
 
 log = logging.getLogger("h5serve.daemon")
 
@@ -51,6 +53,22 @@ class Grant:
     uids: frozenset[int]
     size: int
     stamp: PublishStamp
+
+
+def grant(entry: Entry, uid: int, current: Mapping[str, Grant]) -> bool:
+    """Grant ``entry`` to ``uid`` (the daemon's own user and root need no grant); True when
+    ``current`` (the grants in force) must be rebuilt for it."""
+    if uid in (os.geteuid(), 0):
+        return False
+    entry.granted.add(uid)
+    granted = current.get(entry.name)
+    return bool(entry.stamp.ino) and (granted is None or uid not in granted.uids or granted.stamp != entry.stamp)
+
+
+def grants_of(entries: Iterable[Entry]) -> Mapping[str, Grant]:
+    """The grants of the published segments among ``entries``, as one immutable mapping."""
+    return MappingProxyType({e.name: Grant(frozenset(e.granted), e.meta.file_size, e.stamp)
+                             for e in entries if e.state != "loading" and e.granted and e.stamp.ino})
 
 
 class HandoutServer:

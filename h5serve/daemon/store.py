@@ -51,9 +51,9 @@ from ..sharding import Selection
 from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
-from .entries import COUNTERS, Entry, LoadFailure, not_ours
+from .entries import COUNTERS, Entry, LoadFailure, not_ours, shown_state
 from .fileset import ResolvedFiles, files_meta
-from .handout import Grant
+from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .resolve import Resolver
@@ -114,7 +114,7 @@ class SegmentStore:
         self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
         self._spare_after = time.monotonic() + SPARE_DELAY_S
         # who may have which ready segment's descriptor: read by the hand-out thread, so never
-        # changed in place, only replaced (``_refresh_grants``)
+        # changed in place, only replaced (``_grant``)
         self.grants: Mapping[str, Grant] = MappingProxyType({})
 
     # ----- startup -------------------------------------------------------------------------
@@ -142,18 +142,8 @@ class SegmentStore:
 
     def _grant(self, name: str, uid: int) -> None:
         entry = self.entries.get(name)
-        if entry is None or uid in (os.geteuid(), 0):
-            return
-        entry.granted.add(uid)
-        granted = self.grants.get(name)
-        if entry.stamp.ino and (granted is None or uid not in granted.uids or granted.stamp != entry.stamp):
-            self._refresh_grants()
-
-    def _refresh_grants(self) -> None:
-        """Replace (never mutate: the hand-out thread reads it) the grants of ready segments."""
-        self.grants = MappingProxyType({
-            e.name: Grant(frozenset(e.granted), e.meta.file_size, e.stamp)
-            for e in self.entries.values() if e.state != "loading" and e.granted and e.stamp.ino})
+        if entry is not None and grant(entry, uid, self.grants):
+            self.grants = grants_of(self.entries.values())  # replaced, never mutated: the hand-out thread reads it
 
     def _find_or_load(self, req: Acquire, peer: Peer | None) -> AcquireResult:
         try:
@@ -498,7 +488,7 @@ class SegmentStore:
                 "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
                 f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
                 "source_dtype": str(np.dtype(m.source_dtype)),
-                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": self._shown_state(entry),
+                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": shown_state(entry, self.shm_dir),
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
                 "load_read_s": round(entry.load_read_seconds, 4),
@@ -516,17 +506,6 @@ class SegmentStore:
             "counters": dict(self.counters),
             "errors": dict(self.errors),
         }
-
-    def _shown_state(self, entry: Entry) -> str:
-        """``entry.state``, but ``damaged`` for a published segment whose file is no longer as
-        published (one lstat: replaced, or its ctime moved); its next request loads it again."""
-        if entry.state == "loading" or not entry.stamp.ino:
-            return entry.state
-        try:
-            st = os.lstat(self.shm_dir / entry.name)
-        except OSError:
-            return "damaged"
-        return entry.state if entry.stamp.matches(st) else "damaged"
 
     def shutdown(self) -> None:
         """Stop loaders and unlink every segment and temporary of this daemon.
