@@ -148,6 +148,10 @@ class AcquireResult:
     uid: int = 0  # the daemon's uid: the only owner a client accepts for the segment file
     shm_dev: int = 0  # st_dev and st_ino of shm_dir as the daemon sees it: a client that sees
     shm_ino: int = 0  # another filesystem there does not share the daemon's /dev/shm
+    # ready: the segment file's st_ino and st_ctime_ns as the daemon recorded them when it was
+    # published; a client maps only a file that still has both (0: not known, not checked)
+    ino: int = 0
+    ctime_ns: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -163,7 +167,7 @@ class AcquireResult:
         if not (value.state == "loading" and value.name == ""):  # no name yet while the file is resolved
             _check_str("name", value.name, MAX_PATH_CHARS)
         _check_str("shm_dir", value.shm_dir, MAX_PATH_CHARS)
-        for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino"):
+        for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino", "ino", "ctime_ns"):
             _check_int(name, getattr(value, name), 0, 2**63 - 1)
         return value
 

@@ -35,12 +35,14 @@ __all__ = [
     "MAX_IPC_PATH",
     "DAEMON_USER_ENV",
     "SOCKET_NAME",
+    "HANDOUT_SOCKET_NAME",
     "PIDFILE_NAME",
     "LOGFILE_NAME",
 ]
 
 MAX_IPC_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 SOCKET_NAME = "h5serve.sock"
+HANDOUT_SOCKET_NAME = "h5serve.fds"  # segment descriptors for the daemon's other users (daemon/handout.py)
 PIDFILE_NAME = "h5serve.pid"
 LOGFILE_NAME = "h5serve.log"
 DAEMON_USER_ENV = "H5SERVE_DAEMON_USER"
@@ -55,6 +57,10 @@ class RuntimeLocation:
     @property
     def socket_path(self) -> Path:
         return self.directory / SOCKET_NAME
+
+    @property
+    def handout_path(self) -> Path:
+        return self.directory / HANDOUT_SOCKET_NAME
 
     @property
     def endpoint(self) -> str:

@@ -218,3 +218,37 @@ def portable_python() -> Iterator[PortablePython]:
         yield PortablePython(root, python, env, wrapper)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class PublicInterpreter:
+    """The suite's own interpreter (torch included) at a path any user can reach."""
+
+    python: str
+    env: dict[str, str]  # PYTHONPATH: this checkout first, then the interpreter's site-packages
+
+
+@contextlib.contextmanager
+def public_interpreter() -> Iterator[PublicInterpreter]:
+    """``sys.prefix`` bind-mounted read-only on a fresh world-readable dir, so a throwaway
+    user can run the suite's interpreter with torch (for DataLoader workers started with
+    spawn); unmounted in ``finally``. Skips where it cannot be mounted (needs root)."""
+    where = Path(tempfile.mkdtemp(prefix="h5s-pfx-", dir="/tmp"))
+    where.chmod(0o755)
+    try:
+        if subprocess.run(["mount", "--bind", "-o", "ro", sys.prefix, str(where)], capture_output=True,
+                          timeout=30).returncode != 0:
+            pytest.skip("cannot bind-mount the interpreter here (needs root)")
+        try:
+            version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+                   "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+                   # its libpython: the binary's rpath names the unreachable original
+                   "LD_LIBRARY_PATH": f"{where}/lib",
+                   "PYTHONPATH": f"{REPO}:{where}/lib/{version}/site-packages"}
+            yield PublicInterpreter(str(where / "bin" / version), env)
+        finally:
+            subprocess.run(["umount", str(where)], capture_output=True, timeout=60)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(where)  # never a recursive removal: while mounted, it would be the interpreter's tree

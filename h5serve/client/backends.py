@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..connection import DaemonClient
-from ..errors import SegmentError, SourceChanged
+from ..errors import AccessDenied, SegmentError, SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import check_file_lengths
 from ..hdf5.identity import open_h5
@@ -32,7 +32,8 @@ from ..hdf5.reads import read_rows, read_shard_into
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
 from ..progress import Progress
 from ..protocol import POLL_INTERVAL_S, Acquire, AcquireResult
-from ..segments import AttachedSegment, attach_segment
+from ..runtime import resolve_runtime
+from ..segments import AttachedSegment, PublishStamp, open_segment
 from ..sharding import Selection
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from .gather import RowSource, as_column
@@ -209,15 +210,18 @@ def _check_same_shm(result: AcquireResult) -> None:
 
 
 class ShmBackend(ArrayBackend):
-    """Segments loaded by the daemon, mapped read-only; the lease is held while attached."""
+    """Segments loaded by the daemon, mapped read-only; the lease is held while attached.
+    ``runtime_dir``: the daemon's, where a spawned worker asks again for the descriptors
+    (segments/handout.py: a process not of the daemon's uid cannot open them by name)."""
 
     name = "shm"
 
-    def __init__(self, spec: BackendSpec, segments: list[AttachedSegment]) -> None:
+    def __init__(self, spec: BackendSpec, segments: list[AttachedSegment], runtime_dir: str = "") -> None:
         out = [requested or np.dtype(s.meta.source_dtype) for s, requested in zip(segments, spec.dtypes)]
         super().__init__([s.data for s in segments], out, segments[0].meta.total_rows)
         self.spec = spec
         self.segments = segments
+        self.runtime_dir = runtime_dir or str(resolve_runtime(spec.runtime_dir).directory)
         self.vlen_kinds = [s.meta.vlen for s in segments]
         if any(self.vlen_kinds):  # offsets (``data``) and values: gathered by RaggedSource
             self._sources = [_ragged_source(s, d) if s.meta.vlen else source
@@ -262,7 +266,7 @@ class ShmBackend(ArrayBackend):
                 for segment in segments:  # one key attached but another failed: drop x's lease now, not at GC
                     segment.close()
                 raise
-        return cls(spec, segments)
+            return cls(spec, segments, str(client.location.directory))
 
     @staticmethod
     def _attach(client: DaemonClient, request: Acquire, result: AcquireResult, rank_for_logs: int,
@@ -294,7 +298,9 @@ class ShmBackend(ArrayBackend):
                 result = client.acquire(request, progress, deadline)
             try:
                 # the runtime dir's owner, checked to be trusted: never the uid the daemon reports
-                segment = attach_segment(result.shm_dir, result.name, client.daemon_uid)
+                owner = os.getuid() if client.daemon_uid is None else client.daemon_uid
+                segment = open_segment(client.location.directory, result.shm_dir, result.name, owner,
+                                       PublishStamp(result.ino, result.ctime_ns))
             except SegmentError:
                 if attempt == 2:
                     raise
@@ -317,7 +323,8 @@ class ShmBackend(ArrayBackend):
         self.segments = []
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reattach, (self.spec, [(str(s.path.parent), s.name, s.owner) for s in self.segments]))
+        where = [(str(s.path.parent), s.name, s.owner, s.stamp.ino, s.stamp.ctime_ns) for s in self.segments]
+        return (_reattach, (self.spec, where, self.runtime_dir))
 
 
 def _ragged_source(segment: AttachedSegment, out_dtype: np.dtype) -> RaggedSource:
@@ -327,13 +334,20 @@ def _ragged_source(segment: AttachedSegment, out_dtype: np.dtype) -> RaggedSourc
     return RaggedSource(segment.data, segment.values, out_dtype, segment.meta.vlen)
 
 
-def _reattach(spec: BackendSpec,
-              where: list[tuple[str, str, int]]) -> ArrayBackend | LazyBackend | FilesLazyBackend:
-    """Unpickling in a spawned worker: map the same segments by name. If they are gone (the
-    daemon stopped or evicted them), read the same rows lazily instead: never fail a worker."""
+def _reattach(spec: BackendSpec, where: list[tuple[str, str, int, int, int]],
+              runtime_dir: str) -> ArrayBackend | LazyBackend | FilesLazyBackend:
+    """Unpickling in a spawned worker: map the same files again (the very files the parent
+    mapped: same inode and ctime), by name or from the daemon's descriptors as the parent did.
+    If they are gone (the daemon stopped, evicted or reloaded them) or refused, read the same
+    rows lazily instead: never fail a worker."""
+    segments: list[AttachedSegment] = []
     try:
-        return ShmBackend(spec, [attach_segment(d, n, owner) for d, n, owner in where])
-    except SegmentError as exc:
+        for shm_dir, name, owner, ino, ctime_ns in where:
+            segments.append(open_segment(runtime_dir, shm_dir, name, owner, PublishStamp(ino, ctime_ns)))
+        return ShmBackend(spec, segments, runtime_dir)
+    except (SegmentError, AccessDenied) as exc:
+        for segment in segments:
+            segment.close()
         log.warning("could not re-attach h5serve segments in pid %d (%s); reading lazily", os.getpid(), exc)
         return lazy_backend(spec)
 

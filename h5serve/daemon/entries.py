@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess
+from pathlib import Path
 
-from ..segments import SegmentMeta, is_own_file
+from ..segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta, is_own_file
 
-__all__ = ["COUNTERS", "Entry", "LoadFailure", "not_ours"]
+__all__ = ["COUNTERS", "Entry", "LoadFailure", "not_ours", "shown_state"]
 
 # Shown in `status --json` from the start, so watchers never see a key appear.
 # damaged: published segments found changed (missing, truncated, made writable, header rewritten)
@@ -52,6 +53,9 @@ class Entry:
     asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
     modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
     spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
+    stamp: PublishStamp = UNKNOWN_STAMP  # inode and ctime as published, checked before each hit and by clients
+    granted: set[int] = field(default_factory=set)  # uids (not the daemon's, not root) answered for it: they
+    # may have its descriptor (handout.py) and see it in status
 
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
@@ -61,3 +65,16 @@ class Entry:
 def not_ours(st: os.stat_result) -> bool:
     """For remove_if: keep (leave alone) anything that is not a regular file of ours."""
     return not is_own_file(st)
+
+
+def shown_state(entry: Entry, shm_dir: Path) -> str:
+    """``entry.state`` as ``status`` shows it: ``damaged`` for a published segment whose file is
+    no longer as published (one lstat: replaced, or its ctime moved); its next request loads
+    it again."""
+    if entry.state == "loading" or not entry.stamp.ino:
+        return entry.state
+    try:
+        st = os.lstat(shm_dir / entry.name)
+    except OSError:
+        return "damaged"
+    return entry.state if entry.stamp.matches(st) else "damaged"

@@ -289,7 +289,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         spans = _spans(job, rows)
         # variable-length rows: created with no values (meta.values is the store's estimate), grown as read;
         # every byte reserved in a thread while this process and its parts get ready (reserve.py)
-        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta, job.group,
+        writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta,
                                 reserve=False)
         started = time.monotonic_ns()
         parts = Parts(len(spans)) if len(spans) > 1 else None

@@ -51,6 +51,7 @@ from .config import (
     default_load_processes,
     default_loaders,
 )
+from .handout import HandoutServer
 from .loader import start_forkserver
 from .metrics import Metrics
 from .notify import Notifier
@@ -223,8 +224,9 @@ class Server:
             "uptime_s": round(time.time() - self.started, 3),
             "metrics_port": self.metrics.port if self.metrics is not None else None,
         }
-        if isinstance(request, Status):
-            return {"schema_version": STATUS_SCHEMA_VERSION, **info, **self.store.status()}
+        if isinstance(request, Status):  # another user sees only the segments it was granted
+            return {"schema_version": STATUS_SCHEMA_VERSION, **info,
+                    **self.store.status(peer.uid if peer is not None else -1)}
         if isinstance(request, Shutdown):
             self._stopping = True
         assert isinstance(request, (Ping, Shutdown))
@@ -288,6 +290,7 @@ class Server:
             os.close(dir_fd)
             raise
         ctx: zmq.Context | None = None
+        handout: HandoutServer | None = None
         try:
             self._doing = f"adopting the segments left in {self.config.shm_dir}"
             self.store.recover()
@@ -311,6 +314,10 @@ class Server:
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE_BYTES)
             self.guard = ConnectionGuard(sock, location.endpoint, lambda: self._bind(sock, dir_fd), files_limit)
             self._bind(sock, dir_fd)
+            self._doing = f"listening on {location.handout_path}"
+            handout = HandoutServer(location, dir_fd, self.config.shm_dir, self.config.group,
+                                    lambda: self.store.grants)
+            handout.start()
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
             log.info(
@@ -324,6 +331,8 @@ class Server:
         finally:
             log.info("stopping: unlinking segments")
             self.notifier.stopping()
+            if handout is not None:
+                handout.stop()
             self.store.shutdown()
             if ctx is not None:
                 ctx.destroy(linger=0)

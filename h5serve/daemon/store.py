@@ -13,11 +13,12 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -34,11 +35,12 @@ from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..safeio import remove_if
 from ..segments import (
+    UNKNOWN_STAMP,
+    PublishStamp,
     SegmentMeta,
     check_published,
     count_leases,
     header_checksum,
-    published_mode,
     read_activity,
     read_progress,
     segment_name,
@@ -49,8 +51,9 @@ from ..sharding import Selection
 from ..units import format_bytes
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
-from .entries import COUNTERS, Entry, LoadFailure, not_ours
+from .entries import COUNTERS, Entry, LoadFailure, not_ours, shown_state
 from .fileset import ResolvedFiles, files_meta
+from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .resolve import Resolver
@@ -110,6 +113,9 @@ class SegmentStore:
         self._ctx = loader_context()
         self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
         self._spare_after = time.monotonic() + SPARE_DELAY_S
+        # who may have which ready segment's descriptor: read by the hand-out thread, so never
+        # changed in place, only replaced (``_grant``)
+        self.grants: Mapping[str, Grant] = MappingProxyType({})
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -124,10 +130,22 @@ class SegmentStore:
     def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
         """Find or start loading the segment for ``req``, asked by ``peer`` (None: ourselves).
         Never waits for a load; waits for the file's resolution only briefly (resolve.py) and
-        answers "loading" meanwhile.
+        answers "loading" meanwhile. A peer of another uid answered for a segment is granted
+        it: it may have its descriptor (handout.py) and see it in ``status``.
 
         Raised when the file may not or cannot be served: AccessDenied, a DataError.
         """
+        result = self._find_or_load(req, peer)
+        if result.name and peer is not None:
+            self._grant(result.name, peer.uid)
+        return result
+
+    def _grant(self, name: str, uid: int) -> None:
+        entry = self.entries.get(name)
+        if entry is not None and grant(entry, uid, self.grants):
+            self.grants = grants_of(self.entries.values())  # replaced, never mutated: the hand-out thread reads it
+
+    def _find_or_load(self, req: Acquire, peer: Peer | None) -> AcquireResult:
         try:
             resolved = self.resolver.poll(req.path, req.key, peer, req.files)
         except AccessDenied:
@@ -176,17 +194,18 @@ class SegmentStore:
         if entry.state == "ready":
             entry.hits += 1
             self.counters["hits"] += 1
-            return self._result("ready", name, entry.meta.rows, entry.meta)
+            return self._result("ready", name, entry.meta.rows, entry.meta, entry.stamp)
         done = read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0
         return self._result("loading", name, done, entry.meta)
 
     def _ready_ok(self, entry: Entry) -> bool:
-        """Whether a published segment is still as published (fstat and its header: cheap). If
-        not (missing, truncated, made writable, header rewritten) its name is removed and the
-        entry dropped, so the caller loads it again; processes that mapped it keep their mapping."""
+        """Whether a published segment is still as published (fstat: inode and ctime as
+        recorded, and its header: cheap). If not (missing, truncated, made writable even if
+        made read-only again, replaced, header rewritten) its name is removed and the entry
+        dropped, so the caller loads it again; processes that mapped it keep their mapping."""
         path = self.shm_dir / entry.name
         try:
-            header = check_published(path, entry.meta, published_mode(self.group), entry.header or None)
+            header, stamp = check_published(path, entry.meta, entry.header or None, entry.stamp)
         except SegmentError as exc:
             log.warning("%s; loading %s[%s] rank %d/%d again", exc, entry.meta.source_path, entry.meta.key,
                         entry.meta.rank, entry.meta.world_size)
@@ -195,13 +214,14 @@ class SegmentStore:
             del self.entries[entry.name]
             return False
         if not entry.header:  # adopted from a previous daemon: its header was checked against meta
-            entry.header, entry.checksum = header, header_checksum(header)
+            entry.header, entry.checksum, entry.stamp = header, header_checksum(header), stamp
         return True
 
-    def _result(self, state: str, name: str, done: int, meta: SegmentMeta) -> AcquireResult:
+    def _result(self, state: str, name: str, done: int, meta: SegmentMeta,
+                stamp: PublishStamp = UNKNOWN_STAMP) -> AcquireResult:
         st = os.stat(self.shm_dir)
         return AcquireResult(state, name, str(self.shm_dir), done, meta.rows, meta.total_rows, os.getuid(),
-                             st.st_dev, st.st_ino)
+                             st.st_dev, st.st_ino, stamp.ino, stamp.ctime_ns)
 
     def _start(self, name: str, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
         self._make_room(meta.file_size, meta)
@@ -393,8 +413,8 @@ class SegmentStore:
     def _loaded(self, entry: Entry, stats: LoadStats) -> None:
         if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
             entry.meta = replace(entry.meta, values=stats.values)
-        try:  # the header as published: every later hit compares the file with it
-            entry.header = check_published(self.shm_dir / entry.name, entry.meta, published_mode(self.group))
+        try:  # the header, inode and ctime as published: every later hit compares the file with them
+            entry.header, entry.stamp = check_published(self.shm_dir / entry.name, entry.meta)
         except SegmentError as exc:
             remove_if(self.shm_dir / entry.name, keep=not_ours)
             self._fail(entry, SegmentError.code, f"{exc} right after it was loaded; ask again to load it again")
@@ -455,11 +475,15 @@ class SegmentStore:
             "that slow)"))
 
     # ----- reporting and shutdown ----------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, viewer: int | None = None) -> dict[str, Any]:
+        """Every segment, or, for ``viewer`` (a uid) other than the daemon's and root, only those
+        it was granted (memory totals and counters stay the daemon's)."""
         segments = []
         now = time.time()
-        holders = count_leases([self.shm_dir / e.name for e in self.entries.values() if e.state != "loading"])
-        for entry in self.entries.values():
+        shown = [e for e in self.entries.values()
+                 if viewer is None or viewer in (os.geteuid(), 0) or viewer in e.granted]
+        holders = count_leases([self.shm_dir / e.name for e in shown if e.state != "loading"])
+        for entry in shown:
             m = entry.meta
             done = m.rows if entry.state != "loading" else (
                 read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
@@ -472,7 +496,7 @@ class SegmentStore:
                 "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
                 f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
                 "source_dtype": str(np.dtype(m.source_dtype)),
-                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": entry.state,
+                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": shown_state(entry, self.shm_dir),
                 "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
                 "load_read_s": round(entry.load_read_seconds, 4),

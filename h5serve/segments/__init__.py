@@ -1,12 +1,14 @@
 """Shared-memory segments, the meeting point of daemon and clients: the on-disk format
 (format.py: header, ``SegmentMeta``, reading meta and progress), names and ownership
 (naming.py: keyed by the daemon's secret), the content checksum (checksum.py: computing it,
-``verify_content``) and the file's lifecycle (lifecycle.py: create, publish, attach with a
-lease, evict).
+``verify_content``), the file's lifecycle (lifecycle.py: create, publish, check, evict),
+mapping one (attach.py: by name or from a descriptor, with a lease) and asking the daemon for
+a descriptor (handout.py).
 
 ``from h5serve.segments import X`` is the way in; the header layout names stay in format.py.
 """
 
+from .attach import LEASE_WAIT_S, UNKNOWN_STAMP, AttachedSegment, PublishStamp, attach_descriptor, attach_segment
 from .checksum import data_checksum, header_checksum, verify_content
 from .format import (
     HEADER_SIZE,
@@ -18,15 +20,14 @@ from .format import (
     values_offset,
     vlen_nbytes,
 )
+from .handout import open_segment, request_descriptor
 from .lifecycle import (
-    LEASE_WAIT_S,
-    AttachedSegment,
+    PUBLISHED_MODE,
     SegmentWriter,
-    attach_segment,
     check_published,
     count_leases,
     create_segment,
-    published_mode,
+    open_published,
     try_evict,
 )
 from .naming import (
@@ -54,9 +55,15 @@ __all__ = [
     "temporary_name",
     "temporary_owner_pid",
     "create_segment",
-    "published_mode",
+    "PUBLISHED_MODE",
+    "PublishStamp",
+    "UNKNOWN_STAMP",
     "check_published",
+    "open_published",
     "attach_segment",
+    "attach_descriptor",
+    "open_segment",
+    "request_descriptor",
     "read_progress",
     "read_meta",
     "read_activity",

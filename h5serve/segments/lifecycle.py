@@ -1,19 +1,22 @@
-"""The life of a segment file: create, fill, publish, attach with a lease, evict. The format
-(header, ``SegmentMeta``) is in format.py, names in naming.py.
+"""The life of a segment file: create, fill, publish, check, evict. The format (header,
+``SegmentMeta``) is in format.py, names in naming.py, mapping one (attach, leases) in attach.py.
 
-A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (0400 / 0440)
-with ``fchmod`` before the rename, so no process (root aside) can open a published segment
-for writing.
+Segments are owner-only in every deployment: a temporary is mode 0600; ``publish`` makes it
+0400 with ``fchmod`` before the rename, so no process (root aside) can open a published
+segment for writing, and no other user can open it at all. A client of another uid (a
+``--group`` member) maps only the segments the daemon grants it, from a descriptor it hands
+out (daemon/handout.py).
 
 Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
 with ``posix_fallocate`` (a full tmpfs is a clear ShmFull now, never a SIGBUS later);
 the loader fills it and ``publish`` sets the complete flag and renames it to ``<name>``,
-atomically. Clients only ever open final names, so they never see a partial segment.
+atomically. Clients only ever open final names, so they never see a partial segment. The
+daemon then records the file's inode and ctime (``check_published``'s ``PublishStamp``) and
+checks them at every hit: the owner's chmod-write-chmod back, or an unlink and re-create,
+changes one of them.
 
-Leases: every attached client holds ``flock(LOCK_SH)`` on its open fd (inherited by forked
-DataLoader workers, re-taken by spawned ones). ``try_evict`` unlinks only after
-``flock(LOCK_EX | LOCK_NB)`` succeeds. The kernel drops the locks of dead processes, so a
-crashed client never pins a segment. What nothing can clean up: a SIGKILLed daemon leaves its
+Eviction: ``try_evict`` unlinks only after ``flock(LOCK_EX | LOCK_NB)`` succeeds, so a segment
+a live client holds a lease on stays. What nothing can clean up: a SIGKILLed daemon leaves its
 temporaries and segments behind; the next daemon on the same runtime dir removes or adopts them.
 """
 
@@ -27,7 +30,6 @@ import mmap
 import os
 import stat
 import struct
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from ..crc import LOAD_CRC, CrcKind
 from ..errors import SegmentError, ShmFull
 from ..safeio import NOFOLLOW_FLAGS, flocks, open_regular
 from ..units import format_bytes
+from .attach import UNKNOWN_STAMP, PublishStamp
 from .checksum import checksum_text, data_checksum
 from .format import (
     ACTIVITY,
@@ -55,24 +58,20 @@ from .format import (
     meta_blob,
     parse_header,
     read_header,
-    values_view,
 )
-from .naming import TMP_MARK, describe_file, is_own_file
+from .naming import describe_file, is_own_file
 
 __all__ = [
-    "LEASE_WAIT_S",
+    "PUBLISHED_MODE",
     "SegmentWriter",
-    "AttachedSegment",
     "create_segment",
-    "published_mode",
     "check_published",
-    "attach_segment",
+    "open_published",
     "count_leases",
     "try_evict",
 ]
 
-LEASE_WAIT_S = 5.0  # how long attaching waits for a segment someone holds exclusively
-_PUBLISHED_MODE_MASK = 0o440  # a temporary's 0600 / 0640 becomes 0400 / 0440
+PUBLISHED_MODE = 0o400  # every published segment, in every deployment: its owner may read it, nobody else
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
@@ -157,7 +156,7 @@ class SegmentWriter:
         """
         self.set_progress(self.meta.rows)
         self._map[COMPLETE_OFFSET:COMPLETE_OFFSET + 4] = struct.pack("<I", 1)
-        os.fchmod(self._fd, stat.S_IMODE(os.fstat(self._fd).st_mode) & _PUBLISHED_MODE_MASK)
+        os.fchmod(self._fd, PUBLISHED_MODE)
         final = self.path.with_name(final_name)
         self.close()
         try:
@@ -247,11 +246,11 @@ def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Pa
         raise
 
 
-def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int | None = None,
-                   reserve: bool = True) -> SegmentWriter:
-    """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete.
-    Mode 0600, or 0640 owned by ``group`` (a gid) when given. ``reserve=False``: the caller
-    reserves (``SegmentWriter.reserve_all``) before it writes any row.
+def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, reserve: bool = True) -> SegmentWriter:
+    """Create ``shm_dir/tmp_name`` with every byte reserved, header written, incomplete; mode
+    0600 (nobody else may open it while it is written: a descriptor opened then would read the
+    rows once published). ``reserve=False``: the caller reserves (``SegmentWriter.reserve_all``)
+    before it writes any row.
 
     Raised when the shm filesystem has no room for it: ShmFull (says needed and free bytes).
     """
@@ -259,9 +258,6 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW_FLAGS, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # "being written": a restarted daemon removes it only once unlocked
-        if group is not None:
-            os.fchown(fd, -1, group)
-            os.fchmod(fd, 0o640)
         # reserve=False: its size (the mapping needs it), nothing allocated yet
         _fallocate(fd, 0, meta.file_size, meta, Path(shm_dir), size_only=not reserve)
         blob = meta_blob(meta)
@@ -274,134 +270,56 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, group: int |
         raise
 
 
-def published_mode(group: int | None) -> int:
-    """The mode of a published segment: 0400, or 0440 when shared with a group."""
-    return 0o440 if group is not None else 0o400
+def open_published(path: Path | str, size: int, stamp: PublishStamp = UNKNOWN_STAMP,
+                   dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """Open a published segment read-only (``O_NOFOLLOW | O_NONBLOCK``: never a symlink, never
+    blocks on a FIFO) and check what was opened: a regular file of ours, one link, mode
+    PUBLISHED_MODE, exactly ``size`` bytes, and ``stamp`` (when known). ``(fd, fstat)``.
 
-
-def check_published(path: Path, meta: SegmentMeta, mode: int, header: bytes | None = None) -> bytes:
-    """Cheap check of a published segment before it is handed out again: a regular file of
-    ours (no symlink, no FIFO: never blocks), one link, mode ``mode``, exactly
-    ``meta.file_size`` bytes, and a complete header describing ``meta`` (byte for byte
-    ``header`` when given: the one seen when it was published). Returns its header.
-
-    Raised when any of that does not hold (missing, truncated, made writable, header
-    rewritten): SegmentError, saying what.
+    Raised when any of that does not hold (missing, truncated, made writable, replaced):
+    SegmentError, saying what.
     """
-    fd, st = open_regular(path, SegmentError, owners=(os.geteuid(),))
+    fd, st = open_regular(path, SegmentError, owners=(os.geteuid(),), dir_fd=dir_fd)
     try:
         if st.st_nlink != 1:
             raise SegmentError(f"segment {path} has {st.st_nlink} links, not 1")
-        if stat.S_IMODE(st.st_mode) != mode:
-            raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}: "
+        if stat.S_IMODE(st.st_mode) != PUBLISHED_MODE:
+            raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, not {PUBLISHED_MODE:o}: "
                                "something made it writable")
-        if st.st_size != meta.file_size:
-            raise SegmentError(
-                f"segment {path} is {st.st_size} bytes, not {meta.file_size}: it was truncated or extended")
+        if st.st_size != size:
+            raise SegmentError(f"segment {path} is {st.st_size} bytes, not {size}: it was truncated or extended")
+        if not stamp.matches(st):
+            what = "inode" if st.st_ino != stamp.ino else "ctime"
+            raise SegmentError(f"segment {path} changed since it was published (its {what} differs: replaced, "
+                               "or made writable and back)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def check_published(path: Path, meta: SegmentMeta, header: bytes | None = None,
+                    stamp: PublishStamp = UNKNOWN_STAMP) -> tuple[bytes, PublishStamp]:
+    """Cheap check of a published segment before it is handed out again (``open_published``:
+    fstat only), and of its header: complete and describing ``meta`` (byte for byte ``header``
+    when given: the one seen when it was published). Returns its header and stamp.
+
+    Raised when any of that does not hold (missing, truncated, made writable, replaced, header
+    rewritten): SegmentError, saying what.
+    """
+    fd, st = open_published(path, meta.file_size, stamp)
+    try:
         raw = read_header(fd)
     finally:
         os.close(fd)
     if header is not None:
         if raw != header:
             raise SegmentError(f"segment {path} has a header that changed since it was published")
-        return raw
+        return raw, PublishStamp.of(st)
     found, complete = parse_header(raw, f"segment {path}")
     if found != meta or not complete:
         raise SegmentError(f"segment {path} has a header that does not describe the load it should hold")
-    return raw
-
-
-class AttachedSegment:
-    """A published segment mapped read-only, with a shared lease held on its fd.
-
-    ``data`` is a read-only ndarray over the mapping: copy rows out of it (the client's gather
-    does, through a tensor view it never hands out); never give users a view of it.
-    """
-
-    def __init__(self, name: str, path: Path, fd: int, meta: SegmentMeta, buffer: mmap.mmap, owner: int) -> None:
-        self.name = name
-        self.path = path
-        self.owner = owner
-        self.meta = meta
-        self._fd = fd
-        self._map = buffer
-        self.data = data_view(buffer, meta)
-        self.data.flags.writeable = False
-        self.values = values_view(buffer, meta)  # variable-length rows: their values (data: offsets)
-        if self.values is not None:
-            self.values.flags.writeable = False
-
-    def close(self) -> None:
-        """Drop this object's references. Python's mmap holds its own dup of the fd, so the
-        lease lasts exactly as long as the mapping: until the last array viewing it is gone."""
-        self.data = None  # type: ignore[assignment]
-        self.values = None
-        self._map = None  # type: ignore[assignment]
-        if self._fd >= 0:
-            os.close(self._fd)  # releases the flock once no forked child shares the fd
-            self._fd = -1
-
-
-def _take_lease(fd: int, path: Path) -> None:
-    """``flock(LOCK_SH)``, waiting at most LEASE_WAIT_S: eviction holds LOCK_EX for an
-    instant, but any process that can open the file could hold it forever.
-
-    Raised when it stays locked: SegmentError.
-    """
-    deadline = time.monotonic() + LEASE_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise SegmentError(
-                    f"segment {path} stayed locked by another process for {LEASE_WAIT_S:g}s; request it again"
-                ) from None
-            time.sleep(0.005)
-
-
-def attach_segment(shm_dir: str | os.PathLike[str], name: str, owner: int | None = None) -> AttachedSegment:
-    """Open, lease and map a published segment read-only; validates owner, header and size.
-    ``owner`` is the daemon's uid (default: ours): a file of anyone else is never mapped.
-
-    Raised when it is missing, evicted, truncated, incomplete or not ours: SegmentError.
-    """
-    path = Path(shm_dir) / name
-    if TMP_MARK in name or "/" in name:
-        raise SegmentError(f"{name!r} is not a published segment name")
-    try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW_FLAGS)  # a FIFO planted at the name must not hang us
-    except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
-        raise SegmentError(f"segment {path} cannot be opened: {why} (evicted or not loaded)") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentError(f"{path} is {describe_file(st)}, not a segment: refusing to map it")
-        expected_owner = os.getuid() if owner is None else owner
-        if st.st_uid != expected_owner:  # before the lease: another user's file could be locked forever
-            raise SegmentError(
-                f"segment {path} belongs to uid {st.st_uid}, not to the daemon's uid {expected_owner}: "
-                "refusing to map it"
-            )
-        _take_lease(fd, path)
-        if os.fstat(fd).st_nlink == 0:
-            raise SegmentError(f"segment {path} was evicted while attaching; request it again")
-        meta, complete = parse_header(read_header(fd), str(path))
-        if not complete:
-            raise SegmentError(f"segment {path} is not complete: refusing to map a partial load")
-        if st.st_size != meta.file_size:
-            raise SegmentError(
-                f"segment {path} is {st.st_size} bytes but its header describes {meta.file_size}: refusing to map it"
-            )
-        if st.st_mode & 0o222:
-            raise SegmentError(f"segment {path} is writable (mode {st.st_mode & 0o777:o}): refusing to map it")
-        buffer = mmap.mmap(fd, meta.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
-        return AttachedSegment(name, path, fd, meta, buffer, st.st_uid)
-    except BaseException:
-        os.close(fd)
-        raise
+    return raw, PublishStamp.of(st)
 
 
 def count_leases(paths: list[Path]) -> dict[Path, int]:

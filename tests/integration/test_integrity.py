@@ -28,7 +28,7 @@ from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments import HEADER_SIZE, attach_segment
 
 from ..helpers import Daemon, expected_checksum, h5serve_cli, kill_daemon_of, wait_for
-from ..users import as_user, portable_python, root_only, throwaway_user
+from ..users import as_user, portable_python, root_only, run_as, throwaway_user
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -176,6 +176,74 @@ def test_a_fifo_at_a_ready_name_is_never_served_and_never_blocks(daemon: Daemon,
             ds.close()
         finally:
             path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- changed by its owner
+
+
+def _tamper_as(user: object, path: Path, how: str) -> None:
+    """As the daemon's own user: put 64 bytes of 0xAB over row 0 of ``path`` and leave it as it
+    was to see (mode 0400, same size, same header)."""
+    poison = f"head -c 64 /dev/zero | tr '\\0' '\\253' | dd of=%s bs=64 seek={HEADER_SIZE} oflag=seek_bytes " \
+             "conv=notrunc status=none"
+    if how == "made writable and back":
+        script = f"chmod u+w {path} && {poison % path} && chmod u-w {path}"
+    else:  # unlinked, re-created with the same header, renamed into place
+        tmp = f"{path}.new"
+        script = f"cp {path} {tmp} && chmod 600 {tmp} && {poison % tmp} && chmod 400 {tmp} && mv -f {tmp} {path}"
+    done = run_as(user, ["sh", "-c", script])  # type: ignore[arg-type]
+    assert done.returncode == 0, done.stderr
+    assert os.stat(path).st_mode & 0o777 == 0o400
+    assert open(path, "rb").read()[HEADER_SIZE:HEADER_SIZE + 64] == b"\xab" * 64
+
+
+@root_only
+@pytest.mark.parametrize("how", ["made writable and back", "replaced"])
+def test_a_segment_its_owner_changed_is_never_served(public_dir: Path, how: str) -> None:
+    """A ``--user U`` daemon started as root; U (any job of the daemon's user) changes a
+    published segment and leaves it looking as published. ``status`` does not call it ready,
+    and a new client gets the true rows (the daemon loads it again: ``damaged``)."""
+    data = public_dir / "data.h5"
+    expected = rows_of(data)
+    with throwaway_user() as user, portable_python() as py:
+        runtime_dir = public_dir / "rt"
+        try:
+            started = py.run("start", "--user", user.name, "--runtime-dir", str(runtime_dir))
+            assert started.returncode == 0, started.stderr
+            with DaemonClient(runtime_dir, timeout=10, daemon_user=user.name) as client:
+                first, path = acquire(client, data)
+                published = os.stat(path).st_ctime_ns
+                assert wait_for(lambda: time.time_ns() > published + 50_000_000, 5)  # past the clock's tick
+                _tamper_as(user, path, how)
+                (seg,) = client.status()["segments"]
+                assert seg["name"] == first.name and seg["state"] != "ready", seg
+            ds = SharedH5Dataset(data, "x", runtime_dir=runtime_dir, daemon_user=user.name, fallback="error")
+            assert ds.backend == "shm"
+            np.testing.assert_array_equal(ds.__getitems__(list(range(len(ds)))).x.numpy(), expected)
+            ds.close()
+            with DaemonClient(runtime_dir, timeout=10, daemon_user=user.name) as client:
+                status = client.status()
+            assert status["counters"]["damaged"] == 1 and status["counters"]["loads"] == 2, status["counters"]
+            assert [s["state"] for s in status["segments"]] == ["ready"]
+        finally:
+            kill_daemon_of(runtime_dir)
+
+
+def test_attach_refuses_a_file_changed_since_the_daemon_published_it(daemon: Daemon, public_dir: Path) -> None:
+    """The client's own check, for a change between the daemon's check and the attach: the
+    inode and ctime in the reply must be those of the file it opens."""
+    from h5serve.segments import PublishStamp
+
+    with DaemonClient(daemon.runtime_dir, timeout=10) as client:
+        result, path = acquire(client, public_dir / "data.h5")
+    stamp = PublishStamp(result.ino, result.ctime_ns)
+    assert stamp == PublishStamp.of(os.stat(path))
+    attach_segment(Path(result.shm_dir), result.name, stamp=stamp).close()
+    assert wait_for(lambda: time.time_ns() > result.ctime_ns + 50_000_000, 5)
+    os.chmod(path, 0o600)
+    os.chmod(path, 0o400)
+    with pytest.raises(SegmentError, match="changed since the daemon published it"):
+        attach_segment(Path(result.shm_dir), result.name, stamp=stamp)
 
 
 # --------------------------------------------------------------------------- content: status --verify

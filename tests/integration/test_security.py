@@ -98,8 +98,10 @@ def test_group_members_may_connect_and_attach(public_file: Path) -> None:
         assert status == "ok", out
         with h5py.File(public_file) as f:
             assert out == ("shm", f["x"][500:].tobytes())
+        # owner-only: the member mapped them from descriptors the daemon handed out (was 0440 to the
+        # group, which let every member read every other member's segments)
         segments = [Path("/dev/shm") / n for n in d.segment_files()]
-        assert segments and all(mode(p) == 0o440 and os.stat(p).st_gid == NOGROUP for p in segments)
+        assert segments and all(mode(p) == 0o400 and os.stat(p).st_uid == os.getuid() for p in segments)
 
         status, out = as_user(NOBODY - 1, NOGROUP - 1, [], read_shard)  # not in the group
         assert status == "error" and "DaemonUnavailable" in out

@@ -520,16 +520,19 @@ VALID_RESULT = {
     "uid": 0,
     "shm_dev": 0,
     "shm_ino": 0,
+    "ino": 0,
+    "ctime_ns": 0,
 }
 
 
 @pytest.mark.parametrize("state", ["ready", "loading"])
 def test_acquire_result_round_trip(state):
     value = AcquireResult(state=state, name="seg", shm_dir="/dev/shm", rows_done=3, rows_total=10, dataset_rows=20,
-                          uid=1000)
+                          uid=1000, ino=77, ctime_ns=1_700_000_000_123_456_789)
     wire = value.to_wire()
     assert wire == {"state": state, "name": "seg", "shm_dir": "/dev/shm", "rows_done": 3, "rows_total": 10,
-                    "dataset_rows": 20, "uid": 1000, "shm_dev": 0, "shm_ino": 0}
+                    "dataset_rows": 20, "uid": 1000, "shm_dev": 0, "shm_ino": 0, "ino": 77,
+                    "ctime_ns": 1_700_000_000_123_456_789}
     assert AcquireResult.from_wire(wire) == value
     # and through a real reply frame
     got_id, result = decode_reply(encode_ok(8, wire))
@@ -590,6 +593,8 @@ def test_acquire_result_rejects_malformed(result):
         {"rows_total": -1},
         {"dataset_rows": 1.5},
         {"dataset_rows": 2**63},
+        {"ino": -1},
+        {"ctime_ns": "1"},
     ],
 )
 def test_acquire_result_rejects_bad_field_types(change):
