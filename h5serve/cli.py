@@ -78,6 +78,11 @@ def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = 
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    # the daemon works from / (daemon/_process.start_from_root): paths given relative to here first
+    for name in ("runtime_dir", "shm_dir", "metrics_textfile"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    args.allow_root = [os.path.abspath(root) for root in args.allow_root or ()]
     from .daemon.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
     from .units import parse_size
 
@@ -158,7 +163,9 @@ def _log_tail(dir_fd: int, lines: int = 5) -> list[str]:
 
 
 def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
+    from .daemon._process import SAFE_DIR, SAFE_PYTHON_FLAGS, package_root, quiet_blas, safe_python_env, safe_sys_path
+
+    cmd = [sys.executable, *SAFE_PYTHON_FLAGS, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
     for flag in ("shm_dir", "max_memory", "loaders", "load_processes", "log_level", "group", "user",
                  "metrics_port", "metrics_addr", "metrics_textfile", "stall_timeout"):
         value = getattr(args, flag)
@@ -168,16 +175,25 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
         cmd.append("--no-checksum")
     if args.keep_page_cache:
         cmd.append("--keep-page-cache")
+    if args.metrics_paths:
+        cmd.append("--metrics-paths")
     for root in args.allow_root or ():
         cmd += ["--allow-root", root]
-    from .daemon._process import quiet_blas
-
     env = dict(os.environ)
     quiet_blas(env)
+    safe_python_env(env)
+    # $PYTHONPATH is the starter's configuration: kept, made absolute (the daemon works from /);
+    # h5serve itself stays importable when it was found through the working directory (a checkout)
+    paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if package_root() not in safe_sys_path(sys.path) and package_root() not in paths:
+        paths.append(package_root())
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     log = _open_log(dir_fd)
     try:
         return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, env=env
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, env=env,
+            cwd=SAFE_DIR,
         )
     except OSError as exc:
         raise host_error(exc, f"running {sys.executable} to start the daemon") from exc
@@ -187,6 +203,7 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
 
 def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     from .daemon import DaemonConfig, serve
+    from .daemon._process import start_from_root
     from .daemon.config import DEFAULT_STALL_TIMEOUT_S
     from .daemon.privileges import drop_privileges, lookup_group, lookup_user
     from .units import parse_size
@@ -206,14 +223,16 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         loaders=args.loaders or 0,
         load_processes=args.load_processes or 0,
         group=lookup_group(args.group) if args.group is not None else None,
-        allow_roots=tuple(Path(os.path.abspath(r)) for r in args.allow_root or ()),
+        allow_roots=tuple(Path(r) for r in args.allow_root),  # made absolute by cmd_start
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr or "127.0.0.1",
         metrics_textfile=Path(os.path.abspath(args.metrics_textfile)) if args.metrics_textfile else None,
         stall_timeout=args.stall_timeout if args.stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S,
         checksum=not args.no_checksum,
         drop_page_cache=not args.keep_page_cache,
+        metrics_paths=args.metrics_paths,
     )
+    start_from_root()  # the daemon, its forkserver and loaders: from /, no implicit sys.path entry
     try:
         serve(config)
     except DaemonAlreadyRunning as exc:
@@ -384,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote scrapes)")
     p.add_argument("--metrics-textfile", metavar="DIR",
                    help="write h5serve.prom there for node_exporter's textfile collector")
+    p.add_argument("--metrics-paths", action="store_true",
+                   help="label segment metrics with their file paths and dataset keys; whoever can reach "
+                   "--metrics-port or read the textfile then sees every user's paths and keys (default: an "
+                   "opaque segment id)")
     p.add_argument("--stall-timeout", type=_positive_seconds, metavar="SECONDS",
                    help="kill a load that makes no progress for this long (a stopped loader, a hung file system) "
                    "and fail it, so jobs read lazily and later loads run (default 120)")

@@ -47,6 +47,20 @@ def short_workdir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
+def start_with_files(d: DaemonProcess, soft: int, hard: int) -> DaemonProcess:
+    """``h5serve start`` (with ``d``'s flags) under an open-file limit of ``soft``/``hard``."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    done = subprocess.run([sys.executable, "-m", "h5serve", "start", *d.extra], env=d.env, capture_output=True,
+                          text=True, timeout=60, preexec_fn=limit, check=False)
+    assert done.returncode == 0, done.stderr
+    d.pid = int((d.runtime_dir / "h5serve.pid").read_text())
+    return d
+
+
 class Daemon(DaemonProcess):
     """A real daemon on its own runtime dir, started with ``h5serve start``; ``stop`` also
     removes the runtime dir."""

@@ -1,6 +1,11 @@
-"""Every change the daemon's loaders make to their own process beyond their objects, in one
-place, each with why and what it depends on (the client's are in h5serve/client/_process.py):
+"""Every change the daemon and its loaders make to their own process beyond their objects, in
+one place, each with why and what it depends on (the client's are in h5serve/client/_process.py):
 
+- ``start_from_root``: the daemon works from ``/`` with no implicit working-directory or script
+  directory entry on ``sys.path``, and every Python it starts (the forkserver) does too;
+- ``LoaderContext``: loaders are started with preparation data that never names the daemon's
+  main module (it is not imported again in them), ``sys.path`` without implicit entries and
+  ``/`` as their directory; each loader's stderr goes into a file of its own (``loader_output``);
 - ``drop_forkserver_alive_fd``: a loader closes its inherited copy of the forkserver's
   "alive" pipe;
 - ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies;
@@ -13,14 +18,21 @@ place, each with why and what it depends on (the client's are in h5serve/client/
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import signal
+import sys
+import weakref
 from collections.abc import Callable, Iterator
+from multiprocessing import context, popen_forkserver, reduction, spawn
+from typing import Any
 
 __all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "quiet_blas",
-           "unshare_inherited_pages", "SPARE_NAME", "LOADER_NAME"]
+           "unshare_inherited_pages", "SPARE_NAME", "LOADER_NAME", "start_from_root", "safe_sys_path",
+           "package_root", "LoaderContext", "LoaderProcess", "loader_output", "clean_preparation",
+           "SAFE_PYTHON_FLAGS", "OUTPUT_TAIL_BYTES", "safe_python_env", "SAFE_DIR"]
 
 _PR_SET_PDEATHSIG = 1  # prctl options (linux/prctl.h)
 _PR_SET_NAME = 15
@@ -156,3 +168,170 @@ def unshare_inherited_pages(stop: Callable[[], bool]) -> int:
                 break  # this mapping cannot be populated (gone, or not memory): the next one
             copied += step
     return copied
+
+
+SAFE_DIR = "/"
+# -P (Python >= 3.11): no implicit entry (the script's directory, or the working directory for
+# -m and -c) first on sys.path. Earlier versions have no such flag: there the child starts in
+# SAFE_DIR, so the implicit entry is "/", writable by root only.
+SAFE_PYTHON_FLAGS: tuple[str, ...] = ("-P",) if sys.version_info >= (3, 11) else ()
+OUTPUT_TAIL_BYTES = 4096  # of a loader's stderr, logged when it exits
+
+
+def package_root() -> str:
+    """The directory h5serve itself was imported from (the parent of the package)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _implicit_entries() -> set[str]:
+    """The absolute paths sys.path may hold without anyone having configured them: the working
+    directory (now and when multiprocessing was imported) and the main script's directory.
+    Entries of $PYTHONPATH (configuration of whoever started the daemon) and the directory
+    h5serve was imported from (the code already trusted) are never among them."""
+    from multiprocessing import process
+
+    found = {os.getcwd(), os.path.realpath(os.getcwd())}
+    original = getattr(process, "ORIGINAL_DIR", None)  # the working directory when multiprocessing was imported
+    if original:
+        found.add(original)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file:
+        script_dir = os.path.dirname(os.path.abspath(main_file))
+        found |= {script_dir, os.path.realpath(script_dir)}
+    explicit = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    return found - explicit - {package_root()}
+
+
+def safe_sys_path(path: list[str]) -> list[str]:
+    """``path`` without ``''`` and without the implicit entries (``_implicit_entries``)."""
+    implicit = _implicit_entries()
+    return [p for p in path if p and os.path.abspath(p) not in implicit]
+
+
+def start_from_root() -> None:
+    """Make this process (the daemon) work from ``/``, drop the implicit entries from its
+    ``sys.path``, and have every Python it starts do the same.
+
+    Why: ``h5serve start`` in a directory another user can write would otherwise import their
+    ``msgpack.py`` (or numpy.py, zmq.py, ...) in the daemon, its forkserver (started with
+    ``python -c``: ``''`` first on its path) and its loaders (handed the daemon's ``sys.path``
+    and working directory by multiprocessing), as the daemon's user. Modules already imported
+    stay what they are: run ``h5serve`` (its console script) or ``python -P -m h5serve``.
+    Version: PYTHONSAFEPATH is read by Python >= 3.11; earlier ones start in ``/``.
+    """
+    from multiprocessing import process
+
+    sys.path[:] = safe_sys_path(sys.path)
+    os.chdir(SAFE_DIR)
+    process.ORIGINAL_DIR = SAFE_DIR  # type: ignore[attr-defined]  # multiprocessing puts it for '' and relative main paths
+    safe_python_env(os.environ)
+
+
+def safe_python_env(env: os._Environ[str] | dict[str, str]) -> None:
+    """Ask every Python started with ``env`` for no implicit first entry on its ``sys.path``
+    (``PYTHONSAFEPATH``, read by Python >= 3.11; the forkserver is started with ``python -c``,
+    which would otherwise put its working directory first)."""
+    env["PYTHONSAFEPATH"] = "1"
+
+
+@contextlib.contextmanager
+def clean_preparation() -> Iterator[None]:
+    """While starting a loader (or the forkserver), multiprocessing's preparation data has no
+    main module, a ``sys.path`` without implicit entries and ``/`` as the directory.
+
+    Why: a child of the forkserver imports the parent's ``__main__`` again as ``__mp_main__``
+    (``spawn.prepare``) before it runs its target: a script without an ``if __name__ ==
+    "__main__":`` guard that runs ``h5serve start --foreground`` started another daemon in every
+    loader (which found the first and exited 1), and a main script in a directory another user
+    can write is theirs. Loaders need nothing from ``__main__``: their targets are h5serve's.
+    Version: ``spawn.get_preparation_data`` is looked up by ``popen_forkserver`` and
+    ``forkserver.ensure_running`` at call time (CPython 3.8 to 3.13 at least); it is replaced
+    only for the duration of a start, from the daemon's one control thread.
+    """
+    original = spawn.get_preparation_data
+
+    def prepared(name: str) -> dict[str, Any]:
+        data = dict(original(name))
+        for key in ("init_main_from_path", "init_main_from_name", "main_path"):
+            data.pop(key, None)
+        data.update(sys_path=safe_sys_path(list(data.get("sys_path", sys.path))), dir=SAFE_DIR, orig_dir=SAFE_DIR)
+        return data
+
+    spawn.get_preparation_data = prepared
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = original
+
+
+class _LoaderPopen(popen_forkserver.Popen):
+    def _launch(self, process_obj: Any) -> None:
+        with clean_preparation():
+            super()._launch(process_obj)  # type: ignore[misc]
+
+
+class _Output:
+    """A loader's stderr: an anonymous file the daemon reads once the loader is done. Pickled
+    to the child as a descriptor the forkserver hands over (like a Connection)."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("h5serve-loader-stderr", os.MFD_CLOEXEC)
+        self._close = weakref.finalize(self, os.close, self.fd)
+        self._child: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"child": reduction.DupFd(self.fd)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.fd, self._child = -1, state["child"]
+
+    def redirect_stderr(self) -> None:
+        """In the loader: fd 2 (Python's sys.stderr, faulthandler, C libraries) into the file."""
+        fd = self._child.detach()
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def tail(self, limit: int = OUTPUT_TAIL_BYTES) -> str:
+        try:
+            size = os.fstat(self.fd).st_size
+            return os.pread(self.fd, limit, max(0, size - limit)).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        self._close()
+
+
+class LoaderProcess(context.ForkServerProcess):
+    """A forkserver child started with ``clean_preparation`` whose stderr is ``loader_output``'s."""
+
+    def start(self) -> None:
+        self._output = _Output()
+        super().start()
+
+    def run(self) -> None:
+        self._output.redirect_stderr()
+        super().run()
+
+    def close(self) -> None:
+        super().close()
+        self._output.close()
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _LoaderPopen(process_obj)
+
+
+class LoaderContext(context.ForkServerContext):
+    Process = LoaderProcess
+
+
+def loader_output(process: object, lines: int = 20) -> list[str]:
+    """The last ``lines`` non-empty lines (of its last ``OUTPUT_TAIL_BYTES``) a loader wrote to
+    its stderr, each stripped of control characters (they are logged); [] for a process that is
+    no LoaderProcess."""
+    output = getattr(process, "_output", None)
+    if not isinstance(output, _Output):
+        return []
+    text = "".join(c if c.isprintable() or c == "\n" else "?" for c in output.tail())
+    return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]

@@ -52,6 +52,9 @@ class DaemonConfig:
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP (0: any free port)
     metrics_addr: str = "127.0.0.1"
     metrics_textfile: Path | None = None  # write h5serve.prom there for node_exporter
+    # label segment metrics with file paths and keys (whoever reaches the endpoint sees them);
+    # False: an opaque id per segment
+    metrics_paths: bool = False
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a load without progress this long is killed and fails
     checksum: bool = True  # loaders store a crc32 of the rows in the header (status --verify checks it)
     drop_page_cache: bool = True  # loaders drop the source file's cached pages of the rows they read

@@ -129,13 +129,21 @@ def start_forkserver() -> None:
     node), so that the first load does not stall the control loop while it starts."""
     from multiprocessing import forkserver
 
+    from ._process import clean_preparation, safe_python_env
+
     quiet_blas(os.environ)  # the forkserver starts with this process's environment
+    safe_python_env(os.environ)
     loader_context()
-    forkserver.ensure_running()
+    with clean_preparation():  # the sys.path it is handed (Python >= 3.12 uses it), never a main module
+        forkserver.ensure_running()
 
 
 def loader_context() -> multiprocessing.context.ForkServerContext:
-    ctx = multiprocessing.get_context("forkserver")
+    """The forkserver context loaders and spares start in (``_process.LoaderContext``: the
+    daemon's main module never imported again, no implicit sys.path entry, stderr kept)."""
+    from ._process import LoaderContext
+
+    ctx = LoaderContext()
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(
         ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader",

@@ -212,7 +212,8 @@ class Server:
         self.notifier = Notifier()
         self.metrics: Metrics | None = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
-            self.metrics = Metrics(config.metrics_port, config.metrics_textfile, config.metrics_addr)
+            self.metrics = Metrics(config.metrics_port, config.metrics_textfile, config.metrics_addr,
+                                   config.metrics_paths, config.group)
             self.store.on_loaded = self.metrics.observe_load
 
     def handle(self, request: Request, peer: Peer | None = None) -> dict[str, Any]:

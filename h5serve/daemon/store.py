@@ -49,6 +49,7 @@ from ..segments import (
 )
 from ..sharding import Selection
 from ..units import format_bytes
+from ._process import loader_output
 from .access import Peer
 from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
 from .entries import COUNTERS, Entry, LoadFailure, not_ours, shown_state
@@ -363,15 +364,20 @@ class SegmentStore:
                 continue
             if result is None:  # died without a word: its exit code is known within moments
                 entry.process.join(timeout=1)
-            exitcode = entry.process.exitcode
+            exitcode, pid, output = entry.process.exitcode, entry.process.pid, loader_output(entry.process)
             self._release_loader(entry)
             if isinstance(result, LoadOk):
                 self._loaded(entry, result.stats)
             elif isinstance(result, LoadError):
                 self._fail(entry, result.code, result.message)
             else:
-                self._fail(entry, SegmentError.code,
-                           f"the loader process died (exit code {exitcode}); see the daemon log")
+                log.error("the loader of %s (pid %s) died (exit code %s); its stderr ended:%s", entry.name, pid,
+                          exitcode, "".join(f"\n  | {line}" for line in output) or " (nothing)")
+                self._fail(entry, SegmentError.code, f"the loader process died (exit code {exitcode})"
+                           + (f": {output[-1]}" if output else "") + "; see the daemon log")
+            if output and isinstance(result, (LoadOk, LoadError)):
+                log.warning("the loader of %s wrote to its stderr:%s", entry.name,
+                            "".join(f"\n  | {x}" for x in output))
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
 

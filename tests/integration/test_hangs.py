@@ -22,8 +22,6 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import warnings
 import zlib
@@ -42,7 +40,7 @@ from h5serve.daemon.config import FAILURE_MEMORY_S
 from h5serve.errors import ConfigError, DaemonUnavailable, SegmentError
 from h5serve.protocol import Acquire
 
-from ..helpers import Daemon, alive, make_h5, short_tmpdir, wait_for
+from ..helpers import Daemon, alive, make_h5, short_tmpdir, start_with_files, wait_for
 from .test_reliability import BIG_CHUNK_ROWS, BIG_ROW_SHAPE, patterned_crc, patterned_rows, write_patterned
 
 pytestmark = pytest.mark.timeout(240)
@@ -230,17 +228,6 @@ def test_a_stalled_load_is_killed_failed_and_the_loads_behind_it_run(big: Path, 
 
 
 # ----- 3. many connections against the open-file limit -------------------------------------
-def _start_with_files(d: Daemon, soft: int, hard: int) -> Daemon:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-    done = subprocess.run([sys.executable, "-m", "h5serve", "start"], env=d.env, capture_output=True, text=True,
-                          timeout=60, preexec_fn=limit, check=False)
-    assert done.returncode == 0, done.stderr
-    d.pid = int((d.runtime_dir / "h5serve.pid").read_text())
-    return d
-
-
 def _files_limit(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/limits") as f:
         line = next(ln for ln in f if ln.startswith("Max open files"))
@@ -287,7 +274,7 @@ def many_files() -> None:
 def test_a_raised_limit_serves_1100_connections(many_files: None) -> None:
     d = Daemon()
     try:
-        _start_with_files(d, 1024, 4096)
+        start_with_files(d, 1024, 4096)
         assert _files_limit(d.pid) == (4096, 4096)  # the daemon raised its soft limit
         assert _storm(d.runtime_dir, 1100, 20) == 1100
         assert d.alive()
@@ -298,7 +285,7 @@ def test_a_raised_limit_serves_1100_connections(many_files: None) -> None:
 def test_a_hard_limit_of_1024_sheds_connections_and_keeps_serving(many_files: None) -> None:
     d = Daemon()
     try:
-        _start_with_files(d, 1024, 1024)
+        start_with_files(d, 1024, 1024)
         answered = _storm(d.runtime_dir, 1100, 10)
         assert d.alive(), "1,100 connections aborted the daemon"
         print(f"\n[h5serve hangs] hard limit 1024: {answered} of 1100 connections answered")
