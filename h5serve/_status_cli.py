@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SegmentError
+from .runtime import HANDOUT_SOCKET_NAME
 from .segments import verify_content
+from .segments.handout import opens_by_name, request_descriptor
 from .units import format_bytes
 
 __all__ = ["format_status", "format_verify", "verify_segments"]
@@ -55,9 +57,12 @@ def format_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def verify_segments(info: dict[str, Any]) -> dict[str, Any]:
+def verify_segments(info: dict[str, Any], runtime_dir: str | os.PathLike[str] | None = None,
+                    owner: int | None = None) -> dict[str, Any]:
     """Re-read every published segment and compare its rows with the checksum the daemon
-    recorded when it loaded them: ``{"checked", "bytes", "seconds", "unchecked", "gone", "damaged"}``."""
+    recorded when it loaded them: ``{"checked", "bytes", "seconds", "unchecked", "gone", "damaged"}``.
+    A user who may not open the daemon's segments by name (a ``--group`` member: ``owner`` is
+    the daemon's uid) reads each through the descriptor the daemon hands it (``runtime_dir``)."""
     report: dict[str, Any] = {"checked": 0, "bytes": 0, "unchecked": 0, "gone": 0, "damaged": []}
     started = time.monotonic()
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -66,7 +71,10 @@ def verify_segments(info: dict[str, Any]) -> dict[str, Any]:
             continue
         path = Path(info["shm_dir"]) / seg["name"]
         try:
-            problem = verify_content(path, seg.get("checksum", ""), threads)
+            fd = None
+            if owner is not None and runtime_dir is not None and not opens_by_name(owner):
+                fd = request_descriptor(Path(runtime_dir) / HANDOUT_SOCKET_NAME, seg["name"], owner)
+            problem = verify_content(path, seg.get("checksum", ""), threads, fd)
         except SegmentError as exc:
             if not os.path.lexists(path):  # evicted or stopped since `status` answered
                 report["gone"] += 1

@@ -273,7 +273,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             stopped = {"running": False, "runtime_dir": str(client.location.directory)}
             print(json.dumps(stopped) if args.json else str(exc))
             return EXIT_NOT_RUNNING
-    report = verify_segments(info) if args.verify else None
+    report = verify_segments(info, client.location.directory, client.daemon_uid) if args.verify else None
     if args.json:
         print(json.dumps({"running": True, **info, **({"verify": report} if report is not None else {})}, indent=2))
     else:

@@ -65,14 +65,18 @@ def header_checksum(header: bytes) -> str:
     return checksum_text(kind, value)
 
 
-def verify_content(path: Path, expected: str = "", threads: int = 1) -> str:
+def verify_content(path: Path, expected: str = "", threads: int = 1, fd: int | None = None) -> str:
     """Re-read a published segment's rows and compare them with the checksum its header
     records (and with ``expected``, the daemon's record, when given). Returns "" when they
-    match, else what does not.
+    match, else what does not. ``fd``: a descriptor of it already opened (the daemon hands
+    its other users one: handout.py), closed here; else ``path`` is opened.
 
     Raised when it cannot be opened or is not a valid complete segment: SegmentError.
     """
-    fd, st = open_regular(path, SegmentError)
+    if fd is None:
+        fd, st = open_regular(path, SegmentError)
+    else:
+        st = os.fstat(fd)
     try:
         header = read_header(fd)
         meta, complete = parse_header(header, f"segment {path}")

@@ -20,6 +20,7 @@ from pathlib import Path
 import h5py
 import pytest
 
+from h5serve._status_cli import verify_segments
 from h5serve.client import SharedH5Dataset
 from h5serve.connection import DaemonClient
 from h5serve.errors import AccessDenied, SegmentError
@@ -125,6 +126,15 @@ def test_root_group_daemon_gives_each_member_only_what_it_was_allowed(public_dir
             assert out[:2] == ("shm", _rows(data))
             status, names = as_user(bob, lambda: [s["name"] for s in DaemonClient(runtime_dir).status()["segments"]])
             assert (status, names) == ("ok", out[2])  # his own segment, not Alice's
+
+            def verify() -> dict:
+                client = DaemonClient(runtime_dir)
+                client.ping()  # resolves and checks the daemon's owner
+                return verify_segments(client.status(), runtime_dir, client.daemon_uid)
+
+            status, report = as_user(bob, verify)  # `status --verify` re-reads his segments through descriptors
+            assert status == "ok", report
+            assert (report["checked"], report["damaged"]) == (len(out[2]), []), report
             assert {s["name"] for s in d.status()["segments"]} == {segment, *out[2]}  # root sees all
 
             status, out = as_user(outsider, lambda: _connect_handout(runtime_dir))
