@@ -176,7 +176,7 @@ class SharedH5Dataset(Dataset):
         self.mode = mode
         self.fallback = fallback
         self._stream_args = (window, block_rows)
-        self._backend: Backend = self._open_backend()
+        self._backend: Backend | StreamBackend = self._open_backend()
         try:
             self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
             self.fields.check_ragged(self._backend.vlen_kinds, self._backend.out_dtypes)
@@ -220,7 +220,7 @@ class SharedH5Dataset(Dataset):
     def _h5_options(self) -> dict[str, Any]:
         return {}
 
-    def _open_backend(self) -> Backend:
+    def _open_backend(self) -> Backend | StreamBackend:
         if self.mode == STREAM:  # served from whole blocks read here; the daemon's window comes later
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None)

@@ -25,7 +25,7 @@ from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, inspect_dataset
 from ..stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..units import format_bytes, parse_size, row_nbytes
-from .backends import ArrayBackend, BackendSpec, H5Handle
+from .backends import BackendSpec, H5Handle
 from .blockcache import BlockCache, StreamBatch
 from .chunkcache import auto_cache_bytes
 
@@ -106,7 +106,7 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     return StreamConfig(layout, block, capacity, size)
 
 
-class StreamBackend(ArrayBackend):
+class StreamBackend:
     """Rows of whole blocks read through h5py into a BlockCache of ``config.capacity`` blocks.
 
     Raised for variable-length rows or many files (not served in stream mode yet):
@@ -125,7 +125,7 @@ class StreamBackend(ArrayBackend):
             raise UnsupportedDataset(f"mode='stream' does not serve variable-length rows yet ({', '.join(vlen)}): "
                                      "use mode='global' or 'node' for them")
         out = [check_cast(info, requested) for info, requested in zip(infos, spec.dtypes)]
-        super().__init__([], out, infos[0].rows)
+        self.out_dtypes, self.total_rows = out, infos[0].rows
         self.vlen_kinds = [""] * len(infos)
         self.spec, self.infos = spec, infos
         self.config = resolve_stream(infos, window, block_rows, ranks)
