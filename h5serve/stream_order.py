@@ -329,4 +329,4 @@ def neighbour_entropy(order: np.ndarray) -> float:
         return 0.0
     counts = np.bincount(np.abs(np.diff(order)))
     p = counts[counts > 0] / (len(order) - 1)
-    return float(-(p * np.log2(p)).sum())
+    return float(-(p * np.log2(p)).sum()) + 0.0  # never -0.0
