@@ -155,7 +155,7 @@ class SharedH5Dataset(Dataset):
             selection = self._stream_selection(rank, world_size, *layout_args)
         elif any(a is not None for a in layout_args):
             raise ConfigError("local_rank, local_world_size, node_rank and num_nodes describe the node for "
-                              f"mode='node' or 'stream' only (mode={mode!r}): drop them, or use one of those")
+                              f"mode='node' only (and mode='stream'; mode={mode!r}): drop them, or use mode='node'")
         else:
             selection = Selection(mode, self.world_size, self.rank)
         sources = expand_paths(path)  # a pattern is expanded here, with this user's rights
