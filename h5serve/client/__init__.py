@@ -13,10 +13,12 @@ from .node_sampler import NodePlace, NodeShuffleSampler
 from .ragged import Padded, RaggedList
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 from .stats import LoaderSnapshot, LoaderStats
+from .stream_sampler import StreamSampler
 
 __all__ = [
     "NodePlace",
     "NodeShuffleSampler",
+    "StreamSampler",
     "SharedH5Dataset",
     "make_loader",
     "ShmDataLoader",

@@ -21,11 +21,13 @@ from ..checks import is_int
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.files import describe_files, expand_paths
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
+from ..stream_order import STREAM, node_rows
 from . import ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
 from .resharding import check_not_measured_by_distributed_sampler
+from .stream import StreamBackend, StreamBatch
 
 if TYPE_CHECKING:
     from ..topology import NodeLayout
@@ -73,6 +75,14 @@ class SharedH5Dataset(Dataset):
     every job whatever its world size; use it with a distributed sampler
     (``make_loader`` picks ``DistributedShuffleSampler``; ``torch.utils.data.DistributedSampler``
     works too).
+
+    ``mode="stream"``: data bigger than memory. Rows are addressed by their global number, as
+    in global mode, and read in whole blocks (``block_rows``, a multiple of every key's chunk
+    rows; default about 8 MiB) into a window of at most ``window`` bytes (``"2GiB"``; None:
+    this rank's share of half the node's available memory); ``make_loader`` picks a
+    ``StreamSampler`` that draws each rank's rows across the blocks in the window
+    (h5serve/stream_order.py). For now each process reads its blocks itself (client/stream.py);
+    one file, fixed-size rows.
 
     Rank and world size come from the arguments, else an initialized torch.distributed
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served
@@ -123,6 +133,8 @@ class SharedH5Dataset(Dataset):
         local_world_size: int | None = None,
         node_rank: int | None = None,
         num_nodes: int | None = None,
+        window: int | str | None = None,
+        block_rows: int | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -134,11 +146,16 @@ class SharedH5Dataset(Dataset):
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.layout: NodeLayout | None = None  # node mode: the layout this rank's node was resolved from
         layout_args = (local_rank, local_world_size, node_rank, num_nodes)
+        if mode != STREAM and (window is not None or block_rows is not None):
+            raise ConfigError(f"window and block_rows are for mode='stream' only (mode={mode!r}): drop them, or "
+                              "use mode='stream'")
         if mode == NODE:
             selection = self._node_selection(rank, world_size, *layout_args)
+        elif mode == STREAM:
+            selection = self._stream_selection(rank, world_size, *layout_args)
         elif any(a is not None for a in layout_args):
             raise ConfigError("local_rank, local_world_size, node_rank and num_nodes describe the node for "
-                              f"mode='node' only (mode={mode!r}): drop them, or use mode='node'")
+                              f"mode='node' only (and mode='stream'; mode={mode!r}): drop them, or use mode='node'")
         else:
             selection = Selection(mode, self.world_size, self.rank)
         sources = expand_paths(path)  # a pattern is expanded here, with this user's rights
@@ -158,7 +175,8 @@ class SharedH5Dataset(Dataset):
         )
         self.mode = mode
         self.fallback = fallback
-        self._backend: Backend = self._open_backend()
+        self._stream_args = (window, block_rows)
+        self._backend: Backend | StreamBackend = self._open_backend()
         try:
             self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
             self.fields.check_ragged(self._backend.vlen_kinds, self._backend.out_dtypes)
@@ -181,11 +199,31 @@ class SharedH5Dataset(Dataset):
         self.rank, self.world_size = layout.rank, layout.world_size
         return node_selection(self.world_size, layout.ranks)
 
+    def _stream_selection(self, rank: int | None, world_size: int | None, *layout_args: int | None) -> Selection:
+        """Stream mode: the node's layout (the order deals blocks to nodes, rows to local ranks),
+        every row addressable by its global number.
+
+        Raised when the nodes run different numbers of ranks: ConfigError."""
+        from ..topology import resolve_layout
+
+        local_rank, local_world_size, node_rank, num_nodes = layout_args
+        layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
+                                local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
+        if layout.world_size != layout.num_nodes * layout.local_world_size:
+            raise ConfigError(f"mode='stream' needs the same number of ranks on every node: {layout.world_size} "
+                              f"ranks on {layout.num_nodes} nodes, {layout.local_world_size} on this one")
+        self.layout = layout
+        self.rank, self.world_size = layout.rank, layout.world_size
+        return Selection(GLOBAL, self.world_size, self.rank)
+
     # ----- backend choice --------------------------------------------------------------------
     def _h5_options(self) -> dict[str, Any]:
         return {}
 
-    def _open_backend(self) -> Backend:
+    def _open_backend(self) -> Backend | StreamBackend:
+        if self.mode == STREAM:  # served from whole blocks read here; the daemon's window comes later
+            return StreamBackend(self.spec, *self._stream_args,
+                                 ranks=self.layout.local_world_size if self.layout else None)
         try:
             return ShmBackend.connect(self.spec, self.rank)
         except H5ServeError as exc:  # errors.py decides which ones lazy reads can stand in for
@@ -228,8 +266,27 @@ class SharedH5Dataset(Dataset):
 
     def shard_sizes(self) -> list[int]:
         """Rows in every rank's shard, rank 0 first: what make_loader gives every rank the
-        same number of batches from (global mode: every rank has all rows)."""
+        same number of batches from (global mode: every rank has all rows; stream mode: every
+        rank's share of its node's blocks, before equalising)."""
+        if isinstance(self._backend, StreamBackend) and self.layout is not None:
+            local = self.layout.local_world_size
+            return [len(range(r, n, local)) for n in node_rows(self._backend.config.layout, self.layout.num_nodes)
+                    for r in range(local)]
         return self.spec.selection.sizes(self.total_rows)
+
+    @property
+    def stream(self) -> StreamBackend | None:
+        """Stream mode: the backend that holds the blocks (``.config``: block layout and window
+        capacity; ``.cache``: the blocks held); None in other modes."""
+        return self._backend if isinstance(self._backend, StreamBackend) else None
+
+    def _unwrap(self, indices: Any) -> Any:
+        """A stream sampler's batch as its rows, after freeing the blocks its window no longer holds."""
+        if isinstance(indices, StreamBatch):
+            if isinstance(self._backend, StreamBackend):
+                self._backend.retain(indices.alive)
+            return indices.rows
+        return indices
 
     # ----- x/y transforms, settable as before ---------------------------------------------------
     @property
@@ -258,7 +315,7 @@ class SharedH5Dataset(Dataset):
 
     def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor,
                 ) -> Sequence[torch.Tensor | np.ndarray | RaggedColumn]:
-        return self._backend.gather(as_positions(local, len(self.indices)))
+        return self._backend.gather(as_positions(self._unwrap(local), len(self.indices)))
 
     def __getitem__(self, index: int) -> Any:
         return self.fields.sample(self._gather([operator.index(index)]))
@@ -268,6 +325,7 @@ class SharedH5Dataset(Dataset):
         SampleList, TupleBatch or DictBatch for ``collate``, or per-sample results when there
         are transforms (h5serve/client/fields.py). In a make_loader worker, a plain x or (x, y)
         batch is gathered straight into the worker's ring (h5serve/client/ring.py)."""
+        indices = self._unwrap(indices)
         if ring.active() and self._ring_ready():
             columns = ring.gather(self._backend, as_positions(indices, len(self.indices)))
             if isinstance(columns, ring.RingBatch):

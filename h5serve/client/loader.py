@@ -30,6 +30,7 @@ from .gather import IndexBatches
 from .lazy import h5_worker_init_fn
 from .node_sampler import NodePlace, NodeShuffleSampler
 from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
+from .stream_sampler import StreamSampler
 
 __all__ = ["ShmDataLoader", "make_loader", "seed_worker"]
 
@@ -141,6 +142,14 @@ def node_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_l
                               drop_last=drop_last, arrays=arrays)
 
 
+def stream_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool) -> StreamSampler:
+    """The StreamSampler of a stream-mode dataset, placed by its layout, within its window."""
+    layout, config = dataset.layout, dataset.stream.config
+    place = NodePlace(layout.local_rank, layout.local_world_size, layout.node_rank, layout.num_nodes)
+    return StreamSampler(config.layout, batch_size, place, config.capacity, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last, block_bytes=config.block_bytes)
+
+
 def _check_not_distributed(dataset: Any, sampler: Any) -> None:
     """Raised when a node-mode dataset meets torch's DistributedSampler: ConfigError."""
     if is_node(dataset) and isinstance(sampler, DistributedSampler):
@@ -152,11 +161,25 @@ def _check_not_distributed(dataset: Any, sampler: Any) -> None:
 
 
 def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
-                   sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | None,
-                   arrays: bool) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler:
+                   sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler | None,
+                   arrays: bool) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler:
     """The batch sampler make_loader uses: DistributedShuffleSampler over a global dataset (or
-    the one passed), else an EpochBatchSampler over ``sampler`` equalised across the shards."""
+    the one passed), a StreamSampler over a stream dataset, else an EpochBatchSampler over
+    ``sampler`` equalised across the shards."""
     _check_not_distributed(dataset, sampler)
+    if getattr(dataset, "stream", None) is not None:
+        if sampler is None:
+            return stream_sampler(dataset, batch_size, shuffle, seed, drop_last)
+        if not isinstance(sampler, StreamSampler):
+            raise ConfigError(f"a stream-mode dataset is read through its window in StreamSampler order; got a "
+                              f"{type(sampler).__name__}: drop sampler= (make_loader builds the StreamSampler)")
+        if sampler.batch_size != batch_size or sampler.total_rows != len(dataset):
+            raise ConfigError(f"sampler covers {sampler.total_rows} rows in batches of {sampler.batch_size}, but the "
+                              f"dataset has {len(dataset)} and batch_size is {batch_size}")
+        return sampler
+    if isinstance(sampler, StreamSampler):
+        raise ConfigError("a StreamSampler reads a dataset through its window of blocks: use it with "
+                          "SharedH5Dataset(mode='stream') only")
     if sampler is None and is_node(dataset):
         return node_sampler(dataset, batch_size, shuffle, seed, drop_last, arrays)
     if isinstance(sampler, (DistributedShuffleSampler, NodeShuffleSampler)):
@@ -183,7 +206,7 @@ def make_loader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
-    sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | None = None,
+    sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler | None = None,
     num_workers: int = 0,
     pin_memory: bool | None = None,
     persistent_workers: bool | None = None,
@@ -209,6 +232,9 @@ def make_loader(
     - a node dataset (``SharedH5Dataset(mode="node")``: the node's rows) gets a
       ``NodeShuffleSampler``: the node's rows permuted per epoch and dealt to its ranks, equal
       batches on every rank of every node; torch's ``DistributedSampler`` is refused for it;
+    - a stream dataset (``SharedH5Dataset(mode="stream")``) gets a ``StreamSampler``: blocks
+      dealt to nodes, rows drawn across the blocks in the window, equal batches on every rank;
+      its batches tell the dataset which blocks to keep;
     - other datasets: batches come as index tensors (arrays, with workers) from an EpochBatchSampler
       over ``sampler`` (default: a new
       ``EpochShuffleSampler(len(dataset), seed, shuffle)``); call

@@ -1,0 +1,332 @@
+"""Stream mode's order: which rows every rank reads, per epoch, through a sliding window of
+blocks. Pure functions of (seed, epoch, block layout, node count, window): no I/O, no torch,
+so the client's samplers and (later) the daemon's window compute the same order.
+
+A *block* is ``block_rows`` consecutive rows of the file, a whole number of HDF5 chunks of
+every key (the last block may be shorter): the unit read, held and freed. Per epoch:
+
+1. The full blocks are permuted from ``(seed, epoch)`` and dealt round-robin to the
+   ``num_nodes`` nodes; the short last block (if any) goes to the first node with the fewest
+   full blocks. A node's row count is therefore the same every epoch and the nodes differ by
+   at most one block (``node_rows``); a node reads only the blocks dealt to it.
+2. A node's ``m`` blocks, in dealt order ``k = 0..m-1``, are drawn through a window of ``W``
+   blocks: every row of block ``k`` gets a random key, uniform over ``[lo_k, hi_k)``, and the
+   node's sequence is its rows sorted by key. Steady state ``[k - W + 1, k + 1)``: ``W``
+   blocks are in use at every key, each draining at the same rate, and block ``k + 1``
+   starts as block ``k - W + 1`` ends. The first ``W`` blocks start together (``lo = 0``)
+   and the last ``W`` end together (``hi = m``), so the epoch's first and last rows are
+   drawn from ``W`` blocks too, not from one (a window that fills block by block, as a
+   plain ``k + U(0, W)`` key does, serves its first rows from block 0 alone). At any key
+   at most ``W`` blocks hold unread rows (``resident_counts`` checks it; unit tests count
+   it at every position). Vectorised: one sort of the node's rows, O(n log n).
+3. The node's sequence is dealt to its ``L`` local ranks (position ``p`` to local rank
+   ``p % L``) with equal sample and batch counts on every rank of every node
+   (h5serve/equalise.py over every rank's share): padded by repeating the sequence's last
+   rows (which come from the last ``W`` blocks, still held), or cut.
+
+``first_use``/``last_use`` of every block in the dealt sequence say when a window must hold
+it: load before its first use, free after its last.
+
+Resuming with another number of ranks per node (same nodes, same window): the rows a node
+has not served yet, ``sequence[offset:]``, are dealt to the new ranks (``offset``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checks import is_int
+from .equalise import check_batch_size, equal_epoch_size
+from .errors import ConfigError
+from .units import format_bytes
+
+__all__ = [
+    "STREAM",
+    "DEFAULT_BLOCK_BYTES",
+    "BlockLayout",
+    "NodeEpoch",
+    "block_unit",
+    "check_block_rows",
+    "default_block_rows",
+    "node_blocks",
+    "node_rows",
+    "node_sequence",
+    "window_for",
+    "node_epoch",
+    "resident_counts",
+    "neighbour_entropy",
+]
+
+STREAM = "stream"  # the mode: SharedH5Dataset(mode="stream")
+DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024  # the block the layout picks: whole chunks, about this large
+MAX_BLOCK_BYTES = 16 * 1024 * 1024  # ... and more only when one chunk (of every key) is larger
+_TAG_BLOCKS, _TAG_KEYS, _TAG_SHORT = 0x5B10C, 0x5EED, 0x5407  # separate random streams per purpose
+
+
+def _positive(name: str, value: object) -> int:
+    if not is_int(value, numpy=True) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """``total_rows`` rows cut into blocks of ``block_rows`` (the last may be shorter).
+
+    Raised for a negative total or a block size below 1: ConfigError.
+    """
+
+    total_rows: int
+    block_rows: int
+
+    def __post_init__(self) -> None:
+        if not is_int(self.total_rows, numpy=True) or self.total_rows < 0:
+            raise ConfigError(f"total_rows must be a non-negative integer, got {self.total_rows!r}")
+        _positive("block_rows", self.block_rows)
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.total_rows // self.block_rows)
+
+    @property
+    def full_blocks(self) -> int:
+        return self.total_rows // self.block_rows
+
+    @property
+    def short_rows(self) -> int:
+        """Rows of the short last block (0: every block is full)."""
+        return self.total_rows % self.block_rows
+
+    def span(self, block: int) -> tuple[int, int]:
+        """Global rows ``[a, b)`` of ``block``."""
+        a = int(block) * self.block_rows
+        return a, min(a + self.block_rows, self.total_rows)
+
+    def sizes(self, blocks: np.ndarray) -> np.ndarray:
+        """Rows of each of ``blocks``."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        return np.minimum((blocks + 1) * self.block_rows, self.total_rows) - blocks * self.block_rows
+
+
+def block_unit(chunk_rows: Sequence[int]) -> int:
+    """The rows every block is a multiple of: whole chunks of every key (their least common
+    multiple; ``1`` for a key stored contiguously, pass 1 for it)."""
+    unit = 1
+    for rows in chunk_rows:
+        unit = math.lcm(unit, _positive("chunk rows", rows))
+    return unit
+
+
+def default_block_rows(unit: int, row_bytes: int, total_rows: int, target: int = DEFAULT_BLOCK_BYTES) -> int:
+    """Whole ``unit``s (chunks) of rows, about ``target`` bytes of ``row_bytes`` rows (at
+    least one unit; never more units than the file has rows)."""
+    unit, row_bytes = _positive("unit", unit), max(int(row_bytes), 1)
+    units = max(round(target / (unit * row_bytes)), 1)
+    return unit * min(units, max(-(-int(total_rows) // unit), 1))
+
+
+def check_block_rows(block_rows: object, unit: int, chunks: str = "") -> int:
+    """``block_rows`` when it is a positive multiple of ``unit`` (whole chunks).
+
+    Raised when it is not: ConfigError naming both numbers (``chunks`` says which keys'
+    chunks make up ``unit``)."""
+    rows = _positive("block_rows", block_rows)
+    if rows % unit:
+        lower, upper = max(rows // unit, 1) * unit, (rows // unit + 1) * unit
+        raise ConfigError(
+            f"block_rows={rows} is not a whole number of chunks: blocks must be multiples of {unit} rows"
+            f"{f' ({chunks})' if chunks else ''}; use e.g. block_rows={lower} or {upper}")
+    return rows
+
+
+def _rng(seed: int, epoch: int, tag: int, node: int = 0) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed) % 2**64, int(epoch) % 2**64, tag, int(node)]))
+
+
+def _check_nodes(layout: BlockLayout, num_nodes: int) -> int:
+    nodes = _positive("num_nodes", num_nodes)
+    if layout.total_rows and layout.n_blocks < nodes:
+        raise ConfigError(
+            f"{layout.n_blocks} blocks of {layout.block_rows} rows cannot be dealt to {nodes} nodes (a node reads "
+            f"whole blocks): use smaller blocks (block_rows=) or fewer nodes")
+    return nodes
+
+
+def _short_node(layout: BlockLayout, num_nodes: int) -> int:
+    """The node that gets the short last block: the first with the fewest full blocks."""
+    return layout.full_blocks % num_nodes
+
+
+def node_rows(layout: BlockLayout, num_nodes: int) -> list[int]:
+    """Rows every node reads per epoch, node 0 first (the same every epoch).
+
+    Raised when there are fewer blocks than nodes: ConfigError."""
+    nodes = _check_nodes(layout, num_nodes)
+    rows = [len(range(j, layout.full_blocks, nodes)) * layout.block_rows for j in range(nodes)]
+    if layout.short_rows:
+        rows[_short_node(layout, nodes)] += layout.short_rows
+    return rows
+
+
+def node_blocks(layout: BlockLayout, num_nodes: int, node: int, *, seed: int, epoch: int,
+                shuffle: bool = True) -> np.ndarray:
+    """The blocks ``node`` reads this epoch, in the order its window takes them."""
+    nodes = _check_nodes(layout, num_nodes)
+    if not 0 <= node < nodes:
+        raise ConfigError(f"node must be in [0, {nodes - 1}], got {node}")
+    full = np.arange(layout.full_blocks, dtype=np.int64)
+    if shuffle:
+        full = _rng(seed, epoch, _TAG_BLOCKS).permutation(full)
+    mine = full[node::nodes]
+    if layout.short_rows and node == _short_node(layout, nodes):
+        # anywhere but last when there is a full block: the tail that pads the epoch stays full-sized
+        where = len(mine)
+        if shuffle and len(mine):
+            where = int(_rng(seed, epoch, _TAG_SHORT, node).integers(0, len(mine)))
+        mine = np.insert(mine, where, layout.full_blocks)
+    return mine
+
+
+def _key_ranges(m: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[lo_k, hi_k)`` of the keys of block ``k`` of ``m`` through a window of ``window`` blocks."""
+    w = min(window, m)
+    k = np.arange(m, dtype=np.float64)
+    lo = np.maximum(k - w + 1, 0.0)
+    hi = np.where(k < m - w, k + 1, float(m))
+    return lo, hi
+
+
+def node_sequence(layout: BlockLayout, blocks: np.ndarray, window: int, *, seed: int, epoch: int, node: int,
+                  shuffle: bool = True) -> np.ndarray:
+    """The global rows of ``blocks`` in the order the node serves them (module docstring,
+    step 2): int64, each row once. ``shuffle=False``: the blocks' rows in file order, one
+    block after another."""
+    window = _positive("window", window)
+    blocks = np.asarray(blocks, dtype=np.int64)
+    sizes = layout.sizes(blocks)
+    starts = blocks * layout.block_rows
+    owner = np.repeat(np.arange(len(blocks)), sizes)  # block position k of each row
+    rows = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + starts[owner]
+    if not shuffle or not len(rows):
+        return rows
+    lo, hi = _key_ranges(len(blocks), window)
+    draws = _rng(seed, epoch, _TAG_KEYS, node).random(len(rows))
+    keys = lo[owner] + draws * (hi - lo)[owner]
+    return rows[np.argsort(keys)]  # introsort: deterministic, twice as fast as a stable sort
+
+
+def window_for(capacity: int, blocks: int, block_rows: int, batch_size: int, local_world_size: int,
+               block_bytes: int = 0) -> int:
+    """The order's window ``W`` (blocks) for a node that holds at most ``capacity`` blocks:
+    every block of the node when they fit, else ``capacity`` minus the blocks one step (a
+    batch on each of the ``L`` local ranks, ``batch_size * L`` consecutive rows of the
+    sequence) can start as the window slides: ``ceil(batch_size * L / block_rows) + 1``.
+
+    Raised when that leaves no block: ConfigError naming the numbers (``block_bytes``, when
+    given, to say how large a window would do)."""
+    capacity, blocks = _positive("window (blocks)", capacity), int(blocks)
+    check_batch_size(batch_size)
+    if blocks <= capacity:
+        return max(blocks, 1)
+    step = batch_size * _positive("local_world_size", local_world_size)
+    turnover = -(-2 * step // _positive("block_rows", block_rows)) + 1
+    if capacity - turnover < 1:
+        need = f" ({format_bytes((turnover + 1) * block_bytes)})" if block_bytes else ""
+        raise ConfigError(
+            f"the window holds {capacity} blocks of {block_rows} rows, but one batch on each of the "
+            f"{local_world_size} local ranks ({batch_size} x {local_world_size} = {step} rows) can need "
+            f"{turnover} blocks besides the window's own: pass a window of at least {turnover + 1} blocks{need}, "
+            "a smaller batch_size, or smaller blocks (block_rows=)")
+    return capacity - turnover
+
+
+@dataclass(frozen=True)
+class NodeEpoch:
+    """One node's epoch, dealt: ``sequence`` (global rows, ``samples * local_world_size`` of
+    them; local rank ``l`` reads ``sequence[l::L]``), and for every block the node reads
+    (``blocks``), the first and last position in ``sequence`` that uses it."""
+
+    sequence: np.ndarray
+    local_world_size: int
+    samples: int
+    batches: int
+    blocks: np.ndarray
+    first_use: np.ndarray
+    last_use: np.ndarray
+
+    def rank_rows(self, local_rank: int) -> np.ndarray:
+        """Local rank ``local_rank``'s ``samples`` rows, in order."""
+        return self.sequence[local_rank :: self.local_world_size]
+
+
+def _pad(sequence: np.ndarray, length: int) -> np.ndarray:
+    """``sequence`` cut to ``length``, or padded by repeating its last rows."""
+    if length <= len(sequence):
+        return sequence[:length]
+    if not len(sequence):
+        raise ConfigError(f"an empty node sequence cannot be padded to {length} samples")
+    extra = length - len(sequence)
+    tail = np.tile(sequence, -(-extra // len(sequence)))[-extra:] if extra > len(sequence) else sequence[-extra:]
+    return np.concatenate([sequence, tail])
+
+
+def _uses(layout: BlockLayout, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks ``sequence`` uses, each one's first and last position."""
+    if not len(sequence):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    ids = sequence // layout.block_rows
+    blocks, first = np.unique(ids, return_index=True)
+    last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
+    return blocks, first.astype(np.int64), last.astype(np.int64)
+
+
+def node_epoch(layout: BlockLayout, *, seed: int, epoch: int, num_nodes: int, node: int, window: int,
+               local_world_size: int, batch_size: int, drop_last: bool = False, shuffle: bool = True,
+               offset: int = 0) -> NodeEpoch:
+    """Node ``node``'s epoch dealt to its ``local_world_size`` ranks, equal samples and
+    batches on every rank of every node (every node runs ``local_world_size`` ranks).
+    ``offset``: the node has served the first ``offset`` rows of its sequence already (a
+    resume; every node the same number): only the rest is dealt.
+
+    Raised for bad arguments, fewer blocks than nodes, or when ``drop_last`` (or a resume
+    near an epoch's end) leaves some rank without a batch: ConfigError."""
+    local = _positive("local_world_size", local_world_size)
+    check_batch_size(batch_size)
+    if not is_int(offset, numpy=True) or offset < 0:
+        raise ConfigError(f"offset must be a non-negative integer, got {offset!r}")
+    left = [max(n - int(offset), 0) for n in node_rows(layout, num_nodes)]
+    sizes = [len(range(rank, n, local)) for n in left for rank in range(local)]
+    size = equal_epoch_size(sizes, batch_size, drop_last)
+    blocks = node_blocks(layout, num_nodes, node, seed=seed, epoch=epoch, shuffle=shuffle)
+    sequence = node_sequence(layout, blocks, window, seed=seed, epoch=epoch, node=node, shuffle=shuffle)
+    dealt = _pad(sequence[int(offset):], size.samples * local)
+    used, first, last = _uses(layout, dealt)
+    return NodeEpoch(dealt, local, size.samples, size.batches, used, first, last)
+
+
+def resident_counts(first_use: np.ndarray, last_use: np.ndarray, length: int, step: int = 1) -> np.ndarray:
+    """How many blocks a window holds at each of ``length`` positions (``step > 1``: at each
+    step of ``step`` positions, a block held from the step of its first use to that of its
+    last), when it loads every block just before its first use and frees it after its last."""
+    steps = -(-int(length) // int(step))
+    delta = np.zeros(steps + 1, dtype=np.int64)
+    np.add.at(delta, np.asarray(first_use) // step, 1)
+    np.add.at(delta, np.asarray(last_use) // step + 1, -1)
+    return np.cumsum(delta)[:steps]
+
+
+def neighbour_entropy(order: np.ndarray) -> float:
+    """MosaicML Streaming's shuffle-quality figure: the entropy (bits) of the absolute
+    differences between neighbouring indices of ``order`` (file order: 0; a full permutation of
+    n rows: about log2(n) - 0.6)."""
+    order = np.asarray(order, dtype=np.int64)
+    if len(order) < 2:
+        return 0.0
+    counts = np.bincount(np.abs(np.diff(order)))
+    p = counts[counts > 0] / (len(order) - 1)
+    return float(-(p * np.log2(p)).sum()) + 0.0  # never -0.0
