@@ -121,8 +121,8 @@ class SegmentStore:
             self.counters["adopted"] += 1
 
     # ----- requests ------------------------------------------------------------------------
-    def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
-        """Find or start loading the segment for ``req``, asked by ``peer`` (None: ourselves).
+    def acquire(self, req: Acquire, peer: Peer) -> AcquireResult:
+        """Find or start loading the segment for ``req``, asked by ``peer`` (access.requester).
         Never waits for a load; waits for the file's resolution only briefly (resolve.py) and
         answers "loading" meanwhile.
 
