@@ -218,3 +218,52 @@ def portable_python() -> Iterator[PortablePython]:
         yield PortablePython(root, python, env, wrapper)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_as(user: User | None, fn: Callable[[], object]) -> Iterator[int]:
+    """Run ``fn`` (a loop that never returns) in a forked child that dropped to ``user`` for
+    good (None: as we are) for the duration of the block; SIGKILLed and reaped on exit.
+    Yields its pid."""
+    import importlib
+
+    for name in _LAZY_IMPORTS:
+        importlib.import_module(name)
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            if user is not None:
+                os.setgroups(supplementary_gids(user))
+                os.setresgid(user.gid, user.gid, user.gid)
+                os.setresuid(user.uid, user.uid, user.uid)
+            fn()
+        finally:
+            os._exit(0)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange_forever(a: Path, b: Path) -> Callable[[], object]:
+    """A loop swapping the directory entries ``a`` and ``b`` atomically, as fast as it can
+    (``renameat2(RENAME_EXCHANGE)`` through libc: a symlink and a file, a FIFO and a file)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    first, second = os.fsencode(a), os.fsencode(b)
+
+    def loop() -> None:
+        if renameat2(_AT_FDCWD, first, _AT_FDCWD, second, _RENAME_EXCHANGE) != 0:
+            raise OSError(ctypes.get_errno(), "renameat2(RENAME_EXCHANGE) failed")
+        while True:
+            renameat2(_AT_FDCWD, first, _AT_FDCWD, second, _RENAME_EXCHANGE)
+
+    return loop

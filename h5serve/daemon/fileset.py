@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import h5py
 
 from ..errors import SourceChanged
-from ..hdf5.compound import FieldRows, rows_dataset
+from ..hdf5.compound import FieldRows
 from ..hdf5.files import check_agreement, pieces
-from ..hdf5.identity import check_holder, open_h5_verified
+from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import Hasher, data_extents, drop_cached
 from ..hdf5.reads import read_shard_into
 from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
@@ -126,9 +126,9 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
         with open_h5_verified(entry) as f:
             # the resolver inspected this very file (same device and inode; size and mtime are
             # checked once the load is done): a small piece skips the full inspection
-            dset = rows_dataset(f, meta.key)  # a compound field: read through the one-file path's helper
-            # HDF5 follows an external link by path: the file it opened must be one the daemon checked
-            check_holder(dset, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
+            # a compound field: read through the one-file path's helper; HDF5 follows an external
+            # link by path: the file it opened must be one the daemon checked
+            dset = pinned_rows(f, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
             info = _quick_info(dset, meta.key) if small else inspect_dataset(f, meta.key)
             if info.rows != entry[5] or info.row_shape != meta.row_shape:
                 raise SourceChanged(f"{entry[0]} changed while it was being loaded (dataset {meta.key!r} now has "

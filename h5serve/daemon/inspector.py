@@ -28,9 +28,11 @@ import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from ..errors import SourceNotFound, error_from_code
-from ..hdf5.compound import rows_dataset
-from ..hdf5.identity import FileIdentity, holder_identity, open_h5_verified
+import h5py
+
+from ..errors import SourceChanged, SourceNotFound, error_from_code
+from ..hdf5.compound import FieldRows, rows_dataset
+from ..hdf5.identity import FileIdentity, holder_identity, open_h5_verified, pinned_rows
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ._process import set_process_name
 from .loader import die_with_daemon, loader_context
@@ -79,6 +81,15 @@ def _become(creds: Credentials) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
+def _rows(f: h5py.File, key: str, ident: FileIdentity) -> h5py.Dataset | FieldRows:
+    """The dataset of ``key``, reached through an external link (its holder is reported)."""
+    try:
+        return rows_dataset(f, key)
+    except (KeyError, ValueError, OSError) as exc:
+        raise SourceChanged(f"{ident.path}[{key}]: a file on the key's way changed while it was inspected; "
+                            "request it again") from exc
+
+
 def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials | None, daemon_pid: int) -> None:
     """The inspection, in the child: reports one Inspection or _Failure on ``sender``."""
     die_with_daemon(daemon_pid)
@@ -89,7 +100,8 @@ def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials
             _become(creds)
         with open_h5_verified(ident) as f:
             info = inspect_dataset(f, key, vlen=True)
-            dset = rows_dataset(f, key)
+            dset = pinned_rows(f, key, [(ident.path, ident.dev, ident.ino)], f"{ident.path}[{key}]") \
+                if not info.linked_file else _rows(f, key, ident)
             linked = holder_identity(dset) if info.linked_file else None
             outcome: Inspection | _Failure = Inspection(info, linked, bool(dset.is_virtual))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, the daemon raises it
@@ -121,16 +133,17 @@ def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None,
         raise SourceNotFound(f"could not start a process to open {ident.path} ({exc.strerror}); ask again") from exc
     sender.close()
     try:
-        if not receiver.poll(timeout):
-            raise SourceNotFound(
-                f"{ident.path}[{key}] did not open within {timeout:g}s (HDF5 blocked opening it or a file an "
-                "external link leads to: a FIFO, a device or a hung file system); check the file and its links")
-        outcome = receiver.recv()
+        answered = receiver.poll(timeout)
+        outcome = receiver.recv() if answered else None
     except (EOFError, OSError) as exc:
         raise SourceNotFound(f"the process opening {ident.path}[{key}] died; see the daemon log") from exc
     finally:
         receiver.close()
         _finish(process)
+    if not answered:
+        raise SourceNotFound(
+            f"{ident.path}[{key}] did not open within {timeout:g}s (HDF5 blocked opening it or a file an "
+            "external link leads to: a FIFO, a device or a hung file system); check the file and its links")
     if isinstance(outcome, _Failure):
         raise error_from_code(outcome.code, outcome.message)
     assert isinstance(outcome, Inspection)

@@ -53,7 +53,7 @@ from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
-from ..hdf5.identity import check_holder, identities_unchanged, open_h5_verified
+from ..hdf5.identity import check_holder, identities_unchanged, open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import data_extents, drop_cached
 from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, inspect_dataset
@@ -214,9 +214,8 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     if f is None:
         with open_source(meta) as f:
             return _read_part(meta, rows, writer, span, progress, checksum, ready, f)
-    dset = rows_dataset(f, meta.key)
     # HDF5 follows an external link by path: the file it opened must be the one checked
-    check_holder(dset, holders(meta), f"{meta.source_path}[{meta.key}]")
+    dset = pinned_rows(f, meta.key, holders(meta), f"{meta.source_path}[{meta.key}]")
     info = inspect_dataset(f, meta.key)
     copied = read_shard_into(dset, info, rows, writer.data, progress, span=span,
                              dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None)

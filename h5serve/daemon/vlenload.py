@@ -34,9 +34,8 @@ import numpy as np
 
 from ..crc import LOAD_CRC
 from ..errors import SourceChanged
-from ..hdf5.compound import rows_dataset
 from ..hdf5.files import pieces
-from ..hdf5.identity import check_holder, open_h5_verified
+from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import write_all
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..hdf5.vlen import read_vlen
@@ -84,9 +83,9 @@ def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tupl
         info = inspect_dataset(f, meta.key, vlen=True)
         if (info.vlen, info.dtype.str, info.rows) != (meta.vlen, meta.source_dtype, meta.total_rows):
             raise SourceChanged(f"{meta.source_path}[{meta.key}] is not the dataset the request saw; request it again")
-        dset = rows_dataset(f, meta.key)
         # HDF5 follows an external link by path: the file it opened must be the one checked
-        check_holder(dset, (meta.linked,) if meta.linked else (meta.source,), f"{meta.source_path}[{meta.key}]")
+        dset = pinned_rows(f, meta.key, (meta.linked,) if meta.linked else (meta.source,),
+                           f"{meta.source_path}[{meta.key}]")
         yield dset, info, meta.row_range
         return
     set_dtype = np.dtype(meta.source_dtype)
@@ -97,8 +96,7 @@ def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tupl
             if info.vlen != meta.vlen or info.rows != entry[5] or not np.can_cast(info.dtype, set_dtype, "safe"):
                 raise SourceChanged(f"{entry[0]}[{meta.key}] is not the dataset the request saw (it changed while "
                                     "being loaded); request it again")
-            dset = rows_dataset(g, meta.key)
-            check_holder(dset, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
+            dset = pinned_rows(g, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
             yield dset, info, piece.local
 
 

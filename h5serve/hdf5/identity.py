@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import h5py
 
 from ..errors import SourceChanged, SourceNotFound
+from .compound import FieldRows, rows_dataset
 
 __all__ = [
     "FileIdentity",
@@ -32,6 +33,7 @@ __all__ = [
     "identities_unchanged",
     "holder_identity",
     "check_holder",
+    "pinned_rows",
 ]
 
 
@@ -51,8 +53,9 @@ class FileIdentity:
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
     """Raised when the file does not exist or is not a regular file: SourceNotFound."""
-    real = os.path.realpath(path)
     try:
+        # realpath too can fail (EINVAL) when a symlink on the way is swapped for a file meanwhile
+        real = os.path.realpath(path)
         st = os.stat(real)
     except OSError as exc:
         raise SourceNotFound(
@@ -92,6 +95,18 @@ def _replaced(path: str) -> SourceChanged:
     return SourceChanged(f"{path} was replaced while it was being opened; request it again")
 
 
+_SWAPPED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.ENOTDIR)
+
+
+def _still(path: str, dev: int, ino: int) -> bool:
+    """Whether ``path`` names (without following a final symlink) the file ``dev``/``ino``."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
 def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File:
     """Open the file ``ident`` describes (a FileIdentity or its ``as_tuple()``) with h5py, and
     check that HDF5 opened that very file (same device and inode), not whatever was swapped
@@ -119,6 +134,10 @@ def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File
     try:
         f = h5py.File(path, "r", **kwargs)
     except OSError as exc:
+        # it was readable a moment ago: HDF5 refused, found no file or another one (HDF5's own
+        # "st_ino or st_dev fields changed"), so it was swapped between the two opens
+        if exc.errno in _SWAPPED_ERRNOS or "fields changed" in str(exc) or not _still(path, dev, ino):
+            raise _replaced(path) from exc
         raise SourceNotFound(f"{path!r} cannot be opened as an HDF5 file: {exc}") from exc
     try:
         if f.driver != "sec2":  # only sec2 has a descriptor to check: never open another driver here
@@ -158,6 +177,24 @@ def check_holder(obj: h5py.HLObject, expected: Iterable[tuple], what: str) -> No
     if (st.st_dev, st.st_ino) not in {(int(e[1]), int(e[2])) for e in expected}:
         raise SourceChanged(f"{what}: the file holding its rows ({obj.file.filename}) is not the one that was "
                             "checked (replaced since); request it again")
+
+
+def pinned_rows(f: h5py.File, key: str, expected: Iterable[tuple], what: str) -> h5py.Dataset | FieldRows:
+    """The dataset (or compound field) whose rows ``key`` names in ``f``, checked to be held by
+    one of the files ``expected`` (``check_holder``). The key was inspected when it was
+    checked, so a failure to open it now means a file on its way changed since.
+
+    Raised otherwise: SourceChanged.
+    """
+    try:
+        dset = rows_dataset(f, key)
+    except (KeyError, ValueError, OSError) as exc:
+        if isinstance(exc, (SourceChanged, SourceNotFound)):
+            raise
+        raise SourceChanged(f"{what} cannot be opened any more ({exc}): a file on its way changed since it was "
+                            "checked; request it again") from exc
+    check_holder(dset, expected, what)
+    return dset
 
 
 def identities_unchanged(identities: Iterable[tuple]) -> bool:
