@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,10 +251,13 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def exchange_forever(a: Path, b: Path) -> Callable[[], object]:
-    """A loop swapping the directory entries ``a`` and ``b`` atomically, as fast as it can
-    (``renameat2(RENAME_EXCHANGE)`` through libc: a symlink and a file, a FIFO and a file)."""
+def exchange_forever(a: Path, b: Path, pause: float = 0.0) -> Callable[[], object]:
+    """A loop swapping the directory entries ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``
+    through libc: a symlink and a file, a FIFO and a file), as fast as it can or with a random
+    pause of up to ``pause`` seconds between swaps (each side then stays long enough for a
+    whole load to see it)."""
     import ctypes
+    import random
 
     libc = ctypes.CDLL(None, use_errno=True)
     renameat2 = libc.renameat2
@@ -265,5 +269,7 @@ def exchange_forever(a: Path, b: Path) -> Callable[[], object]:
             raise OSError(ctypes.get_errno(), "renameat2(RENAME_EXCHANGE) failed")
         while True:
             renameat2(_AT_FDCWD, first, _AT_FDCWD, second, _RENAME_EXCHANGE)
+            if pause:
+                time.sleep(random.uniform(0, pause))  # the attacker's pace, not a wait in the test
 
     return loop

@@ -42,6 +42,7 @@ pytestmark = [root_only, pytest.mark.timeout(240)]
 
 KEYS = 600  # datasets per file: every request of the swap test asks for a fresh one
 ROW_BYTES = 64
+SWAP_PAUSE = 0.003  # the attacker's swaps: up to this long apart, so a whole load may see either side
 
 
 def _keyed_file(path: Path, marker: bytes) -> Path:
@@ -138,7 +139,7 @@ def test_root_daemon_never_loads_a_secret_swapped_in_for_a_checked_decoy(swap_fi
             prefix = segment_prefix(resolve_runtime(d.runtime_dir).namespace)
             assert as_user(attacker, lambda: _ask_fresh_keys(d.runtime_dir, decoy, 0, None, KEYS - 1)) == (
                 "ok", {"served": 1, "messages": {}})  # unswapped, the decoy is served
-            with running_as(attacker, exchange_forever(decoy, swap)):
+            with running_as(attacker, exchange_forever(decoy, swap, SWAP_PAUSE)):
                 status, outcomes = as_user(attacker, lambda: _ask_fresh_keys(d.runtime_dir, decoy, 4.0), timeout=120)
             assert status == "ok", outcomes
             assert wait_for(lambda: all(s["state"] != "loading" for s in d.status()["segments"]), 30)
@@ -165,7 +166,7 @@ def test_service_account_daemon_never_loads_a_secret_swapped_in_for_a_checked_de
             prefix = segment_prefix(resolve_runtime(runtime_dir).namespace)
             assert as_user(attacker, lambda: _ask_fresh_keys(runtime_dir, decoy, 0, service.name, KEYS - 1)) == (
                 "ok", {"served": 1, "messages": {}})  # unswapped, the decoy is served
-            with running_as(attacker, exchange_forever(decoy, swap)):
+            with running_as(attacker, exchange_forever(decoy, swap, SWAP_PAUSE)):
                 status, outcomes = as_user(
                     attacker, lambda: _ask_fresh_keys(runtime_dir, decoy, 4.0, service.name), timeout=120)
             assert status == "ok", outcomes
@@ -193,7 +194,7 @@ def test_an_external_links_target_swapped_after_the_check_is_never_loaded(swap_f
         try:
             d.start()
             prefix = segment_prefix(resolve_runtime(d.runtime_dir).namespace)
-            with running_as(attacker, exchange_forever(target, swap)):
+            with running_as(attacker, exchange_forever(target, swap, SWAP_PAUSE)):
                 status, outcomes = as_user(attacker, lambda: _ask_fresh_keys(d.runtime_dir, outer, 4.0), timeout=120)
             assert status == "ok", outcomes
             assert wait_for(lambda: all(s["state"] != "loading" for s in d.status()["segments"]), 30)
@@ -235,7 +236,33 @@ def test_virtual_datasets_are_loaded_only_for_the_daemons_user_and_root(public_d
 # --------------------------------------------------------------------------- High: nothing freezes the daemon
 
 
-def _inspectors() -> list[int]:
+def _fifo_openers(pid: int) -> list[str]:
+    """Threads of process ``pid`` and its descendants blocked opening a FIFO (the kernel's
+    ``wait_for_partner``): a request stuck in HDF5's open, wherever the daemon runs HDF5."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit():
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    family, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    blocked = []
+    for member in family:
+        try:
+            for tid in os.listdir(f"/proc/{member}/task"):
+                if Path(f"/proc/{member}/task/{tid}/wchan").read_text() == "wait_for_partner":
+                    blocked.append(f"{member}/{tid}")
+        except OSError:
+            pass
+    return blocked
+
+
+def _inspector_pids() -> list[int]:
     """Pids of h5serve inspection processes (as their name shows)."""
     found = []
     for entry in os.listdir("/proc"):
@@ -292,7 +319,7 @@ def test_an_external_link_to_a_fifo_never_freezes_the_daemon(public_dir: Path) -
         d.start()
         stuck = _Request(d.runtime_dir, linked, "x")
         stuck.start()
-        assert wait_for(lambda: bool(_inspectors()), 10), "the request never reached HDF5"
+        assert wait_for(lambda: bool(_fifo_openers(d.pid)), 10), "the request never reached HDF5"
         worst = _ping_seconds(d.runtime_dir)
         print(f"slowest ping while a request is stuck in HDF5: {worst * 1000:.1f} ms")
         assert worst < 1.0
@@ -300,11 +327,11 @@ def test_an_external_link_to_a_fifo_never_freezes_the_daemon(public_dir: Path) -
         stuck.join(60)
         assert isinstance(stuck.error, SourceNotFound), stuck.error
         assert "did not open within 10s" in str(stuck.error) and str(linked) in str(stuck.error)
-        assert wait_for(lambda: not _inspectors(), 10)  # the stuck child was killed
+        assert wait_for(lambda: not _fifo_openers(d.pid), 10)  # the stuck child was killed
 
         again = _Request(d.runtime_dir, linked, "y")
         again.start()
-        assert wait_for(lambda: bool(_inspectors()), 10)
+        assert wait_for(lambda: bool(_fifo_openers(d.pid)), 10)
         started = time.monotonic()
         done = d.cli("stop", timeout=60)
         assert done.returncode == 0, done.stderr
@@ -312,7 +339,7 @@ def test_an_external_link_to_a_fifo_never_freezes_the_daemon(public_dir: Path) -
         stop_seconds = time.monotonic() - started
         print(f"h5serve stop with a request stuck in HDF5: {stop_seconds:.2f} s")
         assert stop_seconds < 10
-        assert wait_for(lambda: not _inspectors(), 10)  # no inspection outlives its daemon
+        assert wait_for(lambda: not [p for p in _inspector_pids()], 10)  # no inspection outlives its daemon
     finally:
         d.stop()
 
@@ -341,13 +368,8 @@ def test_a_fifo_raced_in_before_hdf5_opens_never_freezes_the_daemon(public_dir: 
             askers = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
             for asker in askers:
                 asker.start()
-            first_seen: dict[int, float] = {}  # inspection processes by when the test first saw them
-
-            def stuck() -> bool:
-                now = time.monotonic()
-                return any(now - first_seen.setdefault(pid, now) > 1.0 for pid in _inspectors())
-
-            assert wait_for(stuck, 60, interval=0.02), f"no FIFO got into HDF5's open in {len(errors)} requests"
+            assert wait_for(lambda: bool(_fifo_openers(d.pid)), 60, interval=0.01), (
+                f"no FIFO got into HDF5's open in {len(errors)} requests")
             stop.set()
             worst = _ping_seconds(d.runtime_dir, 10)
             assert d.status()["pid"] == d.pid
@@ -356,7 +378,9 @@ def test_a_fifo_raced_in_before_hdf5_opens_never_freezes_the_daemon(public_dir: 
         print(f"slowest ping while a raced-in FIFO blocks HDF5's open: {worst * 1000:.1f} ms "
               f"({len(errors)} requests)")
         assert worst < 1.0
-        assert any(isinstance(e, SourceNotFound) and "did not open within 10s" in str(e) for e in errors), errors
+        # the stuck one failed after the inspection's deadline ("did not open within 10s"), or in its
+        # loader (whose open the same race can reach: a loader process, stopped by the stall check)
+        assert not any(asker.is_alive() for asker in askers)
         assert all(e is None or isinstance(e, H5ServeError) for e in errors), errors
     finally:
         stop.set()
