@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 import h5py
 
-from ..errors import SourceChanged, SourceNotFound, error_from_code
+from ..errors import AccessDenied, SourceChanged, SourceNotFound, error_from_code
 from ..hdf5.compound import FieldRows, rows_dataset
 from ..hdf5.identity import FileIdentity, holder_identity, open_h5_verified, pinned_rows
 from ..hdf5.source import DatasetInfo, inspect_dataset
@@ -38,7 +38,7 @@ from ._process import set_process_name
 from .loader import die_with_daemon, loader_context
 from .parts import error_of
 
-__all__ = ["Credentials", "Inspection", "inspect_file", "INSPECT_TIMEOUT_S", "INSPECTOR_NAME"]
+__all__ = ["Credentials", "Inspection", "inspect_file", "virtual_refused", "INSPECT_TIMEOUT_S", "INSPECTOR_NAME"]
 
 INSPECT_TIMEOUT_S = 10.0  # an inspection not answered by then is killed and its request fails
 INSPECTOR_NAME = "h5serve-inspect"
@@ -72,6 +72,20 @@ class _Failure:
     message: str
 
 
+@dataclass(frozen=True)
+class _Virtual:
+    """The key names a virtual dataset, and the requester may not have one loaded."""
+
+
+def virtual_refused(path: str, key: str, daemon_uid: int) -> AccessDenied:
+    """The refusal of a virtual dataset to a requester other than the daemon's user and root."""
+    return AccessDenied(
+        f"{path}[{key}] is a virtual dataset: HDF5 opens its source files by name whenever rows are read, "
+        "so the daemon cannot make sure the files read are the ones checked, and loads virtual datasets "
+        f"only for its own user (uid {daemon_uid}) and root. Ask the daemon's owner to load it, or read it "
+        "lazily (fallback='lazy' reads it with your own rights)")
+
+
 def _become(creds: Credentials) -> None:
     os.setgroups(list(creds.groups))
     os.setresgid(creds.gid, creds.gid, creds.gid)
@@ -90,8 +104,20 @@ def _rows(f: h5py.File, key: str, ident: FileIdentity) -> h5py.Dataset | FieldRo
                             "request it again") from exc
 
 
-def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials | None, daemon_pid: int) -> None:
-    """The inspection, in the child: reports one Inspection or _Failure on ``sender``."""
+class _VirtualFound(Exception):
+    pass
+
+
+def _is_virtual(f: h5py.File, key: str) -> bool:
+    try:
+        return bool(rows_dataset(f, key).is_virtual)
+    except Exception:  # noqa: BLE001 - not found, not a dataset: inspect_dataset says what is wrong
+        return False
+
+
+def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials | None, daemon_pid: int,
+           virtual_ok: bool) -> None:
+    """The inspection, in the child: reports one Inspection, _Virtual or _Failure on ``sender``."""
     die_with_daemon(daemon_pid)
     set_process_name(INSPECTOR_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -99,11 +125,15 @@ def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials
         if creds is not None:
             _become(creds)
         with open_h5_verified(ident) as f:
+            if not virtual_ok and _is_virtual(f, key):  # refused before HDF5 looks for its sources
+                raise _VirtualFound()
             info = inspect_dataset(f, key, vlen=True)
             dset = pinned_rows(f, key, [(ident.path, ident.dev, ident.ino)], f"{ident.path}[{key}]") \
                 if not info.linked_file else _rows(f, key, ident)
             linked = holder_identity(dset) if info.linked_file else None
-            outcome: Inspection | _Failure = Inspection(info, linked, bool(dset.is_virtual))
+            outcome: Inspection | _Virtual | _Failure = Inspection(info, linked, bool(dset.is_virtual))
+    except _VirtualFound:
+        outcome = _Virtual()
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, the daemon raises it
         outcome = _Failure(*error_of(exc))
     try:
@@ -112,10 +142,11 @@ def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials
         sender.close()
 
 
-def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None,
+def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None, virtual_ok: bool = True,
                  timeout: float = INSPECT_TIMEOUT_S) -> Inspection:
     """Inspect ``key`` in the file ``ident`` describes (opened and checked by the resolver) in a
-    child process, as ``creds`` (None: as the daemon). Blocks the calling thread (a resolver
+    child process, as ``creds`` (None: as the daemon). ``virtual_ok`` False: a virtual dataset
+    is refused (``virtual_refused``) before HDF5 looks for its sources. Blocks the calling thread (a resolver
     thread), never holding the GIL while it waits.
 
     Raised when the child does not answer within ``timeout`` (it is killed): SourceNotFound.
@@ -123,7 +154,7 @@ def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None,
     """
     ctx = loader_context()
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child, args=(sender, ident, key, creds, os.getpid()), name=INSPECTOR_NAME,
+    process = ctx.Process(target=_child, args=(sender, ident, key, creds, os.getpid(), virtual_ok), name=INSPECTOR_NAME,
                           daemon=True)
     try:
         process.start()
@@ -146,6 +177,8 @@ def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None,
             "external link leads to: a FIFO, a device or a hung file system); check the file and its links")
     if isinstance(outcome, _Failure):
         raise error_from_code(outcome.code, outcome.message)
+    if isinstance(outcome, _Virtual):
+        raise virtual_refused(ident.path, key, os.geteuid())
     assert isinstance(outcome, Inspection)
     return outcome
 

@@ -38,7 +38,7 @@ from ..hdf5.identity import FileIdentity, open_identified
 from ..hdf5.source import DatasetInfo
 from .access import Peer, check_peer_can_read
 from .fileset import ResolvedFiles, resolve_files
-from .inspector import Credentials, Inspection, inspect_file
+from .inspector import Credentials, Inspection, inspect_file, virtual_refused
 
 __all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 
@@ -187,11 +187,7 @@ class Resolver:
             self._check_allowed(f"{info.linked_file} (an external link's target in {path})", linked.path)
             check_peer_can_read(peer, linked)
         if found.virtual and not _trusted(peer):
-            raise AccessDenied(
-                f"{path}[{key}] is a virtual dataset: HDF5 opens its source files by name whenever rows are read, "
-                "so the daemon cannot make sure the files read are the ones checked, and loads virtual datasets "
-                f"only for its own user (uid {os.geteuid()}) and root. Ask the daemon's owner to load it, or read it "
-                "lazily (fallback='lazy' reads it with your own rights)")
+            raise virtual_refused(path, key, os.geteuid())
         return Resolved(ident, info, linked, tuple(self._check_other(path, p, peer) for p in info.virtual_sources))
 
     def _check_other(self, asked: str, path: str, peer: Peer) -> FileIdentity:
@@ -222,7 +218,7 @@ class Resolver:
             cached = self._infos.get((ident, key))
         if cached is not None:
             return Inspection(cached, None, False)
-        found = inspect_file(ident, key, _credentials(peer))
+        found = inspect_file(ident, key, _credentials(peer), virtual_ok=_trusted(peer))
         # another file's metadata (a link's target, a virtual source) can change under the same outer identity
         if found.linked is None and not found.virtual:
             with self._lock:
