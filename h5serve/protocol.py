@@ -108,6 +108,7 @@ class Acquire:
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
+        _check_absolute("path", self.path)
         if isinstance(self.files, list) and not self.files:
             object.__setattr__(self, "files", ())  # an empty list on the wire: one file
         if self.files != ():
@@ -115,6 +116,7 @@ class Acquire:
                 raise ProtocolError(f"field 'files' must be a list of 2 to {MAX_FILES} paths")
             for path in self.files:
                 _check_str("files", path, MAX_PATH_CHARS)
+                _check_absolute("files", path)
             if self.files[0] != self.path:
                 raise ProtocolError("field 'files' must start with 'path'")
             object.__setattr__(self, "files", tuple(self.files))
@@ -170,6 +172,13 @@ class AcquireResult:
         for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino", "ino", "ctime_ns"):
             _check_int(name, getattr(value, name), 0, 2**63 - 1)
         return value
+
+
+def _check_absolute(name: str, path: str) -> None:
+    """A relative path would be resolved from the daemon's working directory, not the sender's."""
+    if not path.startswith("/"):
+        raise ProtocolError(f"field {name!r} must be an absolute path, got {path!r}; pass an absolute path "
+                            "(h5serve.client and `h5serve preload` do)")
 
 
 def _check_str(name: str, value: object, max_len: int) -> None:

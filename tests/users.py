@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,3 +253,57 @@ def public_interpreter() -> Iterator[PublicInterpreter]:
     finally:
         with contextlib.suppress(OSError):
             os.rmdir(where)  # never a recursive removal: while mounted, it would be the interpreter's tree
+
+
+@contextlib.contextmanager
+def running_as(user: User | None, fn: Callable[[], object]) -> Iterator[int]:
+    """Run ``fn`` (a loop that never returns) in a forked child that dropped to ``user`` for
+    good (None: as we are) for the duration of the block; SIGKILLed and reaped on exit.
+    Yields its pid."""
+    import importlib
+
+    for name in _LAZY_IMPORTS:
+        importlib.import_module(name)
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            if user is not None:
+                os.setgroups(supplementary_gids(user))
+                os.setresgid(user.gid, user.gid, user.gid)
+                os.setresuid(user.uid, user.uid, user.uid)
+            fn()
+        finally:
+            os._exit(0)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange_forever(a: Path, b: Path, pause: float = 0.0) -> Callable[[], object]:
+    """A loop swapping the directory entries ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``
+    through libc: a symlink and a file, a FIFO and a file), as fast as it can or with a random
+    pause of up to ``pause`` seconds between swaps (each side then stays long enough for a
+    whole load to see it)."""
+    import ctypes
+    import random
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    first, second = os.fsencode(a), os.fsencode(b)
+
+    def loop() -> None:
+        if renameat2(_AT_FDCWD, first, _AT_FDCWD, second, _RENAME_EXCHANGE) != 0:
+            raise OSError(ctypes.get_errno(), "renameat2(RENAME_EXCHANGE) failed")
+        while True:
+            renameat2(_AT_FDCWD, first, _AT_FDCWD, second, _RENAME_EXCHANGE)
+            if pause:
+                time.sleep(random.uniform(0, pause))  # the attacker's pace, not a wait in the test
+
+    return loop

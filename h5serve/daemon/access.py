@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ..errors import AccessDenied
 from ..hdf5.identity import FileIdentity
 
-__all__ = ["Peer", "check_peer_can_read"]
+__all__ = ["Peer", "check_peer_can_read", "requester"]
 
 _CHECK_TIMEOUT_S = 10.0  # a forked check stuck on a hung file system is killed after this
 _CACHE_TTL_S = 60.0
@@ -69,6 +69,23 @@ class Peer:
         except (OSError, ValueError):
             return None
         return groups if uid == self.uid and groups is not None else None
+
+
+def requester(peer: Peer | None, group: int | None) -> Peer:
+    """Who a request comes from, for the checks: ``peer`` as the kernel reported it. When the
+    transport reported nobody (no ``SO_PEERCRED``), the request is treated as the daemon's own
+    user only where no one else can reach the socket (no ``--group``, not root); elsewhere it
+    is refused, never served unchecked.
+
+    Raised when the sender is unknown on a daemon others can reach: AccessDenied.
+    """
+    if peer is not None:
+        return peer
+    if group is not None or os.geteuid() == 0:
+        raise AccessDenied(
+            "the daemon cannot tell who sent this request (the transport reported no credentials), and other "
+            "users can reach its socket, so it serves nothing unchecked; connect over the daemon's ipc socket")
+    return Peer(os.geteuid(), os.getegid(), os.getpid())
 
 
 _cache: dict[tuple[object, ...], float] = {}

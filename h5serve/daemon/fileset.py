@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import h5py
 
 from ..errors import SourceChanged
-from ..hdf5.compound import FieldRows, rows_dataset
+from ..hdf5.compound import FieldRows
 from ..hdf5.files import check_agreement, pieces
-from ..hdf5.identity import FileIdentity, open_h5_verified
+from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import Hasher, data_extents, drop_cached
 from ..hdf5.reads import read_shard_into
 from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
@@ -43,7 +43,7 @@ class ResolvedFiles:
     members: tuple[Resolved, ...]
 
 
-def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Peer | None) -> ResolvedFiles:
+def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Peer) -> ResolvedFiles:
     """Resolve each file (blocking: a resolver thread runs this).
 
     Raised for the first file that cannot be served: the H5ServeError saying why, naming it.
@@ -123,10 +123,12 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
     for piece in pieces(rows, meta.file_rows, span):
         entry = meta.files[piece.index]
         small = (piece.k1 - piece.k0) * out_row < SMALL_PIECE_BYTES
-        with open_h5_verified(FileIdentity(*entry[:5])) as f:
+        with open_h5_verified(entry) as f:
             # the resolver inspected this very file (same device and inode; size and mtime are
             # checked once the load is done): a small piece skips the full inspection
-            dset = rows_dataset(f, meta.key)  # a compound field: read through the one-file path's helper
+            # a compound field: read through the one-file path's helper; HDF5 follows an external
+            # link by path: the file it opened must be one the daemon checked
+            dset = pinned_rows(f, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
             info = _quick_info(dset, meta.key) if small else inspect_dataset(f, meta.key)
             if info.rows != entry[5] or info.row_shape != meta.row_shape:
                 raise SourceChanged(f"{entry[0]} changed while it was being loaded (dataset {meta.key!r} now has "

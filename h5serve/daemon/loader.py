@@ -53,7 +53,7 @@ from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
-from ..hdf5.identity import identities_unchanged, open_h5
+from ..hdf5.identity import check_holder, identities_unchanged, open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import data_extents, drop_cached
 from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, inspect_dataset
@@ -147,7 +147,7 @@ def loader_context() -> multiprocessing.context.ForkServerContext:
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(
         ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loader",
-         "h5serve.daemon.spare"])
+         "h5serve.daemon.spare", "h5serve.daemon.inspector"])
     return ctx
 
 
@@ -190,6 +190,19 @@ def plan_parts(info: DatasetInfo, selection: Selection | RowRange, processes: in
     return split_span(first, last, info, wanted) if wanted > 1 else [(first, last)]
 
 
+def open_source(meta: SegmentMeta) -> h5py.File:
+    """The one-file source of ``meta``, opened by HDF5 and checked to be the very file the
+    daemon resolved and checked (device and inode: identity.open_h5_verified), never what
+    stands at its path now. Raised otherwise: SourceChanged (SourceNotFound when it is gone)."""
+    return open_h5_verified((meta.source_path, meta.source_dev, meta.source_ino))
+
+
+def holders(meta: SegmentMeta) -> tuple[tuple, ...]:
+    """The identities the file holding a one-file load's rows may have: the external link's
+    target the daemon checked (``meta.linked``), else the source itself."""
+    return (meta.linked,) if meta.linked else (meta.source,)
+
+
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
                progress: Callable[[int], None], checksum: bool, ready: Callable[[], None],
                f: h5py.File | None = None, drop_page_cache: bool = False) -> PartResult:
@@ -207,10 +220,12 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
         copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache, hashed)
         return PartResult(copied, -1 if crc is None else crc.value)
     if f is None:
-        with open_h5(meta.source_path) as f:
+        with open_source(meta) as f:
             return _read_part(meta, rows, writer, span, progress, checksum, ready, f)
+    # HDF5 follows an external link by path: the file it opened must be the one checked
+    dset = pinned_rows(f, meta.key, holders(meta), f"{meta.source_path}[{meta.key}]")
     info = inspect_dataset(f, meta.key)
-    copied = read_shard_into(rows_dataset(f, meta.key), info, rows, writer.data, progress, span=span,
+    copied = read_shard_into(dset, info, rows, writer.data, progress, span=span,
                              dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None)
     return PartResult(copied, -1 if crc is None else crc.value)
 
@@ -235,6 +250,7 @@ def _read_extents(f: h5py.File, meta: SegmentMeta, rows: RowRange) -> tuple[int,
     included) and the byte ranges of it that this load read; ``(-1, [])`` when not known."""
     try:
         dset = rows_dataset(f, meta.key)  # a compound field: the rows of its dataset were read
+        check_holder(dset, holders(meta), meta.key)  # never the pages of a file swapped in since
         extents = data_extents(dset, *rows.span)
         return (dset.file.id.get_vfd_handle(), extents) if extents else (-1, [])
     except Exception:  # noqa: BLE001 - an optimisation: a dataset it cannot describe keeps its pages
@@ -275,7 +291,7 @@ def _spans(job: LoadJob, rows: RowRange) -> list[tuple[int, int] | None]:
     elif job.spans is not None:
         spans = list(job.spans)
     else:
-        with open_h5(meta.source_path) as f:
+        with open_source(meta) as f:
             info = inspect_dataset(f, meta.key)
         spans = plan_parts(info, rows, processes)
     return [None] if len(spans) <= 1 else list(spans)
@@ -327,7 +343,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                 writer.set_progress(total)
                 shown = total
 
-        with open_h5(meta.source_path) as source:  # opened after the forks, kept for the page cache drop
+        with open_source(meta) as source:  # opened after the forks, kept for the page cache drop
             if meta.vlen:
                 reservation.wait()
                 first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])

@@ -8,10 +8,16 @@ file resolves in well under a millisecond) before answering "loading" and pickin
 up on the client's next poll.
 
 One resolution opens the path once (``O_NONBLOCK``) and checks what it opened: its real path
-under ``--allow-root``, that the requesting user may read it (access.py), and that the file
-HDF5 then opens is the same one (device and inode). HDF5 itself opens by path, so a FIFO
-raced into that path in between can still block one resolver thread (never the loop); the
-request then fails after ``RESOLVE_TIMEOUT_S`` and the thread is left behind.
+under ``--allow-root``, and that the requesting user may read it (access.py). The threads do
+only such os-level opens, ``fstat`` and access checks: HDF5 runs in a child process with a
+deadline (inspector.py; a root daemon's child runs as the requesting user), which checks
+that HDF5 opened that same file (device and inode) and reports the identity of the file an
+external link led HDF5 to; that file is then checked like the first. The loader later reads
+exactly these files (loader.open_source, identity.check_holder).
+
+A virtual dataset's sources are opened by HDF5 by name whenever rows are read, so they
+cannot be pinned to the files checked: virtual datasets are loaded only for the daemon's own
+user and root; others get AccessDenied (their client reads lazily, with their own rights).
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
-from ..hdf5.identity import FileIdentity, open_h5_verified, open_identified
-from ..hdf5.source import DatasetInfo, inspect_dataset
+from ..hdf5.identity import FileIdentity, open_identified
+from ..hdf5.source import DatasetInfo
 from .access import Peer, check_peer_can_read
 from .fileset import ResolvedFiles, resolve_files
+from .inspector import Credentials, Inspection, inspect_file, virtual_refused
 
 __all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 
@@ -112,7 +119,7 @@ class Resolver:
         self._lock = threading.Lock()
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
 
-    def poll(self, path: str, key: str, peer: Peer | None,
+    def poll(self, path: str, key: str, peer: Peer,
              files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
         """The resolution of this request: started now if none is in flight, waited for up to
         RESOLVE_WAIT_S; None while it is still running (ask again). ``files``: many files as
@@ -120,7 +127,7 @@ class Resolver:
 
         Raised when the file cannot be served: the H5ServeError saying why.
         """
-        pending_key = (files or path, key, peer.uid if peer else None, peer.gid if peer else None)
+        pending_key = (files or path, key, peer.uid, peer.gid)
         started, future = self._pending.get(pending_key, (0.0, None))
         if future is not None and future.done() and time.monotonic() - started > RESOLVE_FRESH_S:
             future = None  # an answer nobody picked up in time: the file may have changed since
@@ -166,35 +173,30 @@ class Resolver:
             if future.done() and now - started > RESOLVE_FRESH_S:
                 del self._pending[k]
 
-    def resolve(self, path: str, key: str, peer: Peer | None) -> Resolved:
+    def resolve(self, path: str, key: str, peer: Peer) -> Resolved:
         """Open, check and inspect (blocking: runs in a resolver thread)."""
         fd, ident = open_identified(path)
         try:
             self._check_allowed(path, ident.path)
-            if peer is not None:
-                check_peer_can_read(peer, ident)
-            info = self._info(ident, key)
+            check_peer_can_read(peer, ident)
         finally:
             os.close(fd)
-        linked = None
-        if info.linked_file:
-            fd, linked = open_identified(info.linked_file)
-            try:
-                self._check_allowed(info.linked_file, linked.path)
-                if peer is not None:
-                    check_peer_can_read(peer, linked)
-            finally:
-                os.close(fd)
+        found = self._inspect(ident, key, peer)
+        info, linked = found.info, found.linked
+        if linked is not None:
+            self._check_allowed(f"{info.linked_file} (an external link's target in {path})", linked.path)
+            check_peer_can_read(peer, linked)
+        if found.virtual and not _trusted(peer):
+            raise virtual_refused(path, key, os.geteuid())
         return Resolved(ident, info, linked, tuple(self._check_other(path, p, peer) for p in info.virtual_sources))
 
-    def _check_other(self, asked: str, path: str, peer: Peer | None) -> FileIdentity:
+    def _check_other(self, asked: str, path: str, peer: Peer) -> FileIdentity:
         """Open and check another file the rows of ``asked`` come from (a virtual dataset's
         source) as ``asked`` itself is checked: its identity. Raised as ``resolve``."""
         fd, ident = open_identified(path)
         try:
             self._check_allowed(f"{path} (a source of {asked})", ident.path)
-            if peer is not None:
-                check_peer_can_read(peer, ident)
+            check_peer_can_read(peer, ident)
         finally:
             os.close(fd)
         return ident
@@ -208,20 +210,41 @@ class Resolver:
                 f"({', '.join(self.allow_roots)}); move the file there or restart the daemon with --allow-root"
             )
 
-    def _info(self, ident: FileIdentity, key: str) -> DatasetInfo:
+    def _inspect(self, ident: FileIdentity, key: str, peer: Peer) -> Inspection:
+        """The dataset's metadata: from the cache (a file with no external link or virtual
+        dataset on the key's way: its metadata is the file's own), else from a child process
+        (inspector.py), as the requesting user in a root daemon."""
         with self._lock:
             cached = self._infos.get((ident, key))
         if cached is not None:
-            return cached
-        with open_h5_verified(ident) as f:
-            info = inspect_dataset(f, key, vlen=True)
+            return Inspection(cached, None, False)
+        found = inspect_file(ident, key, _credentials(peer), virtual_ok=_trusted(peer))
         # another file's metadata (a link's target, a virtual source) can change under the same outer identity
-        if not info.linked_file and not info.virtual_sources:
+        if found.linked is None and not found.virtual:
             with self._lock:
                 if len(self._infos) >= _INFO_CACHE_SIZE:
                     self._infos.clear()
-                self._infos[(ident, key)] = info
-        return info
+                self._infos[(ident, key)] = found.info
+        return found
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _trusted(peer: Peer) -> bool:
+    """Whether ``peer`` is the daemon's own user or root (who could read any file anyway)."""
+    return peer.uid in (os.geteuid(), 0)
+
+
+def _credentials(peer: Peer) -> Credentials | None:
+    """Whom a root daemon inspects a file as: the requesting user (None: as the daemon, for
+    itself, root, or when the daemon is not root and cannot switch).
+
+    Raised when the requesting process is gone: AccessDenied.
+    """
+    if os.geteuid() != 0 or _trusted(peer):
+        return None
+    groups = peer.groups()
+    if groups is None:
+        raise AccessDenied(f"the requesting process (pid {peer.pid}) is gone; ask again")
+    return Credentials(peer.uid, peer.gid, groups)

@@ -44,7 +44,7 @@ from ..protocol import (
 from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
 from ..safeio import open_regular, read_small
 from ..units import format_bytes
-from .access import Peer
+from .access import Peer, requester
 from .config import (
     DEFAULT_MEMORY_FRACTION,
     DaemonConfig,
@@ -218,7 +218,7 @@ class Server:
 
     def handle(self, request: Request, peer: Peer | None = None) -> dict[str, Any]:
         if isinstance(request, Acquire):
-            return self.store.acquire(request, peer).to_wire()
+            return self.store.acquire(request, requester(peer, self.config.group)).to_wire()
         info = {
             "pid": os.getpid(), "version": __version__, "protocol": VERSION,
             "runtime_dir": str(self.config.location.directory), "shm_dir": str(self.config.shm_dir),

@@ -128,8 +128,8 @@ class SegmentStore:
             self.counters["adopted"] += 1
 
     # ----- requests ------------------------------------------------------------------------
-    def acquire(self, req: Acquire, peer: Peer | None = None) -> AcquireResult:
-        """Find or start loading the segment for ``req``, asked by ``peer`` (None: ourselves).
+    def acquire(self, req: Acquire, peer: Peer) -> AcquireResult:
+        """Find or start loading the segment for ``req``, asked by ``peer`` (access.requester).
         Never waits for a load; waits for the file's resolution only briefly (resolve.py) and
         answers "loading" meanwhile. A peer of another uid answered for a segment is granted
         it: it may have its descriptor (handout.py) and see it in ``status``.
@@ -137,7 +137,7 @@ class SegmentStore:
         Raised when the file may not or cannot be served: AccessDenied, a DataError.
         """
         result = self._find_or_load(req, peer)
-        if result.name and peer is not None:
+        if result.name:
             self._grant(result.name, peer.uid)
         return result
 
@@ -146,7 +146,7 @@ class SegmentStore:
         if entry is not None and grant(entry, uid, self.grants):
             self.grants = grants_of(self.entries.values())  # replaced, never mutated: the hand-out thread reads it
 
-    def _find_or_load(self, req: Acquire, peer: Peer | None) -> AcquireResult:
+    def _find_or_load(self, req: Acquire, peer: Peer) -> AcquireResult:
         try:
             resolved = self.resolver.poll(req.path, req.key, peer, req.files)
         except AccessDenied:

@@ -34,9 +34,8 @@ import numpy as np
 
 from ..crc import LOAD_CRC
 from ..errors import SourceChanged
-from ..hdf5.compound import rows_dataset
 from ..hdf5.files import pieces
-from ..hdf5.identity import FileIdentity, open_h5_verified
+from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import write_all
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..hdf5.vlen import read_vlen
@@ -75,7 +74,8 @@ def _blocks(dset: Any, info: DatasetInfo, key: str, rows: RowRange, base: np.dty
 
 def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tuple[Any, DatasetInfo, RowRange]]:
     """Each file's dataset, its description and its rows of the shard, in row order: ``f``
-    alone, or each file of a multi-file set opened in turn (checked to be the one resolved).
+    alone, or each file of a multi-file set opened in turn (checked to be the one resolved);
+    the file holding the rows (an external link's target) checked to be one the daemon checked.
 
     Raised when a file is no longer what the request saw: SourceChanged.
     """
@@ -83,17 +83,21 @@ def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tupl
         info = inspect_dataset(f, meta.key, vlen=True)
         if (info.vlen, info.dtype.str, info.rows) != (meta.vlen, meta.source_dtype, meta.total_rows):
             raise SourceChanged(f"{meta.source_path}[{meta.key}] is not the dataset the request saw; request it again")
-        yield rows_dataset(f, meta.key), info, meta.row_range
+        # HDF5 follows an external link by path: the file it opened must be the one checked
+        dset = pinned_rows(f, meta.key, (meta.linked,) if meta.linked else (meta.source,),
+                           f"{meta.source_path}[{meta.key}]")
+        yield dset, info, meta.row_range
         return
     set_dtype = np.dtype(meta.source_dtype)
     for piece in pieces(meta.row_range, meta.file_rows):
         entry = meta.files[piece.index]
-        with open_h5_verified(FileIdentity(*entry[:5])) as g:
+        with open_h5_verified(entry) as g:
             info = inspect_dataset(g, meta.key, vlen=True)
             if info.vlen != meta.vlen or info.rows != entry[5] or not np.can_cast(info.dtype, set_dtype, "safe"):
                 raise SourceChanged(f"{entry[0]}[{meta.key}] is not the dataset the request saw (it changed while "
                                     "being loaded); request it again")
-            yield rows_dataset(g, meta.key), info, piece.local
+            dset = pinned_rows(g, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
+            yield dset, info, piece.local
 
 
 def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: Callable[[int], None],

@@ -2,11 +2,18 @@
 inode, size, mtime), taken by ``stat`` or from the descriptor opened, and h5py opens checked
 against it, so a file replaced at its path is seen rather than read.
 
+HDF5 opens by path and follows external links by path, so "the file that was checked" is
+pinned by device and inode: ``open_h5_verified`` opens the path once ``O_NONBLOCK`` first (a
+FIFO or device swapped in is refused without blocking, in the common case), then checks
+``fstat`` of HDF5's own descriptor (its vfd handle); ``check_holder`` does the same for the
+file an external link led HDF5 to (the file holding a dataset).
+
 Raised errors are h5serve's (SourceNotFound, SourceChanged), never h5py's or the OS's.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 import h5py
 
 from ..errors import SourceChanged, SourceNotFound
+from .compound import FieldRows, rows_dataset
 
 __all__ = [
     "FileIdentity",
@@ -23,6 +31,9 @@ __all__ = [
     "open_h5",
     "open_h5_verified",
     "identities_unchanged",
+    "holder_identity",
+    "check_holder",
+    "pinned_rows",
 ]
 
 
@@ -42,8 +53,9 @@ class FileIdentity:
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
     """Raised when the file does not exist or is not a regular file: SourceNotFound."""
-    real = os.path.realpath(path)
     try:
+        # realpath too can fail (EINVAL) when a symlink on the way is swapped for a file meanwhile
+        real = os.path.realpath(path)
         st = os.stat(real)
     except OSError as exc:
         raise SourceNotFound(
@@ -79,26 +91,110 @@ def open_identified(path: str | os.PathLike[str]) -> tuple[int, FileIdentity]:
     return fd, FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def open_h5_verified(ident: FileIdentity, **kwargs: object) -> h5py.File:
-    """Open the file ``ident`` describes with h5py, and check that HDF5 opened that very file
-    (same device and inode), not whatever was swapped in at its path since it was identified.
+def _replaced(path: str) -> SourceChanged:
+    return SourceChanged(f"{path} was replaced while it was being opened; request it again")
 
-    Raised when it cannot be opened: SourceNotFound. Raised when HDF5 opened another file:
-    SourceChanged.
-    """
-    try:  # (not open_h5: the identity was just taken, no need to stat the path again)
-        f = h5py.File(ident.path, "r", **kwargs)
-    except OSError as exc:
-        raise SourceNotFound(f"{ident.path!r} cannot be opened as an HDF5 file: {exc}") from exc
+
+_SWAPPED_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.ENOTDIR)
+
+
+def _still(path: str, dev: int, ino: int) -> bool:
+    """Whether ``path`` names (without following a final symlink) the file ``dev``/``ino``."""
     try:
-        if f.driver == "sec2":
-            st = os.fstat(f.id.get_vfd_handle())
-            if (st.st_dev, st.st_ino) != (ident.dev, ident.ino):
-                raise SourceChanged(f"{ident.path} was replaced while it was being opened; request it again")
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File:
+    """Open the file ``ident`` describes (a FileIdentity or its ``as_tuple()``) with h5py, and
+    check that HDF5 opened that very file (same device and inode), not whatever was swapped
+    in at its path since it was identified. The path is first opened ``O_NONBLOCK`` and
+    checked (a regular file, same device and inode) before HDF5 opens it, so a FIFO or device
+    swapped in is refused without blocking unless it is swapped in again in the moment
+    between the two opens (then HDF5's open blocks: run this where a deadline applies).
+
+    Raised when it cannot be opened: SourceNotFound. Raised when it is no longer that file,
+    or HDF5 opened another file: SourceChanged.
+    """
+    path, dev, ino = (ident.path, ident.dev, ident.ino) if isinstance(ident, FileIdentity) else tuple(ident[:3])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink now stands where the checked file was
+            raise _replaced(path) from exc
+        raise SourceNotFound(f"HDF5 file {path!r} cannot be read: {exc.strerror}; check the path") from exc
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
+        raise _replaced(path)
+    try:
+        f = h5py.File(path, "r", **kwargs)
+    except OSError as exc:
+        # it was readable a moment ago: HDF5 refused, found no file or another one (HDF5's own
+        # "st_ino or st_dev fields changed"), so it was swapped between the two opens
+        if exc.errno in _SWAPPED_ERRNOS or "fields changed" in str(exc) or not _still(path, dev, ino):
+            raise _replaced(path) from exc
+        raise SourceNotFound(f"{path!r} cannot be opened as an HDF5 file: {exc}") from exc
+    try:
+        if f.driver != "sec2":  # only sec2 has a descriptor to check: never open another driver here
+            raise SourceNotFound(f"{path!r}: HDF5 driver {f.driver!r} cannot be checked; open it with the default one")
+        st = os.fstat(f.id.get_vfd_handle())
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise _replaced(path)
     except BaseException:
         f.close()
         raise
     return f
+
+
+def holder_identity(obj: h5py.HLObject) -> FileIdentity:
+    """The identity of the file HDF5 opened that holds ``obj`` (an external link's target for a
+    dataset reached through one), from ``fstat`` of HDF5's own descriptor and its real path
+    from ``/proc/self/fd`` (readable by this process only while it is dumpable)."""
+    fd = obj.file.id.get_vfd_handle()
+    st = os.fstat(fd)
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        real = os.path.realpath(obj.file.filename)
+    return FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_holder(obj: h5py.HLObject, expected: Iterable[tuple], what: str) -> None:
+    """Check that the file holding ``obj`` (the file HDF5 opened, through its descriptor) is one
+    of ``expected`` (identities as ``as_tuple()``: path, dev, ino, ...), i.e. a file that was
+    checked, not one swapped in at an external link's target path since.
+
+    Raised otherwise: SourceChanged naming ``what``.
+    """
+    if obj.file.driver != "sec2":
+        raise SourceChanged(f"{what}: the file holding its rows cannot be checked; request it again")
+    st = os.fstat(obj.file.id.get_vfd_handle())
+    if (st.st_dev, st.st_ino) not in {(int(e[1]), int(e[2])) for e in expected}:
+        raise SourceChanged(f"{what}: the file holding its rows ({obj.file.filename}) is not the one that was "
+                            "checked (replaced since); request it again")
+
+
+def pinned_rows(f: h5py.File, key: str, expected: Iterable[tuple], what: str) -> h5py.Dataset | FieldRows:
+    """The dataset (or compound field) whose rows ``key`` names in ``f``, checked to be held by
+    one of the files ``expected`` (``check_holder``). The key was inspected when it was
+    checked, so a failure to open it now means a file on its way changed since.
+
+    Raised otherwise: SourceChanged.
+    """
+    try:
+        dset = rows_dataset(f, key)
+    except (KeyError, ValueError, OSError) as exc:
+        if isinstance(exc, (SourceChanged, SourceNotFound)):
+            raise
+        raise SourceChanged(f"{what} cannot be opened any more ({exc}): a file on its way changed since it was "
+                            "checked; request it again") from exc
+    check_holder(dset, expected, what)
+    return dset
 
 
 def identities_unchanged(identities: Iterable[tuple]) -> bool:

@@ -2,7 +2,8 @@
 component at a time (so a link behind another link is seen too), and the one other file an
 external link may lead to: h5serve tracks a single linked file for changes.
 
-Every failure is a KeyNotFound or UnsupportedDataset naming the link and its target.
+Every failure is a KeyNotFound or UnsupportedDataset naming the link and its target (a
+SourceChanged when a path changes while it is resolved).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 
 import h5py
 
-from ..errors import KeyNotFound, UnsupportedDataset
+from ..errors import KeyNotFound, SourceChanged, UnsupportedDataset
 
 __all__ = ["MAX_LINKS", "dataset_names", "follow"]
 
@@ -30,6 +31,15 @@ def dataset_names(f: h5py.File, limit: int = 30) -> list[str]:
     return names
 
 
+def _realpath(path: str) -> str:
+    """``os.path.realpath``, which fails (EINVAL) when a symlink on the way is swapped for a
+    file while it resolves. Raised then: SourceChanged."""
+    try:
+        return os.path.realpath(path)
+    except OSError as exc:
+        raise SourceChanged(f"{path} changed while its links were followed; request it again") from exc
+
+
 def _message(exc: BaseException) -> str:
     """An h5py error's text, without the quotes KeyError adds."""
     return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
@@ -44,16 +54,16 @@ def _external_candidates(link_file: str, parent: str) -> set[str]:
     the absolute name, else the name (or, for an absolute one that is missing, its last
     component) under HDF5_EXT_PREFIX, the parent file's directory or the working directory."""
     names = [link_file] if not os.path.isabs(link_file) else [os.path.basename(link_file)]
-    parent_dirs = [os.path.dirname(parent), os.path.dirname(os.path.realpath(parent))]
+    parent_dirs = [os.path.dirname(parent), os.path.dirname(_realpath(parent))]
     prefixes = [p for p in os.environ.get("HDF5_EXT_PREFIX", "").split(":") if p]
     dirs = [d for p in prefixes for d in ([p] if p != "${ORIGIN}" else parent_dirs)] + parent_dirs
     try:
         dirs.append(os.getcwd())
     except OSError:  # the working directory was removed: HDF5 cannot have looked there either
         pass
-    found = {os.path.realpath(os.path.join(d, name)) for d in dirs for name in names}
+    found = {_realpath(os.path.join(d, name)) for d in dirs for name in names}
     if os.path.isabs(link_file):
-        found.add(os.path.realpath(link_file))
+        found.add(_realpath(link_file))
     return found
 
 
@@ -119,7 +129,7 @@ def follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
                 ) from exc
             raise broken(f"{here!r} in {where} cannot be opened: {_message(exc)}") from exc
         if isinstance(link, h5py.ExternalLink):
-            opened = os.path.realpath(target.file.filename)
+            opened = _realpath(target.file.filename)
             if opened not in _external_candidates(link.filename, node.file.filename):
                 raise UnsupportedDataset(
                     f"key {key!r} in {f.filename} goes through external link {here!r} -> {link.filename!r}, "
@@ -134,7 +144,7 @@ def follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
         node = target
     if not files:  # no external link followed: the object is in f itself
         return node, ""
-    outer = os.path.realpath(f.filename)
+    outer = _realpath(f.filename)
     others = sorted({path for path in files if path != outer})
     if len(others) > 1:
         raise UnsupportedDataset(
@@ -142,7 +152,7 @@ def follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
             f"({', '.join(others)}); h5serve can track only one linked file for changes: link straight to "
             "the file that holds the data"
         )
-    holder = os.path.realpath(node.file.filename)
+    holder = _realpath(node.file.filename)
     if others and holder != others[0]:  # through another file and back: that file is not tracked
         raise UnsupportedDataset(
             f"key {key!r} in {f.filename} goes through an external link in {others[0]} back to {holder}; "

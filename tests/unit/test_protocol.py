@@ -72,9 +72,10 @@ REQUESTS = [
     Shutdown(),
     Acquire(path="/data/train.h5", key="x", world_size=1, rank=0),
     Acquire(path="/data/train.h5", key="grp/y", world_size=8, rank=7, mode="interleave", dtype="uint8"),
-    Acquire(path="relative/file.h5", key="x", world_size=2, rank=1, mode="contiguous", dtype=None),
+    Acquire(path="/data/file.h5", key="x", world_size=2, rank=1, mode="contiguous", dtype=None),
     Acquire(path="/ü/ñ.h5", key="日本", world_size=MAX_WORLD_SIZE, rank=MAX_WORLD_SIZE - 1),
-    Acquire(path="p" * MAX_PATH_CHARS, key="k" * MAX_KEY_CHARS, world_size=3, rank=2, dtype="d" * MAX_DTYPE_CHARS),
+    Acquire(path="/" + "p" * (MAX_PATH_CHARS - 1), key="k" * MAX_KEY_CHARS, world_size=3, rank=2,
+            dtype="d" * MAX_DTYPE_CHARS),
 ]
 
 
@@ -387,6 +388,21 @@ def test_acquire_rank_must_be_below_world_size():
 def test_acquire_constructor_validates(kwargs):
     with pytest.raises(ProtocolError):
         Acquire(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["path", "files"])
+@pytest.mark.parametrize("relative", ["data.h5", "./data.h5", "../x/data.h5", "~/data.h5", " /data.h5"])
+def test_acquire_refuses_a_relative_path(field, relative):
+    """A relative path would be resolved from the daemon's working directory, not the sender's:
+    refused on the wire, with what to do."""
+    files = ["/a.h5", relative] if field == "files" else []
+    frame = pack({"v": VERSION, "id": 9, "op": "acquire", "path": files[0] if files else relative, "key": "x",
+                  "world_size": 1, "rank": 0, "files": files})
+    with pytest.raises(ProtocolError, match=f"field '{field}' must be an absolute path.*pass an absolute path") as err:
+        decode_request(frame)
+    assert err.value.request_id == 9
+    with pytest.raises(ProtocolError, match="absolute path"):
+        Acquire(path=relative, key="x", world_size=1, rank=0)
 
 
 def test_request_larger_than_max_frame_is_rejected():
