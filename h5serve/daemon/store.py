@@ -310,7 +310,13 @@ class SegmentStore:
         if self._sweep is not None:
             if not self._sweep.done():
                 return
-            changed, self._sweep = self._sweep.result(), None
+            sweep, self._sweep = self._sweep, None
+            try:
+                changed = sweep.result()
+            except Exception as exc:  # noqa: BLE001 - the sweep is housekeeping: it never stops the loop
+                log.warning("the stale sweep failed (%s: %s); trying again in %gs", type(exc).__name__, exc,
+                            SWEEP_INTERVAL_S)
+                return
             self._evict_changed(changed)
             return
         now = time.monotonic()

@@ -30,6 +30,7 @@ from ..helpers import Daemon, kill_daemon_of, make_h5, wait_for
 from ..users import (
     PortablePython,
     User,
+    as_ids,
     as_user,
     exchange_forever,
     root_only,
@@ -422,3 +423,30 @@ def test_external_links_into_an_unreadable_file_tell_nothing_of_its_contents(pub
                 str(missing).replace("b'", "K'").replace("'/no-such-dataset'", "T"), (exists, missing)
         finally:
             d.stop()
+
+
+def test_an_unknown_peer_is_never_served_unchecked() -> None:
+    """A request whose sender the transport did not report (no SO_PEERCRED) is refused by a
+    daemon other users can reach (root, or --group), and is the daemon's own user's only
+    where nobody else can connect (a per-user daemon without --group)."""
+    from h5serve.daemon.access import Peer, requester
+    from h5serve.errors import AccessDenied
+
+    known = Peer(1234, 1234, 1)
+    assert requester(known, None) == known and requester(known, 5678) == known
+    for group in (None, 5678):  # the suite runs as root: root's daemon refuses with or without a group
+        with pytest.raises(AccessDenied, match="cannot tell who sent this request"):
+            requester(None, group)
+
+    def as_service_account() -> tuple[int, str]:
+        own = requester(None, None).uid
+        try:
+            requester(None, 5678)
+        except AccessDenied as exc:
+            return own, str(exc)
+        return own, "served"
+
+    status, result = as_ids(65534, 65534, [], as_service_account)
+    assert status == "ok", result
+    own, grouped = result  # type: ignore[misc]
+    assert own == 65534 and "cannot tell who sent this request" in grouped
