@@ -240,8 +240,8 @@ class Server:
             return encode_ok(request_id, self.handle(request, peer))
         except H5ServeError as exc:
             self.store.errors[exc.code] += 1
-            if isinstance(exc, ProtocolError):
-                request_id = exc.request_id
+            if isinstance(exc, (ProtocolError, ConfigError)):  # raised while decoding: the id it read, if any
+                request_id = getattr(exc, "request_id", request_id)
             return encode_error(request_id, exc.code, str(exc))
         except Exception as exc:  # the daemon never dies of a request
             log.exception("internal error while handling a request")
