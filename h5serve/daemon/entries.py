@@ -31,9 +31,13 @@ class LoadFailure:
 
 @dataclass
 class Entry:
-    name: str
+    name: str  # the keyed segment name (naming.segment_name): the store's key for it
     meta: SegmentMeta
     state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
+    # the file in the shm dir: ``name``, or a fresh name when a file not ours held that ("": ``name``)
+    file: str = ""
+    requester: int = -1  # uid whose request started the load (the per-uid queue bound counts it)
+    waiting: set[int] = field(default_factory=set)  # uids that asked while it was queued (fair starts)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
@@ -52,6 +56,9 @@ class Entry:
     asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
     modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
     spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
+
+    def __post_init__(self) -> None:
+        self.file = self.file or self.name
 
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""

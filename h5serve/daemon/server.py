@@ -21,6 +21,7 @@ import zmq
 
 from .. import __version__
 from ..errors import (
+    AccessDenied,
     ConfigError,
     DaemonAlreadyRunning,
     H5ServeError,
@@ -29,6 +30,7 @@ from ..errors import (
     code_for,
     host_error,
 )
+from ..logtext import EscapingFilter
 from ..protocol import (
     POLL_INTERVAL_S,
     VERSION,
@@ -226,9 +228,26 @@ class Server:
         if isinstance(request, Status):
             return {"schema_version": STATUS_SCHEMA_VERSION, **info, **self.store.status()}
         if isinstance(request, Shutdown):
-            self._stopping = True
+            self._shutdown_by(peer)
         assert isinstance(request, (Ping, Shutdown))
         return info
+
+    def _shutdown_by(self, peer: Peer | None) -> None:
+        """Stop, when ``peer`` is the daemon's own user or root: a ``--group`` member may use the
+        daemon, never stop it (it unlinks everyone's segments). Every request is logged, with
+        the peer's uid and pid as the kernel reported them.
+
+        Raised when anyone else (or a peer the kernel did not name) asks: AccessDenied.
+        """
+        who = "an unknown peer" if peer is None else f"uid {peer.uid} (pid {peer.pid})"
+        if peer is None or peer.uid not in (os.geteuid(), 0):
+            log.warning("shutdown requested by %s: refused (only uid %d, the daemon's user, or root may stop it)",
+                        who, os.geteuid())
+            # uids, not names: a user lookup (NSS, LDAP) could stall the control loop
+            raise AccessDenied(f"only uid {os.geteuid()} (the daemon's user) or root may stop this daemon, not "
+                               f"{who}; ask its owner or root to stop it")
+        log.info("shutdown requested by %s: stopping", who)
+        self._stopping = True
 
     def reply_to(self, frames: list[bytes], peer: Peer | None = None) -> bytes:
         """The reply to one request from ``peer`` (as the kernel reported it; None: unknown)."""
@@ -399,6 +418,9 @@ def serve(config: DaemonConfig) -> None:
     Raised when another daemon already serves the runtime dir: DaemonAlreadyRunning.
     Raised when the OS refuses something the daemon needs: HostError (a subclass by errno).
     """
+    for handler in logging.getLogger().handlers:  # the daemon's log: one line per record, whatever users named
+        if not any(isinstance(f, EscapingFilter) for f in handler.filters):
+            handler.addFilter(EscapingFilter())
     try:
         server = Server(config)
     except (OSError, zmq.ZMQError) as exc:

@@ -5,10 +5,11 @@ A temporary is mode 0600 (0640 with a group); ``publish`` makes it read-only (04
 with ``fchmod`` before the rename, so no process (root aside) can open a published segment
 for writing.
 
-Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
-with ``posix_fallocate`` (a full tmpfs is a clear ShmFull now, never a SIGBUS later);
-the loader fills it and ``publish`` sets the complete flag and renames it to ``<name>``,
-atomically. Clients only ever open final names, so they never see a partial segment.
+Lifecycle: ``create_segment`` makes ``<prefix>tmp-<pid>-<rand>`` (naming.py: it does not
+say which segment it becomes) and reserves every byte with ``posix_fallocate`` (a full tmpfs
+is a clear ShmFull now, never a SIGBUS later); the loader fills it and ``publish`` sets the
+complete flag and renames it to ``<name>``, atomically (or to a fresh name when a file that is
+not ours took ``<name>``). Clients only ever open final names, so they never see a partial segment.
 
 Leases: every attached client holds ``flock(LOCK_SH)`` on its open fd (inherited by forked
 DataLoader workers, re-taken by spawned ones). ``try_evict`` unlinks only after
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from ..crc import LOAD_CRC, CrcKind
 from ..errors import SegmentError, ShmFull
+from ..logtext import printable
 from ..safeio import NOFOLLOW_FLAGS, flocks, open_regular
 from ..units import format_bytes
 from .checksum import checksum_text, data_checksum
@@ -57,7 +59,7 @@ from .format import (
     read_header,
     values_view,
 )
-from .naming import TMP_MARK, describe_file, is_own_file
+from .naming import TMP_MARK, describe_file, fresh_name, is_own_file
 
 __all__ = [
     "LEASE_WAIT_S",
@@ -150,7 +152,9 @@ class SegmentWriter:
         return checksum_text(kind.code, value)
 
     def publish(self, final_name: str) -> Path:
-        """Mark complete, make read-only and rename to ``final_name`` in the same directory (atomic).
+        """Mark complete, make read-only and rename to ``final_name`` in the same directory
+        (atomic); to a ``fresh_name`` of it when a file that is not ours is there. Returns the
+        path it was published as.
 
         The mode changes on the descriptor before the rename, so the final name never exists
         writable: nobody (root aside) can open it for writing, or truncate it, afterwards.
@@ -162,6 +166,14 @@ class SegmentWriter:
         self.close()
         try:
             _rename_noreplace(self.path, final)
+        except FileExistsError:  # someone else's file took the name (seen before, planted since)
+            taken, final = final, self.path.with_name(fresh_name(final_name))
+            try:
+                _rename_noreplace(self.path, final)
+            except OSError as exc:
+                raise SegmentError(_publish_failure(final, exc)) from exc
+            log.warning("%s is taken by a file that is not ours: published as %s instead",
+                        printable(taken), printable(final.name))
         except OSError as exc:
             raise SegmentError(_publish_failure(final, exc)) from exc
         return final
