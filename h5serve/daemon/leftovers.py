@@ -2,7 +2,8 @@
 temporaries of dead loaders are removed, complete segments whose source files are unchanged
 are adopted, the rest is removed. Only regular files of this daemon's euid under its prefix
 are read or removed: anything else there (another user's file, a symlink, a FIFO) is logged
-and left alone, since the prefix is public."""
+and left alone, since the prefix is public. ``publish_name`` steers a new segment around a
+file that is not ours at its keyed name."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..logtext import printable
 from ..safeio import remove_if
 from ..segments import (
     describe_file,
+    fresh_name,
     is_own_file,
     is_published_as,
     read_meta,
@@ -26,7 +28,7 @@ from ..segments import (
 )
 from .entries import Entry, not_ours
 
-__all__ = ["adopt_leftovers", "own_files"]
+__all__ = ["adopt_leftovers", "own_files", "publish_name"]
 
 log = logging.getLogger("h5serve.daemon")
 
@@ -80,3 +82,19 @@ def adopt_leftovers(shm_dir: Path, namespace: str, secret: bytes) -> list[Entry]
         else:
             remove_if(path, keep=not_ours)
     return list(adopted.values())
+
+
+def publish_name(shm_dir: Path, name: str) -> str:
+    """The file name to publish the segment keyed ``name`` as: ``name``, unless a file that is
+    not ours holds it (someone saw the name and took it after an eviction or a restart): then a
+    fresh one (lifecycle.publish also falls back to one if it is taken meanwhile)."""
+    try:
+        st = os.lstat(shm_dir / name)
+    except OSError:
+        return name
+    if is_own_file(st):  # a leftover of ours: publishing replaces it
+        return name
+    fresh = fresh_name(name)
+    log.warning("%s/%s is %s, not ours (left alone): publishing the segment as %s", printable(shm_dir), name,
+                describe_file(st), fresh)
+    return fresh

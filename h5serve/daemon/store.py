@@ -25,7 +25,6 @@ import numpy as np
 from ..errors import (
     AccessDenied,
     BudgetExceeded,
-    CapacityError,
     SegmentError,
     error_from_code,
 )
@@ -39,9 +38,7 @@ from ..segments import (
     SegmentMeta,
     check_published,
     count_leases,
-    fresh_name,
     header_checksum,
-    is_own_file,
     published_mode,
     read_activity,
     read_progress,
@@ -55,14 +52,14 @@ from .access import Peer
 from .config import (
     DEFAULT_STALL_TIMEOUT_S,
     FAILURE_MEMORY_S,
-    MAX_QUEUED_LOADS_PER_UID,
     STALL_CHECK_INTERVAL_S,
     SWEEP_INTERVAL_S,
 )
 from .entries import COUNTERS, Entry, LoadFailure, not_ours
 from .fileset import ResolvedFiles, files_meta
-from .leftovers import adopt_leftovers, own_files
+from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
+from .loadqueue import check_queue_of, next_queued, read_again_soon
 from .resolve import Resolver
 from .secret import load_secret
 from .spare import Spare, start_spare
@@ -120,7 +117,7 @@ class SegmentStore:
         self._ctx = loader_context()
         self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
         self._spare_after = time.monotonic() + SPARE_DELAY_S
-        self._last_uid = -1  # the uid whose queued load started last (round robin: store._next_queued)
+        self._last_uid = -1  # the uid whose queued load started last (round robin: loadqueue.next_queued)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -182,7 +179,7 @@ class SegmentStore:
             if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
-            self._check_queue_of(uid, meta)
+            check_queue_of(self.entries.values(), uid, meta, self.counters)
             entry = self._start(name, meta, uid, None if spans is None else spans())
         elif entry.state == "loading" and entry.process is None:
             entry.waiting.add(uid)  # its start comes with this uid's turn too
@@ -221,51 +218,25 @@ class SegmentStore:
         return AcquireResult(state, name, str(self.shm_dir), done, meta.rows, meta.total_rows, os.getuid(),
                              st.st_dev, st.st_ino)
 
-    def _check_queue_of(self, uid: int, meta: SegmentMeta) -> None:
-        """Raised when ``uid`` has MAX_QUEUED_LOADS_PER_UID loads waiting for a loader: CapacityError."""
-        queued = sum(1 for e in self.entries.values() if e.requester == uid and e.process is None
-                     and e.state == "loading")
-        if queued >= MAX_QUEUED_LOADS_PER_UID:
-            self.counters["refusals"] += 1
-            raise CapacityError(
-                f"uid {uid} already has {queued} loads waiting for a loader, the most one user may queue "
-                f"(MAX_QUEUED_LOADS_PER_UID); {meta.source_path}[{meta.key}] rank {meta.rank} is not queued. "
-                "Ask again once some of them are loaded (h5serve status shows them)")
-
     def _start(self, name: str, meta: SegmentMeta, uid: int,
                spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
         self._make_room(meta.file_size, meta)
-        entry = Entry(name, meta, "loading", file=self._free_file_name(name), requester=uid, waiting={uid},
+        entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
         self.counters["loads_requested"] += 1
         self._launch_pending()
         return entry
 
-    def _free_file_name(self, name: str) -> str:
-        """The file name to publish the segment keyed ``name`` as: ``name``, unless a file that
-        is not ours holds it (someone saw the name and took it after an eviction or a restart):
-        then a fresh one (lifecycle.publish also falls back to one if it is taken meanwhile)."""
-        try:
-            st = os.lstat(self.shm_dir / name)
-        except OSError:
-            return name
-        if is_own_file(st):  # a leftover of ours: publishing replaces it
-            return name
-        fresh = fresh_name(name)
-        log.warning("%s/%s is taken by a file that is not ours (left alone): publishing the segment as %s",
-                    self.shm_dir, name, fresh)
-        return fresh
-
     def _launch_pending(self) -> None:
         running = sum(1 for e in self.entries.values() if e.process is not None)
         while running < self.max_loaders:
-            entry = self._next_queued()
+            entry, self._last_uid = next_queued(self.entries.values(), self._last_uid)
             if entry is None:
                 return
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
                           self.load_processes, self.checksum,
-                          self.drop_page_cache and not self._read_again_soon(entry), entry.spans)
+                          self.drop_page_cache and not read_again_soon(self.entries.values(), entry), entry.spans)
             spare, self._spare = self._spare, None
             if spare is not None and spare.take(job):
                 entry.process, entry.reply = spare.process, spare.reply
@@ -277,34 +248,6 @@ class SegmentStore:
             log.info("loading %s[%s] rank %d/%d (%s) into %s", printable(entry.meta.source_path),
                      printable(entry.meta.key), entry.meta.rank, entry.meta.world_size,
                      format_bytes(entry.meta.nbytes), entry.file)
-
-    def _next_queued(self) -> Entry | None:
-        """The queued load to start next: round robin by uid (the next uid after the one served
-        last, among those waiting), that uid's oldest. One user queuing thousands of loads
-        delays another's by at most one load per loader."""
-        queued = [e for e in self.entries.values() if e.state == "loading" and e.process is None]
-        if not queued:
-            return None
-        uids = sorted({uid for e in queued for uid in e.waiting})
-        uid = next((u for u in uids if u > self._last_uid), uids[0])
-        self._last_uid = uid
-        return next(e for e in queued if uid in e.waiting)
-
-    def _read_again_soon(self, entry: Entry) -> bool:
-        """Whether a load still waiting for a loader reads some of the same rows of the same
-        dataset as ``entry``'s (interleaved shards: every rank's load reads every row). Then
-        ``entry``'s loader keeps the source's pages cached for it; the last such load drops them."""
-        meta = entry.meta
-        first, last = meta.row_range.span
-        for other in self.entries.values():
-            if other is entry or other.state != "loading" or other.process is not None:
-                continue
-            o = other.meta
-            if (o.source, o.key, o.linked, o.files) == (meta.source, meta.key, meta.linked, meta.files):
-                a, b = o.row_range.span
-                if a < last and first < b:
-                    return True
-        return False
 
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())

@@ -282,7 +282,7 @@ def test_planted_files_deny_nothing(served: Served, attacker: User, data: Path, 
         fresh = {s["key"]: s["name"] for s in served.status()["segments"]}
         for key in ("x", "y"):
             assert fresh[key] != names[key] and fresh[key].startswith(names[key] + "-"), (fresh, names)
-        assert "is taken by a file that is not ours" in served.log()
+        assert "not ours (left alone): publishing the segment as" in served.log()
         status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "group/nested/x", fallback="error"))
         assert status == "ok" and out[0] == "shm" and out[1] == expected(data, "group/nested/x"), out
         assert served.own_files()
