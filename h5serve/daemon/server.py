@@ -66,12 +66,10 @@ _GUARD_EVERY = 16  # messages answered between two looks at the connection guard
 STATUS_SCHEMA_VERSION = 1
 MAX_PEER_MESSAGE_BYTES = 1024 * 1024
 MIN_OPEN_FILES = 256  # below it libzmq can abort before the guard (ConnectionGuard) can act
-# A root daemon raises its hard limit to this (before dropping privileges, with --user): with
-# it, bursts of thousands of connections never come near it. Measured (docs/reliability.md):
-# at a hard limit of 1,024, 1,500 connections from three processes on a busy node aborted
-# the daemon in libzmq in 2 of 3 runs with the guard's old marks.
+# A root daemon raises its hard limit to this (before dropping privileges, with --user): bursts
+# of thousands of connections then never come near it (see ConnectionGuard for what a limit of
+# 1,024 does under a burst of 1,500).
 ROOT_OPEN_FILES = 65536
-SMALL_OPEN_FILES = 4096  # under this many, the guard sheds early and resumes late (see ConnectionGuard)
 
 
 def _lock_pidfile(config: DaemonConfig, dir_fd: int) -> int:
@@ -124,8 +122,9 @@ def raise_open_file_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, target))
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         except (ValueError, OSError) as exc:  # no CAP_SYS_RESOURCE (a container): the guard copes
-            log.warning("could not raise the hard open-file limit from %d to %d as root (%s); the daemon sheds "
-                        "connections past %d%% of it", hard, target, exc, 40 if hard < SMALL_OPEN_FILES else 75)
+            log.warning("could not raise the hard open-file limit from %d to %d as root (%s): more clients than "
+                        "that at once can abort the daemon; raise it (LimitNOFILE=, ulimit -Hn, docker --ulimit "
+                        "nofile=)", hard, target, exc)
     if soft == resource.RLIM_INFINITY or soft >= hard:
         return soft if soft != resource.RLIM_INFINITY else hard
     try:
@@ -163,32 +162,31 @@ class ConnectionGuard:
     monitor wakes its loop) and, ``reserve`` descriptors short of the limit, sheds load: it
     unbinds, which closes the listener and, in libzmq, every connection that listener
     accepted. Clients reconnect on their own and ask again (requests are idempotent) or fall
-    back after their timeout; the daemon listens again once the count is down to ``low``.
-    Every client it dropped reconnects within ZeroMQ's reconnect interval (100 ms) the moment
-    it listens again: that herd is accepted by libzmq's I/O thread faster than this (Python)
-    loop can react on a busy node. So under SMALL_OPEN_FILES the marks leave most of the limit
-    as headroom: shed at 40% of the limit, listen again at 10% (measured on 2 busy cores, hard
-    limit 1,024, 1,500 connections from three processes: 75%/50% aborted 2 of 3 runs, 50%/25%
-    3 of 4, 40%/10% none of 4). Above it: shed ``max(64, limit // 4)`` under the limit, listen
-    again two such reserves under it. This bounds the risk, it cannot remove it: more
-    connections than the limit, arriving faster than the loop reacts, still abort libzmq.
-    A root daemon raises its hard limit (raise_open_file_limit) so this is rarely reached.
+    back after their timeout; the daemon listens again as soon as the count is ``2 *
+    reserve`` under the limit (at once, since shedding freed the descriptors).
+
+    What it cannot do: every client it dropped reconnects within ZeroMQ's reconnect interval
+    (100 ms) the moment it listens again, and libzmq's I/O thread accepts that herd faster than
+    this Python loop reacts on a busy node. More clients than the limit, connecting at once,
+    can still abort the daemon. Measured (2 cores, other work running, hard limit 1,024, 1,500
+    connections from three processes at once): the daemon survived 6 of 11 runs with these
+    marks; shedding earlier and resuming later (40% / 10% of the limit) did no better (5 of 10);
+    one process opening 1,500 connections never aborted it (7 of 7). The remedy is a limit
+    above the node's clients: a root daemon raises its hard limit to ROOT_OPEN_FILES itself
+    (raise_open_file_limit, also before dropping to --user); a service account needs
+    LimitNOFILE= (systemd's default hard limit, 524,288, is plenty).
     """
 
     def __init__(self, sock: zmq.Socket, endpoint: str, bind: Callable[[], None], limit: int) -> None:
         self.sock = sock
         self.endpoint = endpoint
         self.bind = bind
-        self.estimate = open_fd_count()  # descriptors: counted, then moved by connection events
-        if limit < SMALL_OPEN_FILES:  # the daemon's own descriptors (~30) stay under ``low``
-            self.low = max(limit // 10, self.estimate + 32)  # listen again at this many
-            self.high = max(limit * 2 // 5, self.low + 64)  # shed connections at this many descriptors
-        else:
-            reserve = max(64, limit // 4)
-            self.high, self.low = limit - reserve, limit - 2 * reserve
-        self.reserve = limit - self.high
+        self.reserve = max(64, limit // 4)  # measured: a 1,100-socket burst overshoots the mark by ~60
+        self.high = limit - self.reserve  # shed connections at this many descriptors
+        self.low = limit - 2 * self.reserve  # listen again at this many
         self.paused = False
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.estimate = open_fd_count()  # descriptors: counted, then moved by connection events
 
     def check(self) -> None:
         """Drain connection events; stop or resume listening as the descriptor count says."""
