@@ -169,9 +169,9 @@ class ConnectionGuard:
     (100 ms) the moment it listens again, and libzmq's I/O thread accepts that herd faster than
     this Python loop reacts on a busy node. More clients than the limit, connecting at once,
     can still abort the daemon. Measured (2 cores, other work running, hard limit 1,024, 1,500
-    connections from three processes at once): the daemon survived 6 of 11 runs with these
-    marks; shedding earlier and resuming later (40% / 10% of the limit) did no better (5 of 10);
-    one process opening 1,500 connections never aborted it (7 of 7). The remedy is a limit
+    connections from three processes at once): the daemon survived 4 of 7 runs with these
+    marks; shedding earlier and resuming later did no better to tell (40% / 10% of the limit:
+    9 of 14; 50% / 25%: 1 of 4); one process opening 1,500 connections never aborted it (7 of 7). The remedy is a limit
     above the node's clients: a root daemon raises its hard limit to ROOT_OPEN_FILES itself
     (raise_open_file_limit, also before dropping to --user); a service account needs
     LimitNOFILE= (systemd's default hard limit, 524,288, is plenty).
