@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from .checks import is_int
-from .errors import H5ServeError, ProtocolError, error_from_code
+from .errors import ConfigError, H5ServeError, ProtocolError, error_from_code
 from .sharding import ALL_MODES
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "MAX_FILES",
     "MAX_PATH_CHARS",
     "MAX_WORLD_SIZE",
+    "normalise_key",
 ]
 
 VERSION = 1
@@ -121,6 +122,7 @@ class Acquire:
                 raise ProtocolError("field 'files' must start with 'path'")
             object.__setattr__(self, "files", tuple(self.files))
         _check_str("key", self.key, MAX_KEY_CHARS)
+        object.__setattr__(self, "key", normalise_key(self.key))
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("rank", self.rank, 0, self.world_size - 1)
         if self.mode not in ALL_MODES:
@@ -179,6 +181,25 @@ def _check_absolute(name: str, path: str) -> None:
     if not path.startswith("/"):
         raise ProtocolError(f"field {name!r} must be an absolute path, got {path!r}; pass an absolute path "
                             "(h5serve.client and `h5serve preload` do)")
+
+
+def normalise_key(key: str) -> str:
+    """The one spelling of an HDF5 key: ``"//a/b/"``, ``"/a//b"`` and ``"a/b"`` name the same
+    object (HDF5 resolves every key from the root, ignoring repeated and trailing slashes), so
+    they are one segment, one load. A compound field (``"ds:field"``, hdf5/compound.py) keeps
+    its ``:`` and field name; only slashes change.
+
+    Raised when a component is ``.`` or ``..`` (HDF5 skips ``.``, so ``"a/./b"`` would be a
+    second spelling of ``"a/b"``; ``..`` is no parent in HDF5 and reads as one), or nothing is
+    left but slashes: ConfigError.
+    """
+    parts = [part for part in key.split("/") if part]
+    if not parts:
+        raise ConfigError(f"key {key!r} names no dataset; give the dataset's path in the file, e.g. 'images'")
+    if any(part in (".", "..") for part in parts):
+        raise ConfigError(f"key {key!r} has a '.' or '..' component; name the dataset by its path from the "
+                          "file's root, without them (e.g. 'group/images')")
+    return "/".join(parts)
 
 
 def _check_str(name: str, value: object, max_len: int) -> None:
@@ -259,6 +280,9 @@ def decode_request(frame: bytes) -> tuple[int, Request]:
             raise ProtocolError(f"bad fields for op {op!r}: {exc}") from exc
     except ProtocolError as exc:
         exc.request_id = request_id  # the envelope was fine: the error reply can name the request
+        raise
+    except ConfigError as exc:  # a key normalise_key refuses: the reply names the request too
+        exc.request_id = request_id  # type: ignore[attr-defined]
         raise
 
 

@@ -75,6 +75,16 @@ class Daemon(DaemonProcess):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def temporary_prefix(d: DaemonProcess) -> str:
+    """How every temporary of ``d``'s loads is named, up to the loader's pid: the temporary
+    tells nobody which segment it becomes (segments/naming.py), so tests find a load's by this."""
+    from h5serve.runtime import resolve_runtime
+    from h5serve.segments import temporary_name
+
+    namespace = resolve_runtime(d.runtime_dir).namespace
+    return temporary_name(namespace).rsplit("-", 2)[0] + "-"
+
+
 def make_h5(path: Path, rows: int = ROWS, row_shape: tuple[int, ...] = ROW_SHAPE, dtype: str = "uint8",
             chunks: bool = True) -> Path:
     """x[i] is filled with values derived from i; y[i] == i (labels are row ids)."""

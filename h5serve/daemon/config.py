@@ -10,7 +10,8 @@ from ..errors import ConfigError
 from ..runtime import RuntimeLocation
 
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
-           "default_load_processes", "FAILURE_MEMORY_S", "STALL_CHECK_INTERVAL_S", "SWEEP_INTERVAL_S"]
+           "default_load_processes", "FAILURE_MEMORY_S", "MAX_QUEUED_LOADS_PER_UID", "STALL_CHECK_INTERVAL_S",
+           "SWEEP_INTERVAL_S"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
@@ -20,6 +21,10 @@ FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers
 # huge segment), short enough that a hung file system does not hold a loader slot for long.
 DEFAULT_STALL_TIMEOUT_S = 120.0
 STALL_CHECK_INTERVAL_S = 0.5  # how often running loads are checked for progress
+# Loads one uid may have waiting for a loader at once (running ones aside): a DDP job asks for
+# ranks x keys of them at most (8 x 32 here), one user queuing thousands holds memory and the
+# budget, and queued loads start round-robin by uid anyway (store._next_queued).
+MAX_QUEUED_LOADS_PER_UID = 256
 
 
 def default_loaders() -> int:

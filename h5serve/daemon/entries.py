@@ -32,9 +32,13 @@ class LoadFailure:
 
 @dataclass
 class Entry:
-    name: str
+    name: str  # the keyed segment name (naming.segment_name): the store's key for it
     meta: SegmentMeta
     state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
+    # the file in the shm dir: ``name``, or a fresh name when a file not ours held that ("": ``name``)
+    file: str = ""
+    requester: int = -1  # uid whose request started the load (the per-uid queue bound counts it)
+    waiting: set[int] = field(default_factory=set)  # uids that asked while it was queued (fair starts)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0
@@ -57,6 +61,9 @@ class Entry:
     granted: set[int] = field(default_factory=set)  # uids (not the daemon's, not root) answered for it: they
     # may have its descriptor (handout.py) and see it in status
 
+    def __post_init__(self) -> None:
+        self.file = self.file or self.name
+
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
         return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
@@ -74,7 +81,7 @@ def shown_state(entry: Entry, shm_dir: Path) -> str:
     if entry.state == "loading" or not entry.stamp.ino:
         return entry.state
     try:
-        st = os.lstat(shm_dir / entry.name)
+        st = os.lstat(shm_dir / entry.file)
     except OSError:
         return "damaged"
     return entry.state if entry.stamp.matches(st) else "damaged"

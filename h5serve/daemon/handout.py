@@ -61,13 +61,14 @@ def grant(entry: Entry, uid: int, current: Mapping[str, Grant]) -> bool:
     if uid in (os.geteuid(), 0):
         return False
     entry.granted.add(uid)
-    granted = current.get(entry.name)
+    granted = current.get(entry.file)
     return bool(entry.stamp.ino) and (granted is None or uid not in granted.uids or granted.stamp != entry.stamp)
 
 
 def grants_of(entries: Iterable[Entry]) -> Mapping[str, Grant]:
-    """The grants of the published segments among ``entries``, as one immutable mapping."""
-    return MappingProxyType({e.name: Grant(frozenset(e.granted), e.meta.file_size, e.stamp)
+    """The grants of the published segments among ``entries``, as one immutable mapping keyed
+    by the file each was published under (what clients ask for)."""
+    return MappingProxyType({e.file: Grant(frozenset(e.granted), e.meta.file_size, e.stamp)
                              for e in entries if e.state != "loading" and e.granted and e.stamp.ino})
 
 

@@ -111,9 +111,11 @@ class LoadStats:
 
 @dataclass(frozen=True)
 class LoadOk:
-    """A loader's reply: the segment is published under its final name."""
+    """A loader's reply: the segment is published, as ``name`` (the job's final name, or a
+    fresh one when a file that is not ours held that: lifecycle.publish)."""
 
     stats: LoadStats
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -377,9 +379,9 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                 raise SourceChanged(f"{meta.source_path} changed while it was being loaded; request it again")
             if daemon_gone():
                 raise DaemonGone()
-            writer.publish(job.final_name)
+            published = writer.publish(job.final_name)
             writer = None
-            reply.send(LoadOk(stats))
+            reply.send(LoadOk(stats, published.name))
             # after the reply: the segment is ready for its jobs while the pages go
             drop_cached(fd, extents)
     except BaseException as exc:  # report everything: the daemon turns it into an error reply

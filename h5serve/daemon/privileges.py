@@ -55,6 +55,9 @@ def drop_privileges(account: Account) -> None:
         return
     if os.geteuid() != 0:
         raise ConfigError(f"--user {account.name} needs the daemon to be started as root")
+    from .server import raise_open_file_limit  # lazy: zmq is not needed to drop privileges
+
+    raise_open_file_limit()  # while root may still raise the hard limit: the user's daemon keeps it
     os.initgroups(account.name, account.gid)
     os.setgid(account.gid)
     os.setuid(account.uid)

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..hdf5.identity import identities_unchanged
 from ..hdf5.source import check_cast, resolve_dtype, storage_dtype
+from ..logtext import printable
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..safeio import remove_if
@@ -55,8 +56,9 @@ from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTER
 from .entries import COUNTERS, Entry, LoadFailure, not_ours, shown_state
 from .fileset import ResolvedFiles, files_meta
 from .handout import Grant, grant, grants_of
-from .leftovers import adopt_leftovers, own_files
+from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
+from .loadqueue import check_queue_of, next_queued, read_again_soon
 from .resolve import Resolver
 from .secret import load_secret
 from .spare import Spare, start_spare
@@ -117,6 +119,7 @@ class SegmentStore:
         # who may have which ready segment's descriptor: read by the hand-out thread, so never
         # changed in place, only replaced (``_grant``)
         self.grants: Mapping[str, Grant] = MappingProxyType({})
+        self._last_uid = -1  # the uid whose queued load started last (round robin: loadqueue.next_queued)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -141,8 +144,11 @@ class SegmentStore:
             self._grant(result.name, peer.uid)
         return result
 
-    def _grant(self, name: str, uid: int) -> None:
-        entry = self.entries.get(name)
+    def _grant(self, file: str, uid: int) -> None:
+        """Grant ``uid`` the segment published (or being loaded) as ``file``."""
+        entry = self.entries.get(file)  # its keyed name, unless a planted file made it take a fresh one
+        if entry is None or entry.file != file:
+            entry = next((e for e in self.entries.values() if e.file == file), None)
         if entry is not None and grant(entry, uid, self.grants):
             self.grants = grants_of(self.entries.values())  # replaced, never mutated: the hand-out thread reads it
 
@@ -155,8 +161,9 @@ class SegmentStore:
         if resolved is None:
             st = os.stat(self.shm_dir)
             return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
+        uid = os.geteuid() if peer is None else peer.uid
         if isinstance(resolved, ResolvedFiles):
-            return self._acquire_meta(req, files_meta(req, resolved))
+            return self._acquire_meta(req, files_meta(req, resolved), uid)
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
@@ -171,12 +178,15 @@ class SegmentStore:
             # variable-length rows: values estimated for the budget until the load counts them
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
         )
-        return self._acquire_meta(req, meta, lambda: load_spans(info, meta, self.load_processes))
+        return self._acquire_meta(req, meta, uid, lambda: load_spans(info, meta, self.load_processes))
 
-    def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
+    def _acquire_meta(self, req: Acquire, meta: SegmentMeta, uid: int,
                       spans: Callable[[], tuple[tuple[int, int], ...]] | None = None) -> AcquireResult:
-        """``acquire`` once the request's files are resolved into the segment ``meta`` describes;
-        ``spans()`` plans its load's parts (None: the loader does)."""
+        """``acquire``, asked by ``uid``, once the request's files are resolved into the segment
+        ``meta`` describes; ``spans()`` plans its load's parts (None: the loader does).
+
+        Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting: CapacityError.
+        """
         name = segment_name(self.namespace, meta, self.secret)
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
@@ -186,7 +196,10 @@ class SegmentStore:
             if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
-            entry = self._start(name, meta, None if spans is None else spans())
+            check_queue_of(self.entries.values(), uid, meta, self.counters)
+            entry = self._start(name, meta, uid, None if spans is None else spans())
+        elif entry.state == "loading" and entry.process is None:
+            entry.waiting.add(uid)  # its start comes with this uid's turn too
         entry.last_used = time.monotonic()
         entry.asked_as = (req.mode, req.world_size, req.rank)
         entry.modes.add(req.mode)
@@ -195,21 +208,21 @@ class SegmentStore:
         if entry.state == "ready":
             entry.hits += 1
             self.counters["hits"] += 1
-            return self._result("ready", name, entry.meta.rows, entry.meta, entry.stamp)
+            return self._result("ready", entry.file, entry.meta.rows, entry.meta, entry.stamp)
         done = read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0
-        return self._result("loading", name, done, entry.meta)
+        return self._result("loading", entry.file, done, entry.meta)
 
     def _ready_ok(self, entry: Entry) -> bool:
         """Whether a published segment is still as published (fstat: inode and ctime as
         recorded, and its header: cheap). If not (missing, truncated, made writable even if
         made read-only again, replaced, header rewritten) its name is removed and the entry
         dropped, so the caller loads it again; processes that mapped it keep their mapping."""
-        path = self.shm_dir / entry.name
+        path = self.shm_dir / entry.file
         try:
             header, stamp = check_published(path, entry.meta, entry.header or None, entry.stamp)
         except SegmentError as exc:
-            log.warning("%s; loading %s[%s] rank %d/%d again", exc, entry.meta.source_path, entry.meta.key,
-                        entry.meta.rank, entry.meta.world_size)
+            log.warning("%s; loading %s[%s] rank %d/%d again", printable(exc), printable(entry.meta.source_path),
+                        printable(entry.meta.key), entry.meta.rank, entry.meta.world_size)
             self.counters["damaged"] += 1
             remove_if(path, keep=not_ours)
             del self.entries[entry.name]
@@ -224,9 +237,11 @@ class SegmentStore:
         return AcquireResult(state, name, str(self.shm_dir), done, meta.rows, meta.total_rows, os.getuid(),
                              st.st_dev, st.st_ino, stamp.ino, stamp.ctime_ns)
 
-    def _start(self, name: str, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
+    def _start(self, name: str, meta: SegmentMeta, uid: int,
+               spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
         self._make_room(meta.file_size, meta)
-        entry = Entry(name, meta, "loading", tmp_name=temporary_name(name), spans=spans)
+        entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
+                      tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
         self.counters["loads_requested"] += 1
         self._launch_pending()
@@ -234,39 +249,24 @@ class SegmentStore:
 
     def _launch_pending(self) -> None:
         running = sum(1 for e in self.entries.values() if e.process is not None)
-        for entry in self.entries.values():
-            if running >= self.max_loaders:
+        while running < self.max_loaders:
+            entry, self._last_uid = next_queued(self.entries.values(), self._last_uid)
+            if entry is None:
                 return
-            if entry.state == "loading" and entry.process is None:
-                job = LoadJob(self.shm_dir, entry.tmp_name, entry.name, entry.meta, self.group, os.getpid(),
-                              self.load_processes, self.checksum,
-                              self.drop_page_cache and not self._read_again_soon(entry), entry.spans)
-                spare, self._spare = self._spare, None
-                if spare is not None and spare.take(job):
-                    entry.process, entry.reply = spare.process, spare.reply
-                else:
-                    entry.process, entry.reply = start_load(self._ctx, job)
-                entry.load_started = entry.active_at = time.monotonic()
-                self._spare_after = 0.0  # the forkserver is warm
-                running += 1
-                log.info("loading %s[%s] rank %d/%d (%s) into %s", entry.meta.source_path, entry.meta.key,
-                         entry.meta.rank, entry.meta.world_size, format_bytes(entry.meta.nbytes), entry.name)
-
-    def _read_again_soon(self, entry: Entry) -> bool:
-        """Whether a load still waiting for a loader reads some of the same rows of the same
-        dataset as ``entry``'s (interleaved shards: every rank's load reads every row). Then
-        ``entry``'s loader keeps the source's pages cached for it; the last such load drops them."""
-        meta = entry.meta
-        first, last = meta.row_range.span
-        for other in self.entries.values():
-            if other is entry or other.state != "loading" or other.process is not None:
-                continue
-            o = other.meta
-            if (o.source, o.key, o.linked, o.files) == (meta.source, meta.key, meta.linked, meta.files):
-                a, b = o.row_range.span
-                if a < last and first < b:
-                    return True
-        return False
+            job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
+                          self.load_processes, self.checksum,
+                          self.drop_page_cache and not read_again_soon(self.entries.values(), entry), entry.spans)
+            spare, self._spare = self._spare, None
+            if spare is not None and spare.take(job):
+                entry.process, entry.reply = spare.process, spare.reply
+            else:
+                entry.process, entry.reply = start_load(self._ctx, job)
+            entry.load_started = entry.active_at = time.monotonic()
+            self._spare_after = 0.0  # the forkserver is warm
+            running += 1
+            log.info("loading %s[%s] rank %d/%d (%s) into %s", printable(entry.meta.source_path),
+                     printable(entry.meta.key), entry.meta.rank, entry.meta.world_size,
+                     format_bytes(entry.meta.nbytes), entry.file)
 
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())
@@ -281,10 +281,10 @@ class SegmentStore:
         for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
             if self.used_bytes() + needed <= self.max_memory:
                 return
-            if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.name):
+            if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.file):
                 del self.entries[entry.name]
                 self.counters["evictions"] += 1
-                log.info("evicted %s to make room", entry.name)
+                log.info("evicted %s to make room", entry.file)
         used = self.used_bytes()
         if used + needed > self.max_memory:
             self.counters["refusals"] += 1
@@ -333,11 +333,11 @@ class SegmentStore:
             if entry is None or entry.state == "loading":
                 continue
             entry.state = "stale"
-            if try_evict(self.shm_dir / entry.name):  # never raises: runs on the loop, outside any request
+            if try_evict(self.shm_dir / entry.file):  # never raises: runs on the loop, outside any request
                 del self.entries[entry.name]
                 self.counters["evictions"] += 1
                 self.counters["stale_evictions"] += 1
-                log.info("evicted %s: %s changed on disk", entry.name, entry.meta.source_path)
+                log.info("evicted %s: %s changed on disk", entry.file, printable(entry.meta.source_path))
 
     def load_fds(self) -> list[int]:
         """The pipes of running loaders: readable once a loader reports or dies, so the
@@ -373,6 +373,7 @@ class SegmentStore:
             exitcode, pid, output = entry.process.exitcode, entry.process.pid, loader_output(entry.process)
             self._release_loader(entry)
             if isinstance(result, LoadOk):
+                entry.file = result.name or entry.file  # a fresh name if the one planned was taken meanwhile
                 self._loaded(entry, result.stats)
             elif isinstance(result, LoadError):
                 self._fail(entry, result.code, result.message)
@@ -426,9 +427,9 @@ class SegmentStore:
         if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
             entry.meta = replace(entry.meta, values=stats.values)
         try:  # the header, inode and ctime as published: every later hit compares the file with them
-            entry.header, entry.stamp = check_published(self.shm_dir / entry.name, entry.meta)
+            entry.header, entry.stamp = check_published(self.shm_dir / entry.file, entry.meta)
         except SegmentError as exc:
-            remove_if(self.shm_dir / entry.name, keep=not_ours)
+            remove_if(self.shm_dir / entry.file, keep=not_ours)
             self._fail(entry, SegmentError.code, f"{exc} right after it was loaded; ask again to load it again")
             return
         entry.checksum = header_checksum(entry.header)
@@ -437,13 +438,13 @@ class SegmentStore:
         entry.load_parts = stats.parts
         entry.load_copied_bytes = stats.copied_bytes
         self.counters["loads"] += 1
-        log.info("loaded %s in %.2fs", entry.name, entry.load_seconds)
+        log.info("loaded %s in %.2fs", entry.file, entry.load_seconds)
         read_s = max(stats.read_s, 1e-9)
         entry.load_read_seconds = read_s
         log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "
                   "(parts done after %s s): %.0f rows/s, %.1f MB/s; checksum %s in %.2fs; page cache dropped over "
                   "%s of the source",
-                  entry.name, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
+                  entry.file, entry.meta.rows, format_bytes(entry.meta.nbytes), entry.load_parts,
                   stats.create_s, read_s,
                   "/".join(f"{t:.2f}" for t in stats.part_s) or "?",
                   entry.meta.rows / read_s, entry.meta.nbytes / read_s / 1e6,
@@ -459,7 +460,7 @@ class SegmentStore:
         self.failures[entry.name] = LoadFailure(time.monotonic(), code, message)
         self.counters["load_errors"] += 1
         self.errors[code] += 1
-        log.warning("load of %s failed: %s", entry.name, message)
+        log.warning("load of %s failed: %s", entry.file, printable(message))
 
     def _stalled(self, entry: Entry, now: float) -> bool:
         """Whether a running load made no progress (rows written, checksum blocks) for
@@ -478,7 +479,7 @@ class SegmentStore:
         self._release_loader(entry)
         self.counters["stalled"] += 1
         log.warning("load of %s[%s] rank %d/%d made no progress for %.0fs: killed its %d process(es)",
-                    m.source_path, m.key, m.rank, m.world_size, now - entry.active_at, killed)
+                    printable(m.source_path), printable(m.key), m.rank, m.world_size, now - entry.active_at, killed)
         self._fail(entry, SegmentError.code, (
             f"the daemon's load of {m.source_path}[{m.key}] rank {m.rank}/{m.world_size} made no progress for "
             f"{self.stall_timeout:g}s ({entry.activity[0]} of {m.rows} rows; a stopped loader or a hung file system), "
@@ -494,14 +495,14 @@ class SegmentStore:
         now = time.time()
         shown = [e for e in self.entries.values()
                  if viewer is None or viewer in (os.geteuid(), 0) or viewer in e.granted]
-        holders = count_leases([self.shm_dir / e.name for e in shown if e.state != "loading"])
+        holders = count_leases([self.shm_dir / e.file for e in shown if e.state != "loading"])
         for entry in shown:
             m = entry.meta
             done = m.rows if entry.state != "loading" else (
                 read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
             mode, world_size, rank = entry.label()
             segments.append({
-                "name": entry.name, "file": m.source_path, "files": [f[0] for f in m.files] or [m.source_path],
+                "name": entry.file, "file": m.source_path, "files": [f[0] for f in m.files] or [m.source_path],
                 "key": m.key, "rank": rank,
                 "world_size": world_size, "mode": mode, "modes": sorted(entry.modes or {m.mode}),
                 "selection": str(m.row_range), "whole_file": m.row_range.covers(m.total_rows),
@@ -509,7 +510,7 @@ class SegmentStore:
                 f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
                 "source_dtype": str(np.dtype(m.source_dtype)),
                 "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": shown_state(entry, self.shm_dir),
-                "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.name, 0),
+                "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.file, 0),
                 "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
                 "load_read_s": round(entry.load_read_seconds, 4),
                 "load_parts": entry.load_parts,

@@ -33,7 +33,9 @@ from .lifecycle import (
 from .naming import (
     SECRET_BYTES,
     describe_file,
+    fresh_name,
     is_own_file,
+    is_published_as,
     segment_name,
     segment_prefix,
     temporary_name,
@@ -54,6 +56,8 @@ __all__ = [
     "describe_file",
     "temporary_name",
     "temporary_owner_pid",
+    "fresh_name",
+    "is_published_as",
     "create_segment",
     "PUBLISHED_MODE",
     "PublishStamp",

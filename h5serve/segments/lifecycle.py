@@ -7,13 +7,14 @@ segment for writing, and no other user can open it at all. A client of another u
 ``--group`` member) maps only the segments the daemon grants it, from a descriptor it hands
 out (daemon/handout.py).
 
-Lifecycle: ``create_segment`` makes ``<name>.tmp-<pid>-<rand>`` and reserves every byte
-with ``posix_fallocate`` (a full tmpfs is a clear ShmFull now, never a SIGBUS later);
-the loader fills it and ``publish`` sets the complete flag and renames it to ``<name>``,
-atomically. Clients only ever open final names, so they never see a partial segment. The
-daemon then records the file's inode and ctime (``check_published``'s ``PublishStamp``) and
-checks them at every hit: the owner's chmod-write-chmod back, or an unlink and re-create,
-changes one of them.
+Lifecycle: ``create_segment`` makes ``<prefix>tmp-<pid>-<rand>`` (naming.py: it does not
+say which segment it becomes) and reserves every byte with ``posix_fallocate`` (a full tmpfs
+is a clear ShmFull now, never a SIGBUS later); the loader fills it and ``publish`` sets the
+complete flag and renames it to ``<name>``, atomically (or to a fresh name when a file that is
+not ours took ``<name>``). Clients only ever open final names, so they never see a partial
+segment. The daemon then records the file's inode and ctime (``check_published``'s
+``PublishStamp``) and checks them at every hit: the owner's chmod-write-chmod back, or an
+unlink and re-create, changes one of them.
 
 Eviction: ``try_evict`` unlinks only after ``flock(LOCK_EX | LOCK_NB)`` succeeds, so a segment
 a live client holds a lease on stays. What nothing can clean up: a SIGKILLed daemon leaves its
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from ..crc import LOAD_CRC, CrcKind
 from ..errors import SegmentError, ShmFull
+from ..logtext import printable
 from ..safeio import NOFOLLOW_FLAGS, flocks, open_regular
 from ..units import format_bytes
 from .attach import UNKNOWN_STAMP, PublishStamp
@@ -59,7 +61,7 @@ from .format import (
     parse_header,
     read_header,
 )
-from .naming import describe_file, is_own_file
+from .naming import describe_file, fresh_name, is_own_file
 
 __all__ = [
     "PUBLISHED_MODE",
@@ -149,7 +151,9 @@ class SegmentWriter:
         return checksum_text(kind.code, value)
 
     def publish(self, final_name: str) -> Path:
-        """Mark complete, make read-only and rename to ``final_name`` in the same directory (atomic).
+        """Mark complete, make read-only and rename to ``final_name`` in the same directory
+        (atomic); to a ``fresh_name`` of it when a file that is not ours is there. Returns the
+        path it was published as.
 
         The mode changes on the descriptor before the rename, so the final name never exists
         writable: nobody (root aside) can open it for writing, or truncate it, afterwards.
@@ -161,6 +165,14 @@ class SegmentWriter:
         self.close()
         try:
             _rename_noreplace(self.path, final)
+        except FileExistsError:  # someone else's file took the name (seen before, planted since)
+            taken, final = final, self.path.with_name(fresh_name(final_name))
+            try:
+                _rename_noreplace(self.path, final)
+            except OSError as exc:
+                raise SegmentError(_publish_failure(final, exc)) from exc
+            log.warning("%s is taken by a file that is not ours: published as %s instead",
+                        printable(taken), printable(final.name))
         except OSError as exc:
             raise SegmentError(_publish_failure(final, exc)) from exc
         return final

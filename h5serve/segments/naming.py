@@ -1,12 +1,19 @@
 """Where segments live and whose they are: the published name (keyed by the daemon's secret, so
 nobody can compute it and plant a file first), the prefix every segment of one daemon shares,
 temporary names (with the pid that created them), and which files under a prefix are ours.
+
+Every name is visible to every local user (``ls /dev/shm``). A temporary names only its
+daemon's public prefix, the loader's pid and 128 random bits: nothing of the segment it will be
+published as. A published name, once seen, can be taken by anyone after its segment is evicted
+(or the daemon restarts): then the segment is published under ``fresh_name`` of it, the keyed
+name with 128 random bits appended, which nobody can guess before it exists.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import stat
 from typing import TYPE_CHECKING
@@ -27,10 +34,15 @@ __all__ = [
     "describe_file",
     "temporary_name",
     "temporary_owner_pid",
+    "fresh_name",
+    "is_published_as",
 ]
 
 SECRET_BYTES = 32  # the daemon's naming key (blake2b takes up to 64)
-TMP_MARK = ".tmp-"
+TMP_MARK = "-tmp-"  # after the prefix (which ends in "-"); published names are hex after it
+_LEGACY_TMP_MARK = ".tmp-"  # <final>.tmp-<pid>-<rand>, as daemons before issue 21 named them
+_RANDOM_BYTES = 16
+_TEMPORARY = re.compile(r"[.-]tmp-([0-9]+)-[0-9a-f]+\Z")
 
 
 def segment_prefix(namespace: str) -> str:
@@ -63,15 +75,30 @@ def describe_file(st: os.stat_result) -> str:
     return f"{kind} of {describe_owner(st.st_uid)}"
 
 
-def temporary_name(name: str) -> str:
-    return f"{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(3)}"
+def temporary_name(namespace: str) -> str:
+    """A new temporary's name: ``<prefix>tmp-<pid>-<128 random bits>``. It says whose daemon
+    made it (the epilog and the next daemon clean up by prefix) and which process (leftovers),
+    never which segment it becomes: nobody can learn a final name from it and take it first."""
+    return f"{segment_prefix(namespace)}{TMP_MARK[1:]}{os.getpid()}-{secrets.token_hex(_RANDOM_BYTES)}"
 
 
 def temporary_owner_pid(filename: str) -> int | None:
-    """The pid that created a temporary segment file, or None if it is not a temporary."""
-    if TMP_MARK not in filename:
-        return None
-    try:
-        return int(filename.rsplit(TMP_MARK, 1)[1].split("-", 1)[0])
-    except ValueError:
-        return None
+    """The pid that created a temporary segment file, or None if it is not a temporary (this
+    daemon's names, and the ``<final>.tmp-<pid>-<rand>`` of earlier versions)."""
+    found = _TEMPORARY.search(filename)
+    return int(found.group(1)) if found else None
+
+
+def fresh_name(name: str) -> str:
+    """Another name for the segment keyed ``name``, when something that is not ours holds
+    ``name``: ``<name>-<128 random bits>``."""
+    return f"{name}-{secrets.token_hex(_RANDOM_BYTES)}"
+
+
+def is_published_as(filename: str, name: str) -> bool:
+    """Whether ``filename`` is a name the segment keyed ``name`` is published under: ``name``
+    itself or a ``fresh_name`` of it."""
+    if filename == name:
+        return True
+    suffix = filename[len(name) + 1:] if filename.startswith(name + "-") else ""
+    return len(suffix) == 2 * _RANDOM_BYTES and all(c in "0123456789abcdef" for c in suffix)

@@ -39,6 +39,7 @@ from h5serve.connection import DaemonClient
 from h5serve.daemon.config import FAILURE_MEMORY_S
 from h5serve.errors import ConfigError, DaemonUnavailable, SegmentError
 from h5serve.protocol import Acquire
+from h5serve.segments import temporary_owner_pid
 
 from ..helpers import Daemon, alive, make_h5, short_tmpdir, start_with_files, wait_for
 from .test_reliability import BIG_CHUNK_ROWS, BIG_ROW_SHAPE, patterned_crc, patterned_rows, write_patterned
@@ -73,7 +74,7 @@ def children(pid: int) -> list[int]:
 
 
 def temporaries(d: Daemon) -> list[Path]:
-    return [Path("/dev/shm") / n for n in d.segment_files() if ".tmp-" in n]
+    return [Path("/dev/shm") / n for n in d.segment_files() if temporary_owner_pid(n) is not None]
 
 
 def lock_holder(path: Path) -> int | None:

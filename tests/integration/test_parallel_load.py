@@ -23,8 +23,9 @@ from h5serve.client import SharedH5Dataset
 from h5serve.client.connection import DaemonClient
 from h5serve.errors import DataError
 from h5serve.protocol import Acquire
+from h5serve.segments import temporary_owner_pid
 
-from ..helpers import Daemon, alive, expected_checksum, h5serve_cli, short_workdir, wait_for
+from ..helpers import Daemon, alive, expected_checksum, h5serve_cli, short_workdir, temporary_prefix, wait_for
 
 ROWS, ROW_SHAPE, CHUNK_ROWS = 3000, (3, 8, 8), 50
 PARTS = 3
@@ -257,7 +258,7 @@ def test_damaged_chunk_in_middle_part(parallel_daemon: Daemon, workdir: Path) ->
     lo, hi = map(int, re.search(r"rows (\d+)\.\.(\d+)", parallel).groups())
     assert 20 <= lo <= 25 and 29 <= hi <= 39, parallel
     # no temporary left behind, no loader or part process survives the failure
-    assert not [n for n in parallel_daemon.segment_files() if ".tmp-" in n]
+    assert not [n for n in parallel_daemon.segment_files() if temporary_owner_pid(n) is not None]
     assert wait_for(lambda: not loaders_of(parallel_daemon.pid), 10), descendants(parallel_daemon.pid)
     # and the daemon still serves
     status = parallel_daemon.status()
@@ -309,7 +310,7 @@ def test_daemon_gone_mid_split_load_leaves_no_loader(workdir: Path, how: str) ->
 
         assert wait_for(loading, 30, interval=0.01), seg
         tree = loaders_of(d.pid)
-        writers = holding(tree, seg["name"] + ".tmp-")
+        writers = holding(tree, temporary_prefix(d))
         assert len(writers) == PARTS, (tree, writers)  # the loader and its two part children
         client.close()
         if how == "kill -9":
@@ -321,7 +322,7 @@ def test_daemon_gone_mid_split_load_leaves_no_loader(workdir: Path, how: str) ->
         left = d.segment_files()
         assert seg["name"] not in left, "the interrupted load was published"
         if how == "kill -9":  # only the temporary, for the next start to remove
-            assert all(n.startswith(seg["name"] + ".tmp-") for n in left), left
+            assert all(n.startswith(temporary_prefix(d)) for n in left), left
         else:
             assert left == [], left
     finally:

@@ -48,9 +48,9 @@ from h5serve.client import SharedH5Dataset
 from h5serve.client.connection import DaemonClient
 from h5serve.errors import BudgetExceeded, ProtocolError
 from h5serve.protocol import MAX_FRAME_BYTES, Acquire, AcquireResult, Status
-from h5serve.segments import attach_segment, read_progress
+from h5serve.segments import attach_segment, read_progress, temporary_owner_pid
 
-from ..helpers import Daemon, alive, make_h5, short_tmpdir, wait_for
+from ..helpers import Daemon, alive, make_h5, short_tmpdir, temporary_prefix, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -391,9 +391,9 @@ def _kill_daemon_mid_load(d: Daemon, c: DaemonClient, big: Path, group: bool = F
     with ``group``, its whole process group: daemon, forkserver and loaders, as an OOM kill of the
     service's cgroup or ``kill -9 -PGID`` would)."""
     seg = wait_loading(c, big, 30)
-    tree, loaders = _loader_pids(d.pid, seg["name"] + ".tmp-")
-    assert loaders, f"no process of the daemon's tree {tree} has {seg['name']}.tmp-* open"
-    assert any(n.startswith(seg["name"] + ".tmp-") for n in d.segment_files())
+    tree, loaders = _loader_pids(d.pid, temporary_prefix(d))
+    assert loaders, f"no process of the daemon's tree {tree} has {temporary_prefix(d)}* open"
+    assert any(n.startswith(temporary_prefix(d)) for n in d.segment_files())
     c.close()
     t_kill = time.time()
     if group:
@@ -413,7 +413,7 @@ def test_kill_daemon_mid_load_loader_dies_with_daemon(reaper: Reaper, big_h5: Pa
     gone = wait_for(lambda: not any(alive(p) for p in k["loaders"]), 10)
     died_after = time.monotonic() - t
     left = d.segment_files()
-    temporaries = [n for n in left if n.startswith(k["name"] + ".tmp-")]
+    temporaries = [n for n in left if n.startswith(temporary_prefix(d))]
     progress = [read_progress(Path("/dev/shm") / n) for n in temporaries]
     record_figures("kill9_loader", {"loader_gone_after_s": round(died_after, 3), "files_left": left,
                                     "temporary_progress": progress, "rows_done_at_kill": k["seg"]["rows_done"]})
@@ -461,16 +461,17 @@ def test_kill_daemon_mid_load(reaper: Reaper, big_h5: Path, victim: str) -> None
         [p for p in k["tree"] if alive(p)]
     assert wait_for(lambda: not os.path.exists(f"/proc/{d.pid}"), 15), "the killed daemon was never reaped"
     left = d.segment_files()
-    temporaries = [n for n in left if ".tmp-" in n]
+    temporaries = [n for n in left if temporary_owner_pid(n) is not None]
     assert set(complete) <= set(left)
     assert set(left) - set(complete) - set(temporaries) <= {k["name"]}
-    assert all(n.startswith(k["name"] + ".tmp-") for n in temporaries), left
+    assert all(n.startswith(temporary_prefix(d)) for n in temporaries), left
     if victim == "daemon-group":  # killed mid-write: a temporary, never the final name
         assert len(temporaries) == 1 and k["name"] not in left, left
 
     # while it is down, one source changes: its segment must not be adopted
     make_h5(change, rows=500)
-    adoptable = sorted(n for n in left if ".tmp-" not in n and complete.get(n) != os.path.realpath(change))
+    adoptable = sorted(n for n in left
+                       if temporary_owner_pid(n) is None and complete.get(n) != os.path.realpath(change))
 
     reaper.start(d)  # same runtime dir
     status = d.status()
@@ -510,10 +511,10 @@ def test_restart_removes_temporaries_of_a_reused_pid(reaper: Reaper, big_h5: Pat
     assert wait_for(lambda: not any(alive(p) for p in k["tree"]), 10)
     assert wait_for(lambda: not os.path.exists(f"/proc/{d.pid}"), 15), "the killed daemon was never reaped"
     (tmp,) = d.segment_files()
-    assert tmp.startswith(k["name"] + f".tmp-{d.pid}-")
+    assert tmp.startswith(temporary_prefix(d) + f"{d.pid}-")
     # the dead daemon's pid now belongs to a live process that is no loader: here PID 1 (as when
     # the daemon itself ran as PID 1 of a container sharing /dev/shm, and is started again)
-    reused = tmp.replace(f".tmp-{d.pid}-", ".tmp-1-")
+    reused = tmp.replace(f"-tmp-{d.pid}-", "-tmp-1-")
     os.rename(f"/dev/shm/{tmp}", f"/dev/shm/{reused}")
     reaper.start(d)
     assert d.segment_files() == [], "a temporary of the dead daemon survived the restart"
@@ -986,7 +987,7 @@ def test_daemon_killed_while_client_waits(reaper: Reaper, big_h5: Path) -> None:
     assert wait_for(lambda: not any(alive(p) for p in tree), 15), [p for p in tree if alive(p)]
     assert wait_for(lambda: not os.path.exists(f"/proc/{d.pid}"), 15), "the killed daemon was never reaped"
     reaper.start(d)
-    assert not any(".tmp-" in n for n in d.segment_files())
+    assert not any(temporary_owner_pid(n) is not None for n in d.segment_files())
     ds = reaper.keep(SharedH5Dataset(big_h5, "x", "y", rank=0, world_size=1, runtime_dir=d.runtime_dir,
                                      fallback="error", timeout=10.0))
     assert ds.backend == "shm"

@@ -26,6 +26,8 @@ from h5serve.segments import (
     SegmentMeta,
     attach_segment,
     create_segment,
+    fresh_name,
+    is_published_as,
     read_meta,
     read_progress,
     segment_name,
@@ -43,7 +45,7 @@ def publish_segment(shm_dir, meta=None, data=None):
     """Create, fill and publish a segment; returns (final name, final path, data written)."""
     meta = meta or make_meta()
     name = segment_name(NAMESPACE, meta, SECRET)
-    writer = create_segment(shm_dir, temporary_name(name), meta)
+    writer = create_segment(shm_dir, temporary_name(NAMESPACE), meta)
     data = sample_data(meta) if data is None else data
     writer.data[...] = data
     path = writer.publish(name)
@@ -133,12 +135,52 @@ def test_segment_name_changes_with_namespace():
 
 
 def test_temporary_name_round_trip():
+    """A temporary names its daemon's prefix and pid, never the segment it becomes (issue 21:
+    ``<final>.tmp-...`` told anyone which name to take before the publish)."""
     final = segment_name(NAMESPACE, make_meta(), SECRET)
-    tmp = temporary_name(final)
-    assert tmp.startswith(final + ".tmp-")
+    tmp = temporary_name(NAMESPACE)
+    assert tmp.startswith(segment_prefix(NAMESPACE) + "tmp-")
+    assert final[len(segment_prefix(NAMESPACE)):] not in tmp
+    assert len(tmp.rsplit("-", 1)[1]) == 32  # 128 random bits
     assert temporary_owner_pid(tmp) == os.getpid()
-    assert temporary_name(final) != tmp  # random suffix: two loads never collide
-    assert temporary_owner_pid(f"{final}.tmp-4242-abcdef") == 4242
+    assert temporary_name(NAMESPACE) != tmp  # random suffix: two loads never collide
+    assert temporary_owner_pid(f"{final}.tmp-4242-abcdef") == 4242  # what earlier versions left
+    assert temporary_owner_pid(fresh_name(final)) is None
+
+
+def test_fresh_names_of_a_segment():
+    final = segment_name(NAMESPACE, make_meta(), SECRET)
+    fresh = fresh_name(final)
+    assert fresh != fresh_name(final) and fresh.startswith(final + "-")
+    assert is_published_as(final, final) and is_published_as(fresh, final)
+    for other in (final + "-", final + "-xyz", final + "x", temporary_name(NAMESPACE), fresh + "0", final[:-1]):
+        assert not is_published_as(other, final), other
+
+
+def test_publish_under_a_fresh_name_when_a_foreign_file_holds_the_name(tmp_path):
+    """Another user's file (or a symlink, a FIFO) at the final name is left alone; the segment
+    is published under a fresh name of it, and attaches."""
+    meta = make_meta()
+    name = segment_name(NAMESPACE, meta, SECRET)
+    # another user's file needs root to plant here (a file of our own at the name is replaced)
+    for plant in ("file", "fifo", "symlink") if os.geteuid() == 0 else ("fifo", "symlink"):
+        target = tmp_path / name
+        if plant == "file":
+            target.write_bytes(b"planted")
+            os.chown(target, 65534, 65534)
+        elif plant == "fifo":
+            os.mkfifo(target)
+        else:
+            target.symlink_to(tmp_path / "elsewhere")
+        writer = create_segment(tmp_path, temporary_name(NAMESPACE), meta)
+        writer.data[...] = sample_data(meta)
+        path = writer.publish(name)
+        assert path.name != name and is_published_as(path.name, name), plant
+        assert attach_segment(tmp_path, path.name).meta == meta
+        st = os.lstat(target)
+        assert {"file": stat.S_ISREG, "fifo": stat.S_ISFIFO, "symlink": stat.S_ISLNK}[plant](st.st_mode)
+        target.unlink()
+        path.unlink()
 
 
 @pytest.mark.parametrize("filename", ["h5serve-0-ns-abc", "x.tmp-", "x.tmp-abc-123", "x.tmp--1", "plain"])
@@ -213,7 +255,7 @@ def test_meta_from_wire_rejects_non_dict(data):
 def test_create_publish_attach(tmp_path):
     meta = make_meta()
     name = segment_name(NAMESPACE, meta, SECRET)
-    tmp = temporary_name(name)
+    tmp = temporary_name(NAMESPACE)
     writer = create_segment(tmp_path, tmp, meta)
     try:
         tmp_file = tmp_path / tmp
@@ -359,7 +401,7 @@ def test_segment_in_dev_shm():
         pytest.skip("no /dev/shm")
     meta = make_meta(source_path=f"/tmp/h5serve-test-{secrets.token_hex(8)}.h5")
     name = f"h5serve-test-{os.getpid()}-{secrets.token_hex(6)}"
-    tmp = temporary_name(name)
+    tmp = temporary_name(NAMESPACE)
     seg = None
     try:
         writer = create_segment(shm, tmp, meta)
@@ -397,8 +439,7 @@ def test_attach_missing_name(tmp_path):
 
 def test_attach_refuses_temporary_name(tmp_path):
     meta = make_meta()
-    name = segment_name(NAMESPACE, meta, SECRET)
-    tmp = temporary_name(name)
+    tmp = temporary_name(NAMESPACE)
     writer = create_segment(tmp_path, tmp, meta)
     try:
         writer.data[...] = sample_data(meta)
@@ -471,7 +512,7 @@ def test_attach_refuses_size_mismatch(tmp_path, delta):
 def test_attach_refuses_incomplete_segment(tmp_path):
     meta = make_meta()
     name = segment_name(NAMESPACE, meta, SECRET)
-    writer = create_segment(tmp_path, temporary_name(name), meta)
+    writer = create_segment(tmp_path, temporary_name(NAMESPACE), meta)
     try:
         writer.data[...] = sample_data(meta)
         writer.set_progress(meta.rows)

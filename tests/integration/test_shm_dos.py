@@ -236,7 +236,8 @@ def kill(proc: subprocess.Popen) -> None:
 def test_planted_files_deny_nothing(served: Served, attacker: User, data: Path, precious: Path) -> None:
     """Files another user put under the prefix, at the exact final names of the next loads
     (a forged complete segment, a FIFO) and elsewhere (regular files, FIFOs, symlinks to a
-    root file, temporary-looking names): start, load, fall back, stop, all in time."""
+    root file, temporary-looking names): start, load under fresh names, stop, all in time,
+    and every planted file left as it was."""
     served.start()
     status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "x", "y", fallback="error"))
     assert status == "ok" and out[0] == "shm", out
@@ -272,13 +273,16 @@ def test_planted_files_deny_nothing(served: Served, attacker: User, data: Path, 
 
         served.start()  # recovery meets every planted file (the deadline is the cli's timeout)
         assert "not a segment of this daemon" in served.log()
+        # the final names are taken: published under fresh names (issue 21: they used to be
+        # refused for good, every client reading lazily), never the forged rows
         status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "x", "y", fallback="error"))
-        assert status == "error" and out.startswith("SegmentError:") and "in the way" in out, out
-        status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "x", "y"))
         assert status == "ok", out
         backend, rows, caught = out
-        assert backend == "lazy" and rows == expected(data, "x")  # never the forged rows
-        assert any("in the way" in w and "lazily" in w for w in caught), caught
+        assert backend == "shm" and rows == expected(data, "x") and not caught, out
+        fresh = {s["key"]: s["name"] for s in served.status()["segments"]}
+        for key in ("x", "y"):
+            assert fresh[key] != names[key] and fresh[key].startswith(names[key] + "-"), (fresh, names)
+        assert "not ours (left alone): publishing the segment as" in served.log()
         status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "group/nested/x", fallback="error"))
         assert status == "ok" and out[0] == "shm" and out[1] == expected(data, "group/nested/x"), out
         assert served.own_files()
@@ -294,8 +298,8 @@ def test_planted_files_deny_nothing(served: Served, attacker: User, data: Path, 
 def test_foreign_files_at_ready_names_neither_hang_clients_nor_kill_eviction(
         served: Served, attacker: User, data: Path, workdir: Path) -> None:
     """Once a segment's name is free again (its owner removed it), another user can put a
-    file there: a regular file it keeps locked (LOCK_EX), or a FIFO. Clients attaching to it
-    fall back at once; evicting it for room (--max-memory) or because its source changed drops
+    file there: a regular file it keeps locked (LOCK_EX), or a FIFO. The next request loads the
+    segment again under a fresh name, in time; evicting it for room (--max-memory) or because its source changed drops
     it from the registry and leaves the file alone; the daemon keeps serving."""
     served.extra = ("--max-memory", "70000")  # x (52,096 B) and y (12,096 B), not a third
     other = make_h5(workdir / "other.h5", rows=200)
@@ -324,8 +328,8 @@ def test_foreign_files_at_ready_names_neither_hang_clients_nor_kill_eviction(
         started = time.monotonic()
         status, out = served.as_client(lambda: read_all(served.runtime_dir, data, "x", "y"))
         assert status == "ok", out
-        assert out[0] == "lazy" and out[1] == expected(data, "x") and time.monotonic() - started < 30
-        assert any("lazily" in w for w in out[2]), out[2]
+        # loaded again under fresh names (issue 21: the planted names used to deny them, clients read lazily)
+        assert out[0] == "shm" and out[1] == expected(data, "x") and time.monotonic() - started < 30, out
 
         os.utime(other, ns=(time.time_ns(), time.time_ns() + 10**9))  # the sweep now evicts other.h5's segment
         assert wait_for(lambda: served.status()["counters"]["stale_evictions"] >= 1, 15), served.log()

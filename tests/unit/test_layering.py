@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("h5serve.protocol", "h5serve.segments", "h5serve.runtime", "h5serve.sharding", "h5serve.equalise",
      "h5serve.stream_order",
      "h5serve.safeio", "h5serve.topology", "h5serve.crc"),
-    ("h5serve.errors", "h5serve.units", "h5serve.checks", "h5serve"),
+    ("h5serve.errors", "h5serve.units", "h5serve.checks", "h5serve.logtext", "h5serve"),
 ]
 
 

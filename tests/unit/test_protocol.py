@@ -621,3 +621,31 @@ def test_acquire_result_rejects_bad_field_types(change):
 
 def test_acquire_result_is_a_dataclass_with_wire_fields():
     assert [f.name for f in dataclasses.fields(AcquireResult)] == list(VALID_RESULT)
+
+
+# ----- keys: one spelling per dataset (issue 21: equivalent keys were separate loads) -----------
+@pytest.mark.parametrize("key, canonical", [
+    ("x", "x"), ("/x", "x"), ("//x", "x"), ("x/", "x"), ("///x//", "x"),
+    ("group/nested/x", "group/nested/x"), ("/group//nested///x/", "group/nested/x"),
+    ("events:energy", "events:energy"), ("/events:energy", "events:energy"),  # compound fields keep their ':'
+    ("runs:2024:energy", "runs:2024:energy"), ("a//b:c", "a/b:c"), (".hidden/x", ".hidden/x"), ("a/...", "a/..."),
+])
+def test_equivalent_keys_have_one_spelling(key: str, canonical: str) -> None:
+    from h5serve.protocol import normalise_key
+
+    assert normalise_key(key) == canonical
+    request = Acquire("/data/train.h5", key, 1, 0)
+    assert request.key == canonical
+    assert decode_request(encode_request(5, request))[1] == request  # the same segment on both sides
+
+
+@pytest.mark.parametrize("key", ["/", "//", "./x", "x/.", "a/../b", "..", "a/./b"])
+def test_keys_with_dot_components_or_no_name_are_refused(key: str) -> None:
+    from h5serve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="key"):
+        Acquire("/data/train.h5", key, 1, 0)
+    frame = msgpack.packb({**VALID_ACQUIRE, "id": 9, "key": key})
+    with pytest.raises(ConfigError) as caught:
+        decode_request(frame)
+    assert caught.value.request_id == 9  # type: ignore[attr-defined]  # the daemon's error reply names the request
