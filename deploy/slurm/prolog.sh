@@ -13,9 +13,9 @@
 # Opt-in, per job: the daemon starts only for jobs whose comment contains the word h5serve,
 #   sbatch --comment=h5serve train.sbatch         (or: #SBATCH --comment="h5serve")
 # which slurmd passes to this script as SLURM_JOB_COMMENT. Site-wide: H5SERVE_ALL_JOBS=yes
-# in /etc/default/h5serve-slurm starts one for every job. (Older Slurm releases do not pass
-# SLURM_JOB_COMMENT to the node prolog; check with `env > /tmp/prolog.env` in a test prolog,
-# and use H5SERVE_ALL_JOBS=yes there.)
+# in /etc/default/h5serve-slurm starts one for every job. (Slurm 22.05 (tested: 22.05.8) and
+# later pass SLURM_JOB_COMMENT to the node prolog; for another release check with
+# `env > /tmp/prolog.env` in a test prolog, and where it is missing use H5SERVE_ALL_JOBS=yes.)
 #
 # What it does: creates the job's runtime dir /run/h5serve/$SLURM_JOB_ID (0700, owned by the
 # job user, in root's /run/h5serve), then runs

@@ -17,6 +17,10 @@
 #   4. train (srun python train.py, or srun torchrun ...);
 #   5. stop the daemons (segments unlinked), also when training fails.
 #
+# The #SBATCH resources below (4 GPUs and 8 CPUs per task) are an example for a GPU node:
+# options on the command line override them, e.g. on a small CPU cluster
+#   sbatch --gpus-per-node=0 --cpus-per-task=1 --ntasks-per-node=2 sbatch_example.sh
+#
 #SBATCH --job-name=h5serve-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4

@@ -77,8 +77,8 @@ def adopt_leftovers(shm_dir: Path, namespace: str, secret: bytes) -> list[Entry]
         name = segment_name(namespace, meta, secret) if complete and unchanged else ""
         if name and name not in adopted and is_published_as(path.name, name):
             adopted[name] = Entry(name, meta, "ready", file=path.name)
-            log.info("adopted %s (%s[%s] rank %d/%d)", path.name, printable(meta.source_path), printable(meta.key),
-                     meta.rank, meta.world_size)
+            log.info("adopted %s (%s[%s] %s)", path.name, printable(meta.source_path), printable(meta.key),
+                     meta.shard_label())
         else:
             remove_if(path, keep=not_ours)
     return list(adopted.values())

@@ -221,8 +221,8 @@ class SegmentStore:
         try:
             header, stamp = check_published(path, entry.meta, entry.header or None, entry.stamp)
         except SegmentError as exc:
-            log.warning("%s; loading %s[%s] rank %d/%d again", printable(exc), printable(entry.meta.source_path),
-                        printable(entry.meta.key), entry.meta.rank, entry.meta.world_size)
+            log.warning("%s; loading %s[%s] %s again", printable(exc), printable(entry.meta.source_path),
+                        printable(entry.meta.key), entry.meta.shard_label())
             self.counters["damaged"] += 1
             remove_if(path, keep=not_ours)
             del self.entries[entry.name]
@@ -264,9 +264,8 @@ class SegmentStore:
             entry.load_started = entry.active_at = time.monotonic()
             self._spare_after = 0.0  # the forkserver is warm
             running += 1
-            log.info("loading %s[%s] rank %d/%d (%s) into %s", printable(entry.meta.source_path),
-                     printable(entry.meta.key), entry.meta.rank, entry.meta.world_size,
-                     format_bytes(entry.meta.nbytes), entry.file)
+            log.info("loading %s[%s] %s (%s) into %s", printable(entry.meta.source_path),
+                     printable(entry.meta.key), entry.meta.shard_label(), format_bytes(entry.meta.nbytes), entry.file)
 
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())
@@ -478,10 +477,10 @@ class SegmentStore:
         killed = kill_load(entry.process.pid)
         self._release_loader(entry)
         self.counters["stalled"] += 1
-        log.warning("load of %s[%s] rank %d/%d made no progress for %.0fs: killed its %d process(es)",
-                    printable(m.source_path), printable(m.key), m.rank, m.world_size, now - entry.active_at, killed)
+        log.warning("load of %s[%s] %s made no progress for %.0fs: killed its %d process(es)",
+                    printable(m.source_path), printable(m.key), m.shard_label(), now - entry.active_at, killed)
         self._fail(entry, SegmentError.code, (
-            f"the daemon's load of {m.source_path}[{m.key}] rank {m.rank}/{m.world_size} made no progress for "
+            f"the daemon's load of {m.source_path}[{m.key}] {m.shard_label()} made no progress for "
             f"{self.stall_timeout:g}s ({entry.activity[0]} of {m.rows} rows; a stopped loader or a hung file system), "
             f"so the daemon stopped it. Check that the file reads (e.g. `cat FILE > /dev/null`); the daemon loads it "
             f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately "

@@ -146,6 +146,16 @@ class SegmentMeta:
         out += [tuple(f[:5]) for f in self.files[1:]]
         return out + [tuple(d) for d in self.depends]
 
+    def shard_label(self) -> str:
+        """Which ranks' rows these are, in ``h5serve status``'s words, for log lines: ``all ranks
+        (global)`` for the whole file, ``ranks 2-3/4 (node)`` for a node's block, ``rank 1/4
+        (contiguous)`` for one rank's shard."""
+        if self.row_range.covers(self.total_rows):
+            return "all ranks (global)"
+        if self.span > 1:
+            return f"ranks {self.rank}-{self.rank + self.span - 1}/{self.world_size} ({self.mode})"
+        return f"rank {self.rank}/{self.world_size} ({self.mode})"
+
     @property
     def file_rows(self) -> tuple[int, ...]:
         """Rows of each file of a multi-file dataset, in order (empty for one file)."""

@@ -153,7 +153,7 @@ def test_a_damaged_segment_is_loaded_again_before_it_is_served(daemon: Daemon, p
         finally:
             reader.close()
     log = (daemon.runtime_dir / "h5serve.log").read_text()
-    assert f"loading {os.path.realpath(public_dir / 'data.h5')}[x] rank 0/1 again" in log
+    assert f"loading {os.path.realpath(public_dir / 'data.h5')}[x] all ranks (global) again" in log
 
 
 def test_a_fifo_at_a_ready_name_is_never_served_and_never_blocks(daemon: Daemon, public_dir: Path) -> None:
