@@ -11,8 +11,8 @@ refusal) and trains one pass. ``--pause MODE`` makes every rank stop after epoch
 ``<out>/paused-rank<N>`` and wait for ``--go-file``.
 
 Writes ``<out>/rank<N>.json``: rank, world size, host name; per mode the backend, the rows of
-the dataset (``selection``), per epoch the labels (= row ids) of each batch, batches whose bytes
-differed from h5py's, and the resumed pass.
+the dataset (``selection``), per epoch the labels (= row ids) of each batch and a crc32 of its x
+bytes in order, batches whose bytes differed from h5py's, and the resumed pass.
 """
 
 import argparse
@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import time
+import zlib
 
 import h5py
 import numpy as np
@@ -40,16 +41,23 @@ def open_dataset(args: argparse.Namespace, mode: str) -> SharedH5Dataset:
     return SharedH5Dataset(args.path, x_key="x", y_key="y", mode=mode, fallback=args.fallback, **extra)
 
 
-def train_pass(loader, model, optimizer, x_all: np.ndarray) -> tuple[list, int]:
-    """One pass over ``loader``: the labels of each batch, and how many batches' x differed."""
-    batches, differed = [], 0
-    for x, y in loader:
-        differed += not np.array_equal(x.numpy(), x_all[y.numpy()])
+class Pass:
+    """One pass over a loader: the labels of each batch, how many batches' x differed from
+    h5py's rows of the file this rank opened, and a crc32 of all the x bytes in order (for the
+    test to check against its own reading of the file it meant)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.differed = 0
+        self.crc = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, model, optimizer, x_all: np.ndarray) -> None:
+        self.differed += not np.array_equal(x.numpy(), x_all[y.numpy()])
+        self.crc = zlib.crc32(np.ascontiguousarray(x.numpy()).tobytes(), self.crc)
         optimizer.zero_grad()
         model(x.float()).sum().backward()  # all-reduced over gloo: every rank must take part
         optimizer.step()
-        batches.append(y.tolist())
-    return batches, differed
+        self.batches.append(y.tolist())
 
 
 def wait_for_go(args: argparse.Namespace) -> None:
@@ -79,25 +87,22 @@ def run_mode(args: argparse.Namespace, mode: str, x_all: np.ndarray) -> dict:
             report["refused"] = str(exc)
             loader.batch_sampler.load_state_dict(state, next_epoch=True)
         report["resumed_epoch"] = loader.batch_sampler.epoch
-        report["resumed"], report["differed"] = train_pass(loader, model, optimizer, x_all)
+        done = Pass()
+        for x, y in loader:
+            done.step(x, y, model, optimizer, x_all)
+        report["resumed"], report["differed"], report["resumed_crc"] = done.batches, done.differed, done.crc
     else:
-        report["epochs"] = []
+        report["epochs"], report["crcs"] = [], []
         for epoch in range(args.epochs):
             loader.batch_sampler.set_epoch(epoch)
-            if epoch == 1 and args.checkpoint_at:
-                batches, differed = [], 0
-                for step, (x, y) in enumerate(loader):
-                    differed += not np.array_equal(x.numpy(), x_all[y.numpy()])
-                    optimizer.zero_grad()
-                    model(x.float()).sum().backward()
-                    optimizer.step()
-                    batches.append(y.tolist())
-                    if step + 1 == args.checkpoint_at:
-                        report["state"] = loader.batch_sampler.state_dict(consumed=(step + 1) * args.batch_size)
-            else:
-                batches, differed = train_pass(loader, model, optimizer, x_all)
-            report["epochs"].append(batches)
-            report["differed"] += differed
+            done = Pass()
+            for step, (x, y) in enumerate(loader):
+                done.step(x, y, model, optimizer, x_all)
+                if epoch == 1 and step + 1 == args.checkpoint_at:
+                    report["state"] = loader.batch_sampler.state_dict(consumed=(step + 1) * args.batch_size)
+            report["epochs"].append(done.batches)
+            report["crcs"].append(done.crc)
+            report["differed"] += done.differed
             if epoch == 0 and args.pause == mode:
                 wait_for_go(args)
         if "state" in report and dist.get_rank() == 0:
