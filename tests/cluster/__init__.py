@@ -113,6 +113,18 @@ def _start_init(network: Network, i: int, config: dict[str, Any]) -> Node:
     return node
 
 
+def _remove_tagged(tag: str) -> list[str]:
+    """Anything of this run in the host's /dev/shm or /tmp (there only if a node's isolation
+    failed): removed, and reported."""
+    found = [Path(d) / name for d in ("/dev/shm", "/tmp") for name in os.listdir(d) if name.startswith(tag)]
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return [f"{path} on the host (removed)" for path in found]
+
+
 @contextlib.contextmanager
 def cluster(nodes: int = 2, shm: str = "256m", share: Sequence[str | os.PathLike[str]] = ()) -> Iterator[Cluster]:
     """``nodes`` namespace nodes, each with a ``shm``-sized /dev/shm (mount's syntax: ``256m``);
@@ -140,6 +152,7 @@ def cluster(nodes: int = 2, shm: str = "256m", share: Sequence[str | os.PathLike
         problems = [p for node in made for p in node.end()]
         problems += network.remove()
         shutil.rmtree(shared, ignore_errors=True)
+        problems += _remove_tagged(tag)
         if problems:
             raise RuntimeError(f"cluster {tag} teardown left: {'; '.join(problems)}")
 

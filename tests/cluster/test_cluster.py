@@ -16,7 +16,7 @@ import pytest
 from ..helpers import wait_for
 from . import cluster, kill_tree
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(120)]
 
 PROBE = textwrap.dedent("""
     import errno, json, os, socket, sys
@@ -49,7 +49,8 @@ def test_nodes_are_separate_machines_that_see_one_another() -> None:
         names = [n.hostname for n in c.nodes]
         assert all(name.startswith(c.tag) for name in names) and len(set(names)) == 2
         (c.shared / "note").write_text("from the host")
-        c.node(0).run(["sh", "-c", "echo node0 > /dev/shm/mine; echo x > /tmp/mine"], timeout=30)
+        mine = f"{c.tag}-mine"  # tagged: were isolation broken, teardown still finds it on the host
+        c.node(0).run(["sh", "-c", f"echo node0 > /dev/shm/{mine}; echo x > /tmp/{mine}"], timeout=30)
         seen = []
         for node in c.nodes:
             done = node.run([sys.executable, "-c", PROBE, str(c.shared / "note"), *names], timeout=60)
@@ -63,10 +64,10 @@ def test_nodes_are_separate_machines_that_see_one_another() -> None:
             assert probe["outside"] == "ENETUNREACH"
             assert probe["cgroup"]  # /sys is the host's: nsenter, not `ip netns exec`
             assert probe["pid"] < 100  # a pid namespace of its own
-        assert seen[0]["shm"] == ["mine"] and seen[1]["shm"] == []  # private /dev/shm
-        assert "mine" not in os.listdir("/dev/shm")
-        assert "mine" in seen[0]["tmp"] and "mine" not in seen[1]["tmp"]
-        assert c.node(0).shm() == {"mine": 6}
+        assert seen[0]["shm"] == [mine] and seen[1]["shm"] == []  # private /dev/shm
+        assert mine not in os.listdir("/dev/shm")
+        assert mine in seen[0]["tmp"] and mine not in seen[1]["tmp"] and not os.path.exists(f"/tmp/{mine}")
+        assert c.node(0).shm() == {mine: 6}
         # node 1 reaches node 0 over the bridge
         listener = c.node(0).popen([sys.executable, "-c", "import socket; s = socket.create_server(('', 7777)); "
                                     "print('up', flush=True); c, _ = s.accept(); c.sendall(b'hello')"])

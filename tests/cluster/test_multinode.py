@@ -26,7 +26,7 @@ from . import Cluster, NodeDaemon, kill_tree
 from .conftest import ROWS
 from .launch import JobRun, torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(300)]
 
 MODES = ("global", "node", "contiguous", "interleave", "stream")
 SHM_MODES = MODES[:4]  # stream reads its blocks itself (for now): no daemon, no /dev/shm
@@ -214,22 +214,24 @@ def test_a_2x2_checkpoint_resumes_on_another_layout(nodes3: Cluster, daemons: li
     assert set(seen) == set(range(ROWS)) and len(seen) - ROWS < world  # every row, padding aside
 
 
-def test_a_daemon_killed_mid_job_hangs_nothing(nodes3: Cluster, data: Path, first: Reference,
-                                               x_all: np.ndarray) -> None:
+@pytest.mark.parametrize("fallback", ["lazy", "error"])
+def test_a_daemon_killed_mid_job_hangs_nothing(nodes3: Cluster, data: Path, first: Reference, x_all: np.ndarray,
+                                               fallback: str) -> None:
     """Both nodes' ranks pause after epoch 0 of global mode; node 1's daemon is SIGKILLed; the job
-    goes on: node 1's ranks finish epoch 1 from the segments they mapped and read node mode
-    lazily (the fallback), node 0 keeps its daemon and segments; every rank's sequence is the
-    undisturbed job's, and the job ends within the deadline."""
+    goes on to epoch 1 (from the segments the ranks mapped) and to node mode. With
+    ``fallback="lazy"`` node 1's ranks read node mode lazily and every rank's sequence is the
+    undisturbed job's; with ``"error"`` they fail with DaemonUnavailable. Either way the job ends
+    well within the deadline, and node 0 keeps its daemon and its segments intact."""
     runtime_dir = "/run/h5s-kill"  # daemons of this test alone
     node0, node1 = nodes3.nodes[:2]
-    out, go = nodes3.shared / "kill", nodes3.shared / "kill-go"
+    out, go = nodes3.shared / f"kill-{fallback}", nodes3.shared / f"kill-{fallback}-go"
     killed: list[NodeDaemon] = []
     started: list = []
     result: list[JobRun] = []
     try:
         killed = [node.start_daemon(runtime_dir=runtime_dir) for node in (node0, node1)]
         env = {i: {"H5SERVE_RUNTIME_DIR": runtime_dir} for i in (0, 1)}
-        args = [str(data), str(out), "--modes", "global,node", "--fallback", "lazy", "--pause", "global",
+        args = [str(data), str(out), "--modes", "global,node", "--fallback", fallback, "--pause", "global",
                 "--go-file", str(go)]
         thread = threading.Thread(target=lambda: result.append(torchrun(nodes3.nodes[:2], 2, args, out, DEADLINE,
                                                                         env=env, started=started)))
@@ -245,16 +247,21 @@ def test_a_daemon_killed_mid_job_hangs_nothing(nodes3: Cluster, data: Path, firs
         assert not thread.is_alive() and result
         run = result[0]
         assert all(code is not None for code in run.returncodes), run.explain()  # no node hung
-        assert run.ok, run.explain()
         assert time.monotonic() - began < 90, run.explain()
-        for r, ref in zip(run.reports, first.run.reports):
-            on_node1 = r["host"] == node1.hostname
-            assert_bytes(x_all, r, ("global", "node"))
-            assert r["modes"]["global"]["backend"] == "shm"  # mapped before the kill, read after it
-            assert r["modes"]["node"]["backend"] == ("lazy" if on_node1 else "shm")
-            for mode in ("global", "node"):
-                assert r["modes"][mode]["epochs"] == ref["modes"][mode]["epochs"], mode
-        assert killed[0].alive() and killed[0].status()["counters"]["loads"] == loads + 2  # node 0: its block
+        if fallback == "lazy":
+            assert run.ok, run.explain()
+            for r, ref in zip(run.reports, first.run.reports):
+                on_node1 = r["host"] == node1.hostname
+                assert_bytes(x_all, r, ("global", "node"))
+                assert r["modes"]["global"]["backend"] == "shm"  # mapped before the kill, read after it
+                assert r["modes"]["node"]["backend"] == ("lazy" if on_node1 else "shm")
+                for mode in ("global", "node"):
+                    assert r["modes"][mode]["epochs"] == ref["modes"][mode]["epochs"], mode
+            assert killed[0].status()["counters"]["loads"] == loads + 2  # node 0: its node block, x and y
+        else:  # node 1's ranks fail, saying why; node 0's then lose their peers and end too
+            assert run.returncodes[1] != 0 and "DaemonUnavailable: no h5serve daemon is running" in run.outputs[1]
+            assert run.returncodes[0] != 0, run.explain()
+        assert killed[0].alive()
         verify = killed[0].cli("status", "--verify")
         assert verify.returncode == 0, verify.stdout  # node 0's segments intact
     finally:
