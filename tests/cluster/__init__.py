@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from ._net import Network, pick_subnet
-from ._node import Node, NodeDaemon, kill_tree
+from ._node import PROJECT, Node, NodeDaemon, kill_tree
 
 __all__ = ["Cluster", "Node", "NodeDaemon", "cluster", "kill_tree", "skip_reason"]
 
-PROJECT = Path(__file__).resolve().parents[2]
 INIT = Path(__file__).resolve().parent / "_init.py"
 _READY_S = 30.0
 _COMMANDS = ("unshare", "nsenter", "ip")
@@ -74,10 +73,6 @@ class Cluster:
     def node(self, i: int) -> Node:
         return self.nodes[i]
 
-    @property
-    def hosts(self) -> str:
-        return hosts_file(self.network)
-
 
 def hosts_file(network: Network) -> str:
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
@@ -107,7 +102,8 @@ def _start_init(network: Network, i: int, config: dict[str, Any]) -> Node:
         if select.select([launcher.stdout], [], [], deadline - time.monotonic())[0]:
             line = launcher.stdout.readline() or "exited"
     if line.strip() != "ready":
-        err = launcher.stderr.read() if launcher.poll() is not None and launcher.stderr else ""
+        kill_tree(launcher.pid)
+        _, err = launcher.communicate()
         raise RuntimeError(f"node {i} did not start: {line.strip() or 'no answer in 30 s'} {err}".strip())
     node.find_init()
     return node

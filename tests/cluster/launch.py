@@ -3,6 +3,7 @@ rendezvous on the first node's address, gloo; a shared deadline, everything kill
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -43,7 +44,7 @@ class JobRun:
         return hosts
 
 
-_runs = 0
+_run_ids = itertools.count(1)  # each job its own rendezvous id
 
 
 def torchrun(nodes: Sequence[Node], nproc: int, args: Sequence[str], out: Path, deadline: float,
@@ -54,12 +55,10 @@ def torchrun(nodes: Sequence[Node], nproc: int, args: Sequence[str], out: Path, 
     Past ``deadline`` seconds every node's torchrun is killed with all it started, and the run
     reports exit code None there. ``started`` receives the processes as soon as they run (for a
     test that acts while the job runs)."""
-    global _runs
-    _runs += 1
     out.mkdir(parents=True, exist_ok=True)
     endpoint = f"{nodes[0].address}:{RDZV_PORT}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc_per_node={nproc}",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id=job{_runs}", "--max_restarts=0",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id=job{next(_run_ids)}", "--max_restarts=0",
            "--monitor_interval=0.5", str(job), *args]
     processes: list[subprocess.Popen] = []
     try:

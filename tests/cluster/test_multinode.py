@@ -104,7 +104,6 @@ def test_every_mode_sees_every_row_once_per_epoch_on_shm(first: Reference, x_all
     reports = first.run.reports
     for r in reports:
         assert_bytes(x_all, r, MODES)  # every batch's bytes are h5py's
-    assert [r["host"] for r in reports] == sorted(r["host"] for r in reports)  # 2 ranks on each of 2 hosts
     assert len(first.run.by_host()) == 2 and {len(v) for v in first.run.by_host().values()} == {2}
     for mode in MODES:
         each = [r["modes"][mode] for r in reports]
@@ -251,6 +250,7 @@ def test_a_daemon_killed_mid_job_hangs_nothing(nodes3: Cluster, data: Path, firs
         if fallback == "lazy":
             assert run.ok, run.explain()
             for r, ref in zip(run.reports, first.run.reports):
+                assert r["host"] == ref["host"]
                 on_node1 = r["host"] == node1.hostname
                 assert_bytes(x_all, r, ("global", "node"))
                 assert r["modes"]["global"]["backend"] == "shm"  # mapped before the kill, read after it
