@@ -6,6 +6,7 @@ table of ratios.
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
+    python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
 
 Data files are made on first use under --data-dir and kept. Speed is measured here, never
 asserted in tests; rows with a target say whether this run met it.
@@ -33,7 +34,7 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
 from .common import BenchDaemon, Row, log, make_files
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
-GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "peers")
+GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "peers", "multinode")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -340,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             from .peers import run_peers
 
             rows += run_peers(files, args.repeat, peers)
+        elif group == "multinode":
+            from .multinode import multinode
+
+            log("a 2-node job beside a 1-node job, on namespace nodes")
+            rows += multinode(files, args.repeat)
         else:
             log("first batch of a torchrun job")
             rows += first_batch(files, args.repeat)
