@@ -10,7 +10,8 @@ from ..errors import ConfigError
 from ..runtime import RuntimeLocation
 
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
-           "default_load_processes", "FAILURE_MEMORY_S", "MAX_QUEUED_LOADS_PER_UID", "STALL_CHECK_INTERVAL_S",
+           "default_load_processes", "FAILURE_MEMORY_S", "MAX_AWAITING_RESOLUTION", "MAX_QUEUED_LOADS_PER_UID",
+           "STALL_CHECK_INTERVAL_S",
            "SWEEP_INTERVAL_S"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
@@ -25,6 +26,9 @@ STALL_CHECK_INTERVAL_S = 0.5  # how often running loads are checked for progress
 # ranks x keys of them at most (8 x 32 here), one user queuing thousands holds memory and the
 # budget, and queued loads start round-robin by uid anyway (store._next_queued).
 MAX_QUEUED_LOADS_PER_UID = 256
+# requests answered before their file was resolved whose loads start once it is (store.start_resolved);
+# past it the oldest is forgotten (its load starts when its client asks again)
+MAX_AWAITING_RESOLUTION = 1024
 
 
 def default_loaders() -> int:

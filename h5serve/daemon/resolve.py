@@ -99,6 +99,11 @@ def _without_tracebacks(exc: BaseException) -> BaseException:
     return exc
 
 
+def _pending_key(path: str, key: str, peer: Peer, files: tuple[str, ...]) -> tuple[object, ...]:
+    """One resolution in flight per file (or file list), key and requesting identity."""
+    return (files or path, key, peer.uid, peer.gid)
+
+
 @dataclass(frozen=True)
 class Resolved:
     """A request's file as opened and checked, and its dataset's metadata."""
@@ -118,6 +123,28 @@ class Resolver:
         self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
         self._lock = threading.Lock()
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
+        # written to when a resolution finishes, so that the control loop (which polls the read
+        # end) starts its load at once, whether or not the client asks again
+        self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def _wake(self, _: object = None) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:  # the pipe is full (the loop wakes anyway) or closed (stopping)
+            pass
+
+    def drain_wakes(self) -> None:
+        """Empty the wake pipe (the control loop, once woken)."""
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except OSError:  # empty: EAGAIN
+            pass
+
+    def finished(self, path: str, key: str, peer: Peer, files: tuple[str, ...] = ()) -> bool:
+        """Whether this request's resolution is in flight and done (``poll`` answers at once)."""
+        _, future = self._pending.get(_pending_key(path, key, peer, files), (0.0, None))
+        return future is not None and future.done()
 
     def poll(self, path: str, key: str, peer: Peer,
              files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
@@ -127,7 +154,7 @@ class Resolver:
 
         Raised when the file cannot be served: the H5ServeError saying why.
         """
-        pending_key = (files or path, key, peer.uid, peer.gid)
+        pending_key = _pending_key(path, key, peer, files)
         started, future = self._pending.get(pending_key, (0.0, None))
         if future is not None and future.done() and time.monotonic() - started > RESOLVE_FRESH_S:
             future = None  # an answer nobody picked up in time: the file may have changed since
@@ -140,6 +167,7 @@ class Resolver:
                 future = self._pool.submit(self.resolve, path, key, peer)
             started = time.monotonic()
             self._pending[pending_key] = (started, future)
+            future.add_done_callback(self._wake)
         if not future.done():
             try:
                 future.exception(timeout=RESOLVE_WAIT_S)
@@ -228,6 +256,8 @@ class Resolver:
         return found
 
     def close(self) -> None:
+        # (the wake pipe stays open: a thread still stuck in a resolution writes to it when it
+        # returns, and a closed descriptor's number may by then name another file)
         self._pool.close()
 
 

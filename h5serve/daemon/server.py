@@ -414,6 +414,7 @@ class Server:
             poller.register(self.guard.monitor, zmq.POLLIN)
             for fd in self.store.load_fds():
                 poller.register(fd, zmq.POLLIN)
+            poller.register(self.store.resolver.wake_fd, zmq.POLLIN)  # a resolution finished
             try:
                 # woken when a spare loader is due, to start it while nothing else waits
                 ready = dict(poller.poll(int(min(POLL_INTERVAL_S, self.store.spare_due_in()) * 1000)))
@@ -424,6 +425,9 @@ class Server:
             self.guard.check()
             # loaders first: a poll that arrives with its load's report is answered "ready"
             self.store.poll_loads()
+            if self.store.resolver.wake_fd in ready:
+                self.store.resolver.drain_wakes()
+            self.store.start_resolved()  # loads of requests answered "loading" before their file resolved
             for n in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
                 if n % _GUARD_EVERY == _GUARD_EVERY - 1:  # connections keep arriving while we answer
                     self.guard.check()

@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import (
     AccessDenied,
     BudgetExceeded,
+    H5ServeError,
     SegmentError,
     error_from_code,
 )
@@ -52,14 +53,20 @@ from ..sharding import Selection
 from ..units import format_bytes
 from ._process import loader_output
 from .access import Peer
-from .config import DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S, STALL_CHECK_INTERVAL_S, SWEEP_INTERVAL_S
+from .config import (
+    DEFAULT_STALL_TIMEOUT_S,
+    FAILURE_MEMORY_S,
+    MAX_AWAITING_RESOLUTION,
+    STALL_CHECK_INTERVAL_S,
+    SWEEP_INTERVAL_S,
+)
 from .entries import COUNTERS, Entry, LoadFailure, not_ours, shown_state
 from .fileset import ResolvedFiles, files_meta
 from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .loadqueue import check_queue_of, next_queued, read_again_soon
-from .resolve import Resolver
+from .resolve import RESOLVE_TIMEOUT_S, Resolver
 from .secret import load_secret
 from .spare import Spare, start_spare
 
@@ -120,6 +127,8 @@ class SegmentStore:
         # changed in place, only replaced (``_grant``)
         self.grants: Mapping[str, Grant] = MappingProxyType({})
         self._last_uid = -1  # the uid whose queued load started last (round robin: loadqueue.next_queued)
+        # requests answered before their file was resolved: their loads start once it is
+        self._resolving: dict[tuple[Acquire, int, int], tuple[Acquire, Peer, float]] = {}
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -144,6 +153,29 @@ class SegmentStore:
             self._grant(result.name, peer.uid)
         return result
 
+    def _awaiting_resolution(self, req: Acquire, peer: Peer) -> None:
+        """Remember a request answered "loading" before its file was resolved, so that its load
+        starts as soon as the resolution is done (``start_resolved``), not when (or if) its
+        client asks again: a preload, or stream mode's prefetch, sends one acquire and moves on."""
+        if len(self._resolving) >= MAX_AWAITING_RESOLUTION:
+            self._resolving.pop(next(iter(self._resolving)))  # the oldest: its client asks again anyway
+        self._resolving[(req, peer.uid, peer.gid)] = (req, peer, time.monotonic())
+
+    def start_resolved(self) -> None:
+        """Start the loads of requests whose resolution finished since they were answered (the
+        control loop calls it when the resolver wakes it). A request that fails now is
+        answered with its error when its client asks again."""
+        now = time.monotonic()
+        for key, (req, peer, since) in list(self._resolving.items()):
+            if now - since > RESOLVE_TIMEOUT_S:
+                del self._resolving[key]
+            elif self.resolver.finished(req.path, req.key, peer, req.files):
+                del self._resolving[key]
+                try:
+                    self.acquire(req, peer)
+                except H5ServeError:
+                    pass
+
     def _grant(self, file: str, uid: int) -> None:
         """Grant ``uid`` the segment published (or being loaded) as ``file``."""
         entry = self.entries.get(file)  # its keyed name, unless a planted file made it take a fresh one
@@ -159,6 +191,7 @@ class SegmentStore:
             self.counters["refusals"] += 1
             raise
         if resolved is None:
+            self._awaiting_resolution(req, peer)
             st = os.stat(self.shm_dir)
             return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
         uid = os.geteuid() if peer is None else peer.uid
