@@ -233,10 +233,11 @@ class DaemonBlocks:
         held = sorted(self._held)
         shown = ", ".join(map(str, held[:16])) + (", ..." if len(held) > 16 else "")
         assert request.rows is not None
+        window = format_bytes(self.capacity * self.block_cost)
         return (f"stream block {block} (rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}) found no room "
                 f"in the daemon's budget of {format_bytes(self.budget)} for {self.wait_s:g}s: the window is "
-                f"{self.capacity} blocks of {format_bytes(self.block_cost)} ({format_bytes(self.capacity * self.block_cost)}"
-                f"), this rank holds {len(held)} ({shown}) and the rest is held by other ranks or jobs on the node "
+                f"{self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank holds {len(held)} "
+                f"({shown}) and the rest is held by other ranks or jobs on the node "
                 f"(a rank stopped or far behind?). The daemon said: {exc}. Check the other ranks, or give the job a "
                 "smaller window (window=) or the daemon a larger --max-memory; timeout= sets how long to wait")
 
@@ -281,7 +282,7 @@ def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, 
         fits = budget // block_cost
         raise ConfigError(
             f"window={format_bytes(window)} holds {capacity} blocks, which take {capacity} x "
-            f"{format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in the daemon's shared memory (rows and "
-            f"a header page per key), more than its budget of {format_bytes(budget)}: pass a window of at most "
-            f"{format_bytes(fits * block_bytes)} ({fits} blocks), window=None for "
+            f"{format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in the daemon's shared memory "
+            f"(rows and a header page per key), more than its budget of {format_bytes(budget)}: pass a window of at "
+            f"most {format_bytes(fits * block_bytes)} ({fits} blocks), window=None for "
             "what the budget holds, or start the daemon with a larger --max-memory")
