@@ -182,7 +182,7 @@ class StreamBackend:
         daemon, ask for the blocks it takes next (``batch.ahead``)."""
         self.cache.retain(batch.alive)
         if isinstance(self.cache, DaemonBlocks):
-            self.cache.prefetch(batch.ahead)
+            self.cache.prefetch(batch.ahead, batch.alive)
 
     def finish(self, batch: StreamBatch) -> None:
         """After ``batch`` was gathered: close the blocks this rank has used for the last time."""

@@ -136,8 +136,6 @@ class DaemonBlocks:
         keep = set(np.asarray(alive).tolist())
         for block in [b for b in self._held if b not in keep]:
             self._close(block)
-        for block in [b for b in self._asked if b not in keep]:
-            del self._asked[block]  # a prefetch the window has passed: nothing held, nothing to close
 
     def release(self, done: np.ndarray) -> None:
         """Close the blocks of ``done``: this rank has used them for the last time this epoch."""
@@ -149,13 +147,18 @@ class DaemonBlocks:
         for segment in self._held.pop(block, []):
             segment.close()
 
-    def prefetch(self, ahead: np.ndarray) -> None:
+    def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
         """Ask for the blocks of ``ahead`` not mapped or asked for yet, without waiting: the
         daemon starts their loads. A full budget stops the prefetch here (the blocks are asked
-        for again when needed)."""
+        for again when needed). Forgets the prefetches outside ``alive`` and ``ahead`` (the
+        window has passed them: nothing held, nothing to close)."""
         self._check_pid()
+        ahead_list = np.asarray(ahead).tolist()
+        keep = set(ahead_list) | set(np.asarray(alive).tolist())
+        for block in [b for b in self._asked if b not in keep]:
+            del self._asked[block]
         client = self.client()
-        for block in np.asarray(ahead).tolist():
+        for block in ahead_list:
             if block in self._held or block in self._asked:
                 continue
             try:
