@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,6 +123,9 @@ def test_blocks_load_once_per_node_and_jobs_share_them(h5: Path, tmp_path: Path)
         assert memory["max"] <= BUDGET
         assert all(r["backend"] == "shm" for r in first)
         check_epoch([r["runs"]["make:0"][0] for r in first])
+        table = d.cli("status").stdout  # the blocks still resident, as a user reads them
+        assert "ranks or rows" in table and " stream " in table
+        assert re.search(r"\bx\s+rows \d+-\d+\s+stream\b", table), table
 
         # two more jobs at once, in the same order: they share the blocks both have in their windows
         outs: dict[str, list[dict]] = {}
