@@ -25,6 +25,24 @@ def shown_file(segment: dict[str, Any]) -> str:
     return f"{files[0]} .. {os.path.basename(files[-1])} ({len(files)} files)"
 
 
+def _first_row(segment: dict[str, Any]) -> int:
+    try:
+        return int(str(segment.get("selection", "0")).split(":")[0])
+    except ValueError:
+        return 0
+
+
+def shown_ranks(segment: dict[str, Any]) -> str:
+    """The ranks column: ``all`` (the whole file), ``rank/world size``, or for a stream-mode
+    block the global rows it holds (``rows 4096-8191``): every rank of the node reads it."""
+    if segment.get("whole_file"):
+        return "all"
+    if segment["mode"] == "stream":
+        start, stop = (int(v) for v in str(segment["selection"]).split(":")[:2])
+        return f"rows {start}-{stop - 1}"
+    return f"{segment['rank']}/{segment['world_size']}"
+
+
 def format_status(info: dict[str, Any]) -> str:
     mem = info["memory"]
     lines = [
@@ -37,13 +55,14 @@ def format_status(info: dict[str, Any]) -> str:
     if not segments:
         lines.append("no segments")
         return "\n".join(lines)
-    header = ("file", "key", "ranks", "mode", "dtype", "size", "holders", "hits", "age", "state")
+    header = ("file", "key", "ranks or rows", "mode", "dtype", "size", "holders", "hits", "age", "state")
     rows = [
-        (shown_file(s), s["key"], "all" if s.get("whole_file") else f"{s['rank']}/{s['world_size']}",
+        (shown_file(s), s["key"], shown_ranks(s),
          "global" if s.get("whole_file") else s["mode"], s["dtype"], format_bytes(s["bytes"]),
          str(s.get("holders", 0)), str(s["hits"]), format_age(s["age_s"]),
          s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
-        for s in sorted(segments, key=lambda s: (s["file"], s["key"], s["world_size"], s["rank"]))
+        for s in sorted(segments, key=lambda s: (s["file"], s["key"], s["mode"] == "stream", s["world_size"], s["rank"],
+                                                 _first_row(s)))
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]

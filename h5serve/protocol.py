@@ -19,7 +19,7 @@ import msgpack
 
 from .checks import is_int
 from .errors import ConfigError, H5ServeError, ProtocolError, error_from_code
-from .sharding import ALL_MODES
+from .sharding import STREAM, WIRE_MODES
 
 __all__ = [
     "VERSION",
@@ -95,6 +95,12 @@ class Acquire:
     with progress (the client asks again), never blocked on the load itself. ``key`` may name
     a field of a compound dataset, ``"<dataset>:<field>"`` (h5serve/hdf5/compound.py): the segment
     holds that field only.
+
+    ``mode="stream"``: one block of stream mode, the global rows ``rows = (start, stop)``
+    (required there, refused elsewhere; not sent otherwise, so other requests are the messages
+    they were). ``world_size`` and ``rank`` only say who asked: the segment is the rows', the
+    same for every rank and job. The daemon checks ``stop`` against the dataset's rows once
+    the file is resolved (ConfigError).
     """
 
     OP: ClassVar[str] = "acquire"
@@ -106,6 +112,7 @@ class Acquire:
     dtype: str | None = None
     span: int = 1  # mode="node": the node's ranks are rank .. rank + span - 1
     files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
+    rows: tuple[int, int] | None = None  # mode="stream": the block's global rows [start, stop)
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
@@ -125,8 +132,16 @@ class Acquire:
         object.__setattr__(self, "key", normalise_key(self.key))
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("rank", self.rank, 0, self.world_size - 1)
-        if self.mode not in ALL_MODES:
-            raise ProtocolError(f"field 'mode' must be one of {ALL_MODES}, got {self.mode!r}")
+        if self.mode not in WIRE_MODES:
+            raise ProtocolError(f"field 'mode' must be one of {WIRE_MODES}, got {self.mode!r}")
+        if self.mode == STREAM:
+            if not isinstance(self.rows, (list, tuple)) or len(self.rows) != 2:
+                raise ProtocolError(f"field 'rows' must be [start, stop] in mode 'stream', got {self.rows!r:.80}")
+            _check_int("rows", self.rows[0], 0, 2**63 - 2)
+            _check_int("rows", self.rows[1], self.rows[0] + 1, 2**63 - 1)
+            object.__setattr__(self, "rows", (self.rows[0], self.rows[1]))
+        elif self.rows is not None:
+            raise ProtocolError(f"field 'rows' is for mode 'stream' only, not {self.mode!r}")
         _check_int("span", self.span, 1, self.world_size - self.rank)
         if self.span != 1 and self.mode != "node":
             raise ProtocolError(f"field 'span' must be 1 outside mode 'node', got {self.span}")
@@ -246,6 +261,8 @@ def encode_request(request_id: int, request: Request) -> bytes:
     fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
     if not fields.get("files", True):  # one file: the message older daemons know
         del fields["files"]
+    if "rows" in fields and fields["rows"] is None:  # not a stream block: the message as before
+        del fields["rows"]
     return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
 
 

@@ -7,8 +7,10 @@ Every mode's rows are one ``RowRange``, ``range(start, stop, step)`` over the gl
 contiguous shard is ``range(a, b)``, an interleaved one ``range(r, total, W)``, the whole file
 (``mode="global"``) ``range(0, total)``, a node's block (``mode="node"``: the union of the
 contiguous shards of the consecutive ranks ``rank .. rank + span - 1`` on one node)
-``range(a, b)``. The range, not the mode, is what a segment holds, so
-selections with the same rows (world size 1 in any mode, and global) share one segment.
+``range(a, b)``, one block of stream mode (``mode="stream"``, ``block=(a, b)``: explicit global
+rows, h5serve/stream_order.py) ``range(a, b)``. The range, not the mode, is what a segment
+holds, so selections with the same rows (world size 1 in any mode, and global; a stream block
+asked by any rank of any job) share one segment.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = [
     "GLOBAL",
     "NODE",
     "ALL_MODES",
+    "STREAM",
+    "WIRE_MODES",
     "RowRange",
     "Selection",
     "balanced_contiguous_shard",
@@ -35,6 +39,7 @@ __all__ = [
     "as_rows",
     "validate_shard",
     "validate_span",
+    "validate_block",
     "node_selection",
     "resolve_rank_world",
 ]
@@ -42,7 +47,9 @@ __all__ = [
 MODES = ("contiguous", "interleave")  # the sharded modes: every rank its own rows
 GLOBAL = "global"  # every rank the whole file, one copy per node
 NODE = "node"  # every rank of a node the union of the node's contiguous shards, one copy per node
-ALL_MODES = (*MODES, GLOBAL, NODE)
+ALL_MODES = (*MODES, GLOBAL, NODE)  # a dataset's modes that select rows by rank (stream mode deals blocks)
+STREAM = "stream"  # SharedH5Dataset(mode="stream"); on the wire: one block, explicit rows ``block=(a, b)``
+WIRE_MODES = (*ALL_MODES, STREAM)  # what an acquire may ask for
 
 
 @dataclass(frozen=True)
@@ -86,24 +93,40 @@ class RowRange:
 class Selection:
     """One rank's share of the rows: ``mode`` over ``world_size`` ranks, this ``rank``
     (``mode="global"``: every rank has all rows; ``mode="node"``: ``rank`` is the node's first
-    rank and ``span`` its number of consecutive ranks, whose contiguous shards the node holds).
+    rank and ``span`` its number of consecutive ranks, whose contiguous shards the node holds;
+    ``mode="stream"``: the global rows ``block = (start, stop)`` of one block, whoever asks).
 
-    Raised for a bad mode, rank or world size, or a ``span`` that is not 1 outside node mode
-    or reaches past the last rank: ConfigError.
+    Raised for a bad mode, rank or world size, a ``span`` that is not 1 outside node mode
+    or reaches past the last rank, or a ``block`` that is not ``0 <= start < stop`` in stream
+    mode or is given in another: ConfigError. ``rows(total)`` raises ConfigError for a block
+    past the dataset's last row.
     """
 
     mode: str
     world_size: int
     rank: int
     span: int = 1
+    block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        validate_shard(self.mode, self.world_size, self.rank)
+        validate_shard(GLOBAL if self.mode == STREAM else self.mode, self.world_size, self.rank)
         validate_span(self.mode, self.world_size, self.rank, self.span)
+        validate_block(self.mode, self.block)
+        if self.block is not None:
+            object.__setattr__(self, "block", (int(self.block[0]), int(self.block[1])))
 
     def rows(self, total: int) -> RowRange:
-        """The global rows of this selection of ``total`` rows, in local order."""
+        """The global rows of this selection of ``total`` rows, in local order.
+
+        Raised when a stream block reaches past ``total``: ConfigError naming both."""
         _check_total(total)
+        if self.mode == STREAM:
+            assert self.block is not None  # validate_block
+            start, stop = self.block
+            if stop > total:
+                raise ConfigError(f"stream block rows [{start}, {stop}) reach past the dataset's {total} rows: ask "
+                                  "for blocks of the dataset as it is (the file may have changed since it was opened)")
+            return RowRange.of(start, stop - start)
         if self.mode == GLOBAL:
             return RowRange.of(0, total)
         if self.mode == NODE:
@@ -116,12 +139,14 @@ class Selection:
         return RowRange.of(self.rank, len(range(self.rank, total, self.world_size)), self.world_size)
 
     def indices(self, total: int) -> np.ndarray:
-        if self.mode == NODE:
+        if self.mode in (NODE, STREAM):
             return self.rows(total).indices()
         return shard_indices(total, self.world_size, self.rank, self.mode)
 
     def first(self, total: int) -> int:
         """Global row of local position 0 (local ``k`` is global ``first + k * step``)."""
+        if self.mode == STREAM:
+            return self.rows(total).start
         if self.mode in ("contiguous", NODE):
             return balanced_contiguous_shard(total, self.world_size, self.rank)[0]
         return 0 if self.mode == GLOBAL else self.rank
@@ -135,7 +160,10 @@ class Selection:
 
     def sizes(self, total: int) -> list[int]:
         """Rows in the dataset of every rank of this selection's world, rank 0 first (node
-        mode: every rank's contiguous shard, what it is dealt per epoch before equalising)."""
+        mode: every rank's contiguous shard, what it is dealt per epoch before equalising; a
+        stream block: every rank may read all of it)."""
+        if self.mode == STREAM:
+            return [self.count(total)] * self.world_size
         return shard_sizes(total, self.world_size, "contiguous" if self.mode == NODE else self.mode)
 
 
@@ -160,6 +188,18 @@ def validate_span(mode: str, world_size: int, rank: int, span: int) -> None:
         raise ConfigError(f"span is the number of ranks on a node, for mode='node' only (mode={mode!r}, span={span})")
     if rank + span > world_size:
         raise ConfigError(f"a node of {span} ranks from rank {rank} reaches past the last rank {world_size - 1}")
+
+
+def validate_block(mode: str, block: object) -> None:
+    """Raised when ``block`` is not ``(start, stop)`` with ``0 <= start < stop`` in stream mode,
+    or is given in another mode: ConfigError."""
+    if mode != STREAM:
+        if block is not None:
+            raise ConfigError(f"block rows are for mode='stream' only (mode={mode!r}, block={block!r})")
+        return
+    if (not isinstance(block, (tuple, list)) or len(block) != 2 or not all(is_int(v, numpy=True) for v in block)
+            or not 0 <= block[0] < block[1]):
+        raise ConfigError(f"a stream block is its global rows (start, stop) with 0 <= start < stop, got {block!r}")
 
 
 def _check_rank_world(world_size: int, rank: int) -> None:

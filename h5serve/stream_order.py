@@ -42,6 +42,7 @@ import numpy as np
 from .checks import is_int
 from .equalise import check_batch_size, equal_epoch_size
 from .errors import ConfigError
+from .sharding import STREAM
 from .units import format_bytes
 
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
     "neighbour_entropy",
 ]
 
-STREAM = "stream"  # the mode: SharedH5Dataset(mode="stream")
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024  # the block the layout picks: whole chunks, about this large
 MAX_BLOCK_BYTES = 16 * 1024 * 1024  # ... and more only when one chunk (of every key) is larger
 _TAG_BLOCKS, _TAG_KEYS, _TAG_SHORT = 0x5B10C, 0x5EED, 0x5407  # separate random streams per purpose

@@ -8,7 +8,9 @@ x is checked against h5py's rows. Then a mid-epoch checkpoint: the sampler state
 ``--resume-at`` batches of epoch 1, loaded into a new loader over a new dataset.
 
 Writes ``<out>/rank<N>.json``: per loader, per epoch, the labels (= global row ids) of each
-batch; the block cache's peak (blocks, bytes) and the window; the resumed labels.
+batch; the block cache's peak (blocks, bytes) and the window; the resumed labels (unless
+``--resume-at 0``). With a daemon on H5SERVE_RUNTIME_DIR the blocks come from it
+(tests/integration/test_stream_daemon.py).
 """
 
 import argparse
@@ -27,7 +29,7 @@ from h5serve.client import SharedH5Dataset, make_loader
 
 def dataset(args: argparse.Namespace) -> SharedH5Dataset:
     return SharedH5Dataset(args.path, x_key="x", y_key="y", mode="stream", window=args.window,
-                           block_rows=args.block_rows)
+                           block_rows=args.block_rows, timeout=args.timeout)
 
 
 def loader_of(ds: SharedH5Dataset, name: str, batch_size: int):
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--block-rows", type=int, default=256)
     parser.add_argument("--resume-at", type=int, default=7)
     parser.add_argument("--collective-timeout", type=float, default=60)
+    parser.add_argument("--timeout", type=float, default=None, help="SharedH5Dataset(timeout=)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
@@ -101,7 +104,8 @@ def main() -> None:
             report["peak_blocks"], report["block_bytes"] = cache.peak, cache.block_bytes
             report["window_bytes"], report["capacity"] = ds.stream.config.window_bytes, ds.stream.config.capacity
             report["reads"] = cache.reads
-    report["whole"], report["rest"] = resumed(args)
+    if args.resume_at:
+        report["whole"], report["rest"] = resumed(args)
     with open(f"{args.out}/rank{dist.get_rank()}.json", "w") as f:
         json.dump(report, f)
     ds.close()

@@ -34,14 +34,19 @@ __all__ = ["StreamBatch", "BlockCache"]
 
 
 class StreamBatch:
-    """A stream sampler's batch: ``rows`` (int64 global rows, in order) and ``alive``, the
-    blocks the node's window holds at this step (the cache frees any other)."""
+    """A stream sampler's batch: ``rows`` (int64 global rows, in order); ``alive``, the
+    blocks the node's window holds at this step (the cache frees any other); ``ahead``, the
+    blocks the window takes next, by first use (a daemon-backed window asks for them early:
+    client/stream_daemon.py); ``done``, the blocks whose last use on this rank is this batch."""
 
-    __slots__ = ("rows", "alive")
+    __slots__ = ("rows", "alive", "ahead", "done")
 
-    def __init__(self, rows: np.ndarray, alive: np.ndarray) -> None:
+    def __init__(self, rows: np.ndarray, alive: np.ndarray, ahead: np.ndarray | None = None,
+                 done: np.ndarray | None = None) -> None:
         self.rows = rows
         self.alive = alive
+        self.ahead = _EMPTY if ahead is None else ahead
+        self.done = _EMPTY if done is None else done
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -50,10 +55,14 @@ class StreamBatch:
         return self.rows if dtype is None else self.rows.astype(dtype)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (StreamBatch, (self.rows, self.alive))
+        return (StreamBatch, (self.rows, self.alive, self.ahead, self.done))
 
     def __repr__(self) -> str:
-        return f"StreamBatch(rows={len(self.rows)}, alive={self.alive.tolist()})"
+        return (f"StreamBatch(rows={len(self.rows)}, alive={self.alive.tolist()}, ahead={self.ahead.tolist()}, "
+                f"done={self.done.tolist()})")
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class BlockCache:

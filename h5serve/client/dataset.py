@@ -81,8 +81,9 @@ class SharedH5Dataset(Dataset):
     rows; default about 8 MiB) into a window of at most ``window`` bytes (``"2GiB"``; None:
     this rank's share of half the node's available memory); ``make_loader`` picks a
     ``StreamSampler`` that draws each rank's rows across the blocks in the window
-    (h5serve/stream_order.py). For now each process reads its blocks itself (client/stream.py);
-    one file, fixed-size rows.
+    (h5serve/stream_order.py). With a daemon, every block is a segment in the node's shared
+    memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
+    one, each process reads its blocks itself (client/stream.py); one file, fixed-size rows.
 
     Rank and world size come from the arguments, else an initialized torch.distributed
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served
@@ -221,9 +222,10 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend:
-        if self.mode == STREAM:  # served from whole blocks read here; the daemon's window comes later
+        if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/stream.py)
             return StreamBackend(self.spec, *self._stream_args,
-                                 ranks=self.layout.local_world_size if self.layout else None)
+                                 ranks=self.layout.local_world_size if self.layout else None,
+                                 on_fallback=self._announce_fallback if self.fallback == "lazy" else None)
         try:
             return ShmBackend.connect(self.spec, self.rank)
         except H5ServeError as exc:  # errors.py decides which ones lazy reads can stand in for
@@ -281,10 +283,11 @@ class SharedH5Dataset(Dataset):
         return self._backend if isinstance(self._backend, StreamBackend) else None
 
     def _unwrap(self, indices: Any) -> Any:
-        """A stream sampler's batch as its rows, after freeing the blocks its window no longer holds."""
+        """A stream sampler's batch as its rows, after freeing the blocks its window no longer
+        holds (and, from a daemon, asking for the blocks it takes next)."""
         if isinstance(indices, StreamBatch):
             if isinstance(self._backend, StreamBackend):
-                self._backend.retain(indices.alive)
+                self._backend.retain(indices)
             return indices.rows
         return indices
 

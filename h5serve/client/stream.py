@@ -1,33 +1,42 @@
-"""Stream mode without a daemon (``SharedH5Dataset(mode="stream")``): the file's blocks
-(h5serve/stream_order.py) read whole through h5py into a BlockCache of at most ``window``
-bytes in this process, batches gathered from the blocks held, in the stream sampler's order
-(client/stream_sampler.py) — the order the daemon's shared window will serve.
+"""Stream mode (``SharedH5Dataset(mode="stream")``): the file's blocks (h5serve/stream_order.py)
+served in the stream sampler's order (client/stream_sampler.py), from one of two sources:
 
-``window``: bytes (``"2GiB"``, h5serve/units.parse_size) this process may hold; None: its share
-of half the node's available memory (``auto_cache_bytes``: divided by the job's ranks on the
-node), rounded down to a power of two blocks and agreed (the smallest) across the ranks when
-torch.distributed is initialised, since the order depends on it. Without a daemon every rank
-(and every DataLoader worker) holds its own window.
+- the node's daemon, when one answers: every block a segment in shared memory, one copy per
+  node whatever the ranks and jobs, prefetched ahead of use (client/stream_daemon.py);
+- else (or when it cannot serve them: ``falls_back``) whole blocks read through h5py into a
+  BlockCache of at most ``window`` bytes in this process (client/blockcache.py). Same rows,
+  same order: the order depends on the block layout and the window's capacity only.
+
+``window``: bytes (``"2GiB"``, h5serve/units.parse_size). Capacity (blocks) is ``window //
+block bytes`` either way, so one ``window`` gives one order with or without a daemon. With a
+daemon, the window must fit its budget (``ping`` says it) counting a header page per key and
+block; None: as many blocks as the budget holds. Without one, every rank (and every
+DataLoader worker) holds its own window; None: its share of half the node's available memory
+(``auto_cache_bytes``: divided by the job's ranks on the node), rounded down to a power of two
+blocks and agreed (the smallest) across the ranks when torch.distributed is initialised,
+since the order depends on it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..checks import is_int
-from ..errors import ConfigError, UnsupportedDataset
+from ..errors import ConfigError, H5ServeError, UnsupportedDataset, falls_back
 from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, inspect_dataset
+from ..segments import HEADER_SIZE
 from ..stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..units import format_bytes, parse_size, row_nbytes
 from .backends import BackendSpec, H5Handle
 from .blockcache import BlockCache, StreamBatch
 from .chunkcache import auto_cache_bytes
+from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
 __all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "resolve_stream", "window_bytes"]
 
@@ -42,6 +51,8 @@ class StreamConfig:
     block_bytes: int  # one block of every key, in the source dtypes
     capacity: int  # blocks a window holds
     window_bytes: int  # what was asked for (or picked)
+    block_cost: int = 0  # with a daemon: one block of every key in shared memory, headers included
+    budget: int = 0  # with a daemon: its budget
 
 
 def window_bytes(window: object) -> int | None:
@@ -75,11 +86,12 @@ def _agreed(capacity: int) -> int:
 
 
 def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
-                   ranks: int | None = None) -> StreamConfig:
-    """The block layout and window of the datasets ``infos`` (equal rows).
+                   ranks: int | None = None, budget: int | None = None) -> StreamConfig:
+    """The block layout and window of the datasets ``infos`` (equal rows); ``budget``: the
+    daemon's, when a daemon serves the blocks.
 
-    Raised when ``block_rows`` is not whole chunks of every key, or the window is smaller
-    than one block: ConfigError naming the numbers."""
+    Raised when ``block_rows`` is not whole chunks of every key, the window is smaller than
+    one block, or (with a daemon) larger than its budget: ConfigError naming the numbers."""
     total = infos[0].rows
     unit = block_unit([i.chunk_rows if i.chunked else 1 for i in infos])
     row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
@@ -90,31 +102,44 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
         rows = check_block_rows(block_rows, unit, chunks)
     layout = BlockLayout(total, rows)
     block = rows * row_bytes
+    cost = block + len(infos) * HEADER_SIZE  # the daemon's segments: a header page each
     asked = window_bytes(window)
-    size = auto_cache_bytes(ranks) if asked is None else asked
-    capacity = size // max(block, 1)
+    if budget is not None and asked is not None and asked > budget:
+        raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
+                          f"{format_bytes(budget)}: pass a window of at most that (window=None: what the budget "
+                          "holds), or start the daemon with a larger --max-memory")
+    if budget is not None and asked is None:
+        size, capacity = budget, budget // cost
+    else:
+        size = auto_cache_bytes(ranks) if asked is None else asked
+        capacity = size // max(block, 1)
     if capacity < 1:
-        said = "the default window (half the node's available memory shared by its ranks)" if asked is None\
-            else f"window={window!r}"
+        said = ("the default window (half the node's available memory shared by its ranks)" if budget is None
+                else "the daemon's budget") if asked is None else f"window={window!r}"
         raise ConfigError(
             f"{said} is {format_bytes(size)}, smaller than one block ({rows} rows x {row_bytes} bytes = "
-            f"{format_bytes(block)}): pass a window of at least {format_bytes(block)}, or smaller blocks "
-            f"(block_rows=, a multiple of {unit})")
-    if asked is None:  # ranks must agree on it: a power of two survives small differences in free memory
+            f"{format_bytes(block)}{'' if budget is None else f', {format_bytes(cost)} in shared memory'}): pass a "
+            f"window of at least {format_bytes(block if budget is None else cost)}, or smaller blocks (block_rows=, a "
+            f"multiple of {unit})")
+    if asked is None and budget is None:  # ranks must agree on it: a power of two survives small differences
         capacity = _agreed(1 << (capacity.bit_length() - 1))
     capacity = min(capacity, max(layout.n_blocks, 1))
-    return StreamConfig(layout, block, capacity, size)
+    if budget is not None:
+        check_window(size, capacity, block, cost, budget)
+    return StreamConfig(layout, block, capacity, size, cost, budget or 0)
 
 
 class StreamBackend:
-    """Rows of whole blocks read through h5py into a BlockCache of ``config.capacity`` blocks.
+    """Rows of whole blocks: daemon segments (``name == "shm"``, ``cache`` a DaemonBlocks)
+    when the node's daemon answers, else read through h5py into a BlockCache of
+    ``config.capacity`` blocks (``name == "lazy"``). ``on_fallback``: called with the reason
+    when no daemon serves them and the blocks are read here (None: raise it instead).
 
     Raised for variable-length rows or many files (not served in stream mode yet):
     UnsupportedDataset. Raised as ``resolve_stream`` is: ConfigError."""
 
-    name = "lazy"
-
-    def __init__(self, spec: BackendSpec, window: object, block_rows: object, ranks: int | None = None) -> None:
+    def __init__(self, spec: BackendSpec, window: object, block_rows: object, ranks: int | None = None,
+                 on_fallback: Callable[[H5ServeError], None] | None = None) -> None:
         if spec.files:
             raise UnsupportedDataset("mode='stream' reads one file for now; pass one file (or use mode='global')")
         with open_h5(spec.path) as f:  # metadata only; closed before any fork
@@ -128,25 +153,55 @@ class StreamBackend:
         self.out_dtypes, self.total_rows = out, infos[0].rows
         self.vlen_kinds = [""] * len(infos)
         self.spec, self.infos = spec, infos
-        self.config = resolve_stream(infos, window, block_rows, ranks)
+        daemon = self._daemon(on_fallback)
+        self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget)
         self.handle = H5Handle(spec.path, dict(spec.h5_options))
-        self.cache = BlockCache(infos, out, self.config.layout, self.config.capacity, self.handle)
-        log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks", spec.path,
-                 self.config.layout.block_rows, format_bytes(self.config.block_bytes), self.config.capacity)
+        self.cache: BlockCache | DaemonBlocks
+        if daemon is None:
+            self.name = "lazy"
+            self.cache = BlockCache(infos, out, self.config.layout, self.config.capacity, self.handle)
+        else:
+            self.name = "shm"
+            self.cache = DaemonBlocks(spec, infos, out, self.config.layout, self.config.capacity, daemon.budget,
+                                      self.config.block_cost)
+        log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s", spec.path,
+                 self.config.layout.block_rows, format_bytes(self.config.block_bytes), self.config.capacity,
+                 "from the daemon's shared memory" if daemon else "read here through h5py")
 
-    def retain(self, alive: np.ndarray) -> None:
-        """Free the blocks not in ``alive`` (the node's window at this step)."""
-        self.cache.retain(alive)
+    def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
+        try:
+            return daemon_window(self.spec)
+        except H5ServeError as exc:
+            if on_fallback is None or not falls_back(exc):
+                raise
+            on_fallback(exc)
+            return None
+
+    def retain(self, batch: StreamBatch) -> None:
+        """Free the blocks not in the node's window at this batch (``batch.alive``); with a
+        daemon, ask for the blocks it takes next (``batch.ahead``)."""
+        self.cache.retain(batch.alive)
+        if isinstance(self.cache, DaemonBlocks):
+            self.cache.prefetch(batch.ahead, batch.alive)
+
+    def finish(self, batch: StreamBatch) -> None:
+        """After ``batch`` was gathered: close the blocks this rank has used for the last time."""
+        if isinstance(self.cache, DaemonBlocks):
+            self.cache.release(batch.done)
 
     def gather(self, positions: torch.Tensor) -> list[Any]:
         return list(self.cache.gather(positions.numpy()))
 
     def close(self) -> None:
-        self.cache.clear()
+        if isinstance(self.cache, DaemonBlocks):
+            self.cache.close()
+        else:
+            self.cache.clear()
         self.handle.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        cache = BlockCache(self.infos, self.out_dtypes, self.config.layout, self.config.capacity, self.handle)
-        state["cache"] = cache  # a spawned worker reads its own blocks
+        if isinstance(self.cache, BlockCache):  # a spawned worker reads its own blocks
+            state["cache"] = BlockCache(self.infos, self.out_dtypes, self.config.layout, self.config.capacity,
+                                        self.handle)
         return state

@@ -118,20 +118,33 @@ class StreamSampler(Sampler[StreamBatch]):
         """This rank's rows for the pass (from the resume point, if any)."""
         return self.epoch_plan().rank_rows(self.place.local_rank)
 
-    def _alive(self, plan: NodeEpoch) -> Any:
-        """``alive(b)``: the blocks the node's window holds at step ``b`` (a batch on each
-        local rank): those first used at or before it and last used at or after it."""
+    def _window(self, plan: NodeEpoch) -> Any:
+        """``window(b) -> (alive, ahead)``: the blocks the node's window holds at step ``b`` (a
+        batch on each local rank), those first used at or before it and last used at or after
+        it; and the blocks it takes next, by first use, as many as the window has room for."""
         step = self.batch_size * plan.local_world_size
         by_first = np.argsort(plan.first_use, kind="stable")
         first, last = plan.first_use[by_first] // step, plan.last_use[by_first] // step
         blocks = plan.blocks[by_first]
         life = int((last - first).max()) if len(first) else 0
 
-        def alive(b: int) -> np.ndarray:
+        def window(b: int) -> tuple[np.ndarray, np.ndarray]:
             lo, hi = np.searchsorted(first, b - life), np.searchsorted(first, b, side="right")
-            return blocks[lo:hi][last[lo:hi] >= b]
+            alive = blocks[lo:hi][last[lo:hi] >= b]
+            return alive, blocks[hi : hi + max(self.capacity - len(alive), 0)]
 
-        return alive
+        return window
+
+    def _done(self, rows: np.ndarray) -> dict[int, np.ndarray]:
+        """Batch number -> the blocks whose last use on this rank is in that batch."""
+        if not len(rows):
+            return {}
+        ids = rows // self.layout.block_rows
+        blocks, back = np.unique(ids[::-1], return_index=True)
+        last_batch = (len(ids) - 1 - back) // self.batch_size
+        order = np.argsort(last_batch, kind="stable")
+        batches, starts = np.unique(last_batch[order], return_index=True)
+        return {int(b): blocks[order][a:z] for b, a, z in zip(batches, starts, [*starts[1:], len(order)])}
 
     def __iter__(self) -> Iterator[StreamBatch]:
         check_not_resharded(self)
@@ -140,14 +153,16 @@ class StreamSampler(Sampler[StreamBatch]):
     def _batches(self) -> Iterator[StreamBatch]:
         plan = self.epoch_plan()
         rows = plan.rank_rows(self.place.local_rank)
-        alive = self._alive(plan)
+        window = self._window(plan)
+        done = self._done(rows)
         start, self._start = self._start, 0
         self._yielded = start
         for b in range(start // self.batch_size, plan.batches):
             lo = max(b * self.batch_size, start)
             batch = np.ascontiguousarray(rows[lo : (b + 1) * self.batch_size])
             self._yielded += len(batch)
-            yield StreamBatch(batch, alive(b))
+            alive, ahead = window(b)
+            yield StreamBatch(batch, alive, ahead, done.get(b))
 
     def __len__(self) -> int:
         plan = self.epoch_plan()

@@ -73,7 +73,7 @@ def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
     source_dtype = check_agreement(paths, infos, requested)
     total = sum(info.rows for info in infos)
     first = members[0].ident
-    rows = Selection(req.mode, req.world_size, req.rank, req.span).count(total)
+    rows = Selection(req.mode, req.world_size, req.rank, req.span, req.rows).count(total)
     # variable-length rows: values estimated for the budget (each file's mean row length, by its
     # rows) until the load counts them
     mean = sum(info.mean_length * info.rows for info in infos) / max(total, 1)
@@ -85,6 +85,7 @@ def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
         source_dtype=source_dtype.str, span=req.span,
         files=tuple((*m.ident.as_tuple(), m.info.rows) for m in members), depends=_depends(resolved),
         vlen=infos[0].vlen, values=round(mean * rows) if infos[0].vlen else 0,
+        start=req.rows[0] if req.rows else 0,
     )
 
 

@@ -266,7 +266,7 @@ class Server:
         if isinstance(request, Shutdown):
             self._shutdown_by(peer)
         assert isinstance(request, (Ping, Shutdown))
-        return info
+        return {**info, "budget": self.store.max_memory}  # a stream-mode client sizes its window by it
 
     def _shutdown_by(self, peer: Peer | None) -> None:
         """Stop, when ``peer`` is the daemon's own user or root: a ``--group`` member may use the

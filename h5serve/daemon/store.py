@@ -198,7 +198,7 @@ class SegmentStore:
         if isinstance(resolved, ResolvedFiles):
             return self._acquire_meta(req, files_meta(req, resolved), uid)
         ident, info = resolved.ident, resolved.info
-        selection = Selection(req.mode, req.world_size, req.rank, req.span)
+        selection = Selection(req.mode, req.world_size, req.rank, req.span, req.rows)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
         meta = SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
@@ -210,6 +210,7 @@ class SegmentStore:
             depends=tuple(source.as_tuple() for source in resolved.sources),
             # variable-length rows: values estimated for the budget until the load counts them
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
+            start=req.rows[0] if req.rows else 0,
         )
         return self._acquire_meta(req, meta, uid, lambda: load_spans(info, meta, self.load_processes))
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import ConfigError, SegmentError
 from ..safeio import NOFOLLOW_FLAGS
-from ..sharding import RowRange, Selection
+from ..sharding import STREAM, RowRange, Selection
 from ..units import row_nbytes
 from .naming import describe_file, is_own_file
 
@@ -135,6 +135,7 @@ class SegmentMeta:
     # int64 offsets, then ``values`` values of ``dtype`` (strings: their bytes, uint8)
     vlen: str = ""
     values: int = 0
+    start: int = 0  # mode="stream": the block's first global row (it holds rows start .. start + rows - 1)
 
     @property
     def source(self) -> tuple[str, int, int, int, int]:
@@ -189,8 +190,9 @@ class SegmentMeta:
 
         Raised when mode, world size and rank do not describe a selection: SegmentError.
         """
+        block = (self.start, self.start + self.rows) if self.mode == STREAM else None
         try:
-            return Selection(self.mode, self.world_size, self.rank, self.span).rows(self.total_rows)
+            return Selection(self.mode, self.world_size, self.rank, self.span, block).rows(self.total_rows)
         except ConfigError as exc:
             raise SegmentError(f"segment metadata has a bad selection: {exc}") from exc
 
@@ -216,13 +218,15 @@ class SegmentMeta:
                 del out[name]
         if not self.vlen:  # fixed rows: the header an h5serve without variable-length rows reads too
             del out["vlen"], out["values"]
+        if self.mode != STREAM:  # the header an h5serve without stream blocks reads too
+            del out["start"]
         return out
 
     @classmethod
     def from_wire(cls, data: object) -> SegmentMeta:
         names = {f.name for f in fields(cls)}
         if isinstance(data, dict):  # written before node mode (span 1), or without these fields
-            data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, **data}
+            data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, "start": 0, **data}
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():

@@ -1,0 +1,291 @@
+"""Stream mode served by the node's daemon: every block (h5serve/stream_order.py) of every key
+is one segment, asked for by its global rows (``Acquire(mode="stream", rows=(a, b))``), so
+the ranks and jobs of a node that read the same block share one copy in shared memory and
+one load (the daemon's loads are single-flight; its loader processes load blocks side by
+side, ``--loaders``).
+
+Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
+
+- *prefetch*: every batch carries the blocks its node's window takes next (``StreamBatch.ahead``,
+  by first use, as many as the window has room for); an acquire is sent for each without
+  waiting (the daemon answers "loading" at once and starts the load). Prefetched blocks are
+  not mapped until a batch needs them, so the daemon may evict them again if a block a rank
+  needs now must have the room: a prefetch never holds memory another rank waits for.
+- *attach*: a block a batch needs is waited for (``DaemonClient.acquire``) and mapped
+  read-only (``segments.open_segment``: by name, or the descriptor the daemon hands a
+  ``--group`` member); its shared lease keeps it from eviction while mapped.
+- *release*: a block's mappings are closed right after its last use on this rank
+  (``StreamBatch.done``), and any block outside the node's window at this step
+  (``StreamBatch.alive``) is closed too; once every rank and job of the node has closed it,
+  the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
+  kernel drops its flocks).
+- *budget*: when the daemon refuses a needed block because its budget is full of blocks
+  other ranks or jobs still hold (BudgetExceeded), the rank asks again with backoff until
+  ``wait_s``; then it fails with BudgetExceeded naming the window, the budget and the blocks
+  it holds. Nothing waits forever; the daemon and the other ranks carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..connection import DaemonClient
+from ..errors import BudgetExceeded, ConfigError, SegmentError
+from ..hdf5.source import DatasetInfo
+from ..protocol import Acquire, AcquireResult
+from ..segments import AttachedSegment, PublishStamp, open_segment
+from ..sharding import STREAM
+from ..stream_order import BlockLayout
+from ..units import format_bytes
+from .backends import BackendSpec
+from .gather import as_column
+
+__all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
+
+log = logging.getLogger("h5serve.client")
+
+DEFAULT_WAIT_S = 120.0  # how long a needed block may wait for room in the daemon's budget (timeout= overrides)
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
+
+
+@dataclass(frozen=True)
+class DaemonWindow:
+    """What the client learnt from the node's daemon for stream mode: its memory budget."""
+
+    budget: int  # the daemon's --max-memory (or what it derived from /dev/shm), bytes
+
+
+def daemon_window(spec: BackendSpec) -> DaemonWindow:
+    """Ask the node's daemon (ping) for its budget.
+
+    Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon)."""
+    with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
+        info = client.ping()
+        budget = info.get("budget")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # an older daemon: its status
+            budget = int(client.status()["memory"]["budget"])
+    return DaemonWindow(budget)
+
+
+class DaemonBlocks:
+    """The blocks of ``layout`` of the datasets ``infos`` as daemon segments, at most
+    ``capacity`` mapped by this process at a time (more only while one batch spans more);
+    ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
+
+    def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
+                 capacity: int, budget: int, block_cost: int) -> None:
+        self.spec, self.infos, self.layout = spec, infos, layout
+        self.out_dtypes = [np.dtype(d) for d in out_dtypes]
+        self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
+        self.block_bytes = layout.block_rows * sum(int(np.prod(i.row_shape, dtype=np.int64)) * i.dtype.itemsize
+                                                   for i in infos)
+        self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._client: DaemonClient | None = None
+        self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
+        self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
+        self.attaches = 0  # blocks mapped by this process
+        self.peak = 0  # most blocks mapped at once
+        self.budget_waits = 0  # needed blocks that waited for room in the daemon's budget
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            # a forked worker: the parent's mappings and socket are not this process's to use or
+            # close (closing an inherited fd would not drop the parent's lease, but the parent's
+            # ZeroMQ context must never be touched here); dropped, the worker maps its own
+            self._reset()
+
+    @property
+    def reads(self) -> int:
+        """Blocks mapped by this process (BlockCache's name: blocks it read)."""
+        return self.attaches
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks mapped now, least recently used first."""
+        self._check_pid()
+        return list(self._held)
+
+    def client(self) -> DaemonClient:
+        if self._client is None:
+            self._client = DaemonClient(self.spec.runtime_dir, self.spec.timeout, self.spec.daemon_user)
+        return self._client
+
+    def _requests(self, block: int) -> list[Acquire]:
+        a, b = self.layout.span(block)
+        sel = self.spec.selection
+        return [Acquire(self.spec.path, key, sel.world_size, sel.rank, STREAM,
+                        None if dtype is None else dtype.str, rows=(a, b))
+                for key, dtype in zip(self.spec.keys, self.spec.dtypes)]
+
+    # ----- the window -------------------------------------------------------------------------
+    def retain(self, alive: np.ndarray) -> None:
+        """Close every mapped block not in ``alive`` (the node's window at this step)."""
+        self._check_pid()
+        keep = set(np.asarray(alive).tolist())
+        for block in [b for b in self._held if b not in keep]:
+            self._close(block)
+
+    def release(self, done: np.ndarray) -> None:
+        """Close the blocks of ``done``: this rank has used them for the last time this epoch."""
+        self._check_pid()
+        for block in np.asarray(done).tolist():
+            self._close(int(block))
+
+    def _close(self, block: int) -> None:
+        for segment in self._held.pop(block, []):
+            segment.close()
+
+    def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
+        """Ask for the blocks of ``ahead`` not mapped or asked for yet, without waiting: the
+        daemon starts their loads. A full budget stops the prefetch here (the blocks are asked
+        for again when needed). Forgets the prefetches outside ``alive`` and ``ahead`` (the
+        window has passed them: nothing held, nothing to close)."""
+        self._check_pid()
+        ahead_list = np.asarray(ahead).tolist()
+        keep = set(ahead_list) | set(np.asarray(alive).tolist())
+        for block in [b for b in self._asked if b not in keep]:
+            del self._asked[block]
+        client = self.client()
+        for block in ahead_list:
+            if block in self._held or block in self._asked:
+                continue
+            try:
+                self._asked[block] = [AcquireResult.from_wire(client.request(r)) for r in self._requests(block)]
+            except BudgetExceeded:
+                return
+
+    # ----- gathering --------------------------------------------------------------------------
+    def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
+        segments = self._held.get(block)
+        if segments is not None:
+            self._held.move_to_end(block)
+            return segments
+        while len(self._held) >= self.capacity:  # no hint freed room (plain indices): the LRU block goes
+            victim = next((b for b in self._held if b not in needed), None)
+            if victim is None:
+                break  # one batch spans more blocks than the window: map them, the daemon's budget decides
+            self._close(victim)
+        asked = self._asked.pop(block, None)
+        segments = []
+        try:
+            for i, request in enumerate(self._requests(block)):
+                segments.append(self._attach(request, None if asked is None else asked[i], block))
+        except BaseException:
+            for segment in segments:
+                segment.close()
+            raise
+        self._held[block] = segments
+        self.attaches += 1
+        self.peak = max(self.peak, len(self._held))
+        return segments
+
+    def _attach(self, request: Acquire, result: AcquireResult | None, block: int) -> AttachedSegment:
+        client = self.client()
+        for attempt in range(3):
+            if result is None or result.state != "ready":
+                result = self._wait_ready(client, request, block)
+            try:
+                owner = os.getuid() if client.daemon_uid is None else client.daemon_uid
+                segment = open_segment(client.location.directory, result.shm_dir, result.name, owner,
+                                       PublishStamp(result.ino, result.ctime_ns))
+            except SegmentError:
+                if attempt == 2:
+                    raise
+                result = None  # evicted between the reply and the attach (a prefetch nobody held): ask again
+                continue
+            m = segment.meta
+            assert request.rows is not None
+            if m.key != request.key or m.row_range.span != request.rows or m.row_range.step != 1:
+                segment.close()
+                raise SegmentError(f"segment {result.name} does not hold rows [{request.rows[0]}, {request.rows[1]}) "
+                                   f"of {request.key!r} (stream block {block})")
+            return segment
+        raise AssertionError("unreachable")
+
+    def _wait_ready(self, client: DaemonClient, request: Acquire, block: int) -> AcquireResult:
+        """The block's segment, loaded: waits for the load, and for room in the daemon's budget
+        while other ranks or jobs hold it full, up to ``wait_s``.
+
+        Raised when there is no room by then: BudgetExceeded naming the window, the budget and
+        the blocks this process holds."""
+        deadline = time.monotonic() + self.wait_s
+        pause = _FIRST_BACKOFF_S
+        while True:
+            try:
+                return client.acquire(request, None, None if self.spec.timeout is None else deadline)
+            except BudgetExceeded as exc:
+                if time.monotonic() + pause > deadline:
+                    raise BudgetExceeded(self._full_message(request, block, exc)) from exc
+                self.budget_waits += 1
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_BACKOFF_S)
+
+    def _full_message(self, request: Acquire, block: int, exc: BudgetExceeded) -> str:
+        held = sorted(self._held)
+        shown = ", ".join(map(str, held[:16])) + (", ..." if len(held) > 16 else "")
+        assert request.rows is not None
+        window = format_bytes(self.capacity * self.block_cost)
+        return (f"stream block {block} (rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}) found no room "
+                f"in the daemon's budget of {format_bytes(self.budget)} for {self.wait_s:g}s: the window is "
+                f"{self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank holds {len(held)} "
+                f"({shown}) and the rest is held by other ranks or jobs on the node "
+                f"(a rank stopped or far behind?). The daemon said: {exc}. Check the other ranks, or give the job a "
+                "smaller window (window=) or the daemon a larger --max-memory; timeout= sets how long to wait")
+
+    def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray]:
+        """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them.
+
+        Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
+        load one: its error class."""
+        self._check_pid()
+        ids = rows // self.layout.block_rows
+        order = np.argsort(ids, kind="stable")
+        bounds = np.flatnonzero(np.diff(ids[order])) + 1
+        groups = np.split(order, bounds) if len(order) else []
+        needed = {int(ids[g[0]]) for g in groups}
+        outs = [np.empty((len(rows), *i.row_shape), dtype=i.dtype) for i in self.infos]
+        for group in groups:
+            block = int(ids[group[0]])
+            local = rows[group] - block * self.layout.block_rows
+            for out, segment in zip(outs, self._block(block, needed)):
+                out[group] = segment.data.take(local, axis=0)
+        return [as_column(out if out.dtype == d else out.astype(d)) for out, d in zip(outs, self.out_dtypes)]
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for block in list(self._held):
+                self._close(block)
+            if self._client is not None:
+                self._client.close()
+        self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={})  # a spawned worker maps its own
+        return state
+
+
+def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:
+    """Raised when a window of ``capacity`` blocks costing ``block_cost`` each in shared memory
+    (``block_bytes`` of rows and a header page per key) does not fit the daemon's ``budget``:
+    ConfigError naming them."""
+    if capacity * block_cost > budget:
+        fits = budget // block_cost
+        raise ConfigError(
+            f"window={format_bytes(window)} holds {capacity} blocks, which take {capacity} x "
+            f"{format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in the daemon's shared memory "
+            f"(rows and a header page per key), more than its budget of {format_bytes(budget)}: pass a window of at "
+            f"most {format_bytes(fits * block_bytes)} ({fits} blocks), window=None for "
+            "what the budget holds, or start the daemon with a larger --max-memory")

@@ -1,0 +1,249 @@
+"""Stream mode served by a real daemon (client/stream_daemon.py): a file 4x the daemon's
+--max-memory streamed by a DDP job under torchrun (2 gloo ranks): every row once per epoch,
+h5py's bytes, the blocks mapped from shared memory, the daemon's memory never over its budget
+(sampled during the job), every block loaded once per node per epoch (the ranks share them),
+a second job at the same time shares them too, the same order without a daemon; DataLoader
+workers forked and spawned; a stopped rank makes the other fail clearly by its deadline, or
+both finish once it goes on; the node stays usable."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from h5serve.client import SharedH5Dataset, make_loader
+from h5serve.connection import DaemonClient
+
+from ..helpers import Daemon, make_h5, torchrun_two_ranks, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+TESTS = Path(__file__).resolve().parents[1]
+JOB, STOP_JOB = TESTS / "stream_job.py", TESTS / "stream_stop_job.py"
+ROWS, SHAPE, BLOCK_ROWS = 8193, (1024,), 128  # 65 blocks of 128 rows (the last of 1): 8 MiB of x, 64 KiB of y
+BLOCKS, KEYS = 65, 2
+BUDGET = 2 * 1024 * 1024  # the data is 4x the daemon's budget
+WINDOW = "1MiB"  # 7 blocks of 129 KiB (rows), 137 KiB each in shared memory with the two header pages
+LOADERS = ["make:0", "make:2", "make:1:spawn"]
+
+
+@pytest.fixture(scope="module")
+def h5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_h5(tmp_path_factory.mktemp("streamd") / "data.h5", rows=ROWS, row_shape=SHAPE)
+
+
+@contextmanager
+def daemon(budget: int = BUDGET) -> Iterator[Daemon]:
+    d = Daemon("--max-memory", str(budget), "--loaders", "2")
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+@contextmanager
+def memory_sampler(d: Daemon) -> Iterator[dict[str, int]]:
+    """The daemon's used memory, sampled every 20 ms while the block runs: ``{"max", "samples"}``."""
+    seen = {"max": 0, "samples": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        with DaemonClient(d.runtime_dir) as client:
+            while not stop.is_set():
+                used = client.status()["memory"]["used"]
+                seen["max"], seen["samples"] = max(seen["max"], used), seen["samples"] + 1
+                stop.wait(0.02)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def counters(d: Daemon) -> dict[str, int]:
+    with DaemonClient(d.runtime_dir) as client:
+        return dict(client.status()["counters"])
+
+
+def job_args(h5: Path, out: Path, *extra: str) -> list[str]:
+    return [str(h5), str(out), "--window", WINDOW, "--block-rows", str(BLOCK_ROWS), "--batch-size", "32", *extra]
+
+
+def rows_of(batches: list[list[int]]) -> list[int]:
+    return [row for batch in batches for row in batch]
+
+
+def check_epoch(per_rank: list[list[list[int]]]) -> None:
+    """Every row once across the ranks (padding repeats less than a batch on each), equal batch counts."""
+    assert len(per_rank[0]) == len(per_rank[1])
+    rows = rows_of(per_rank[0]) + rows_of(per_rank[1])
+    assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
+
+
+def test_ddp_job_streams_4x_the_budget_from_shared_memory(h5: Path, tmp_path: Path) -> None:
+    with daemon() as d, memory_sampler(d) as memory:
+        reports = torchrun_two_ranks(JOB, job_args(h5, tmp_path / "out", "--epochs", "1", "--loaders",
+                                                   ",".join(LOADERS)), tmp_path / "out", d.runtime_dir, 280)
+        after = counters(d)
+    assert all(r["backend"] == "shm" and r["len"] == ROWS for r in reports)  # (the job checks h5py's bytes)
+    for name in LOADERS:
+        check_epoch([r["runs"][name][0] for r in reports])
+    for r in reports:  # forked and spawned workers gather the same batches as the main process
+        assert r["runs"]["make:2"] == r["runs"]["make:0"] == r["runs"]["make:1:spawn"]
+        assert r["peak_blocks"] <= r["capacity"] < BLOCKS
+        assert r["rest"] == r["whole"][7:]  # a mid-epoch checkpoint resumes the same rest
+    assert memory["samples"] > 10 and 0 < memory["max"] <= BUDGET
+    assert after["evictions"] > 0 and after["load_errors"] == 0
+
+
+def test_blocks_load_once_per_node_and_jobs_share_them(h5: Path, tmp_path: Path) -> None:
+    args = ("--epochs", "1", "--loaders", "make:0", "--resume-at", "0")
+    with daemon() as d:
+        with memory_sampler(d) as memory:
+            first = torchrun_two_ranks(JOB, job_args(h5, tmp_path / "a", *args), tmp_path / "a", d.runtime_dir, 200)
+        loads = counters(d)["loads"]
+        # every block of every key once for the node: the two ranks share them (each alone: twice)
+        assert loads == BLOCKS * KEYS, loads
+        assert memory["max"] <= BUDGET
+        assert all(r["backend"] == "shm" for r in first)
+        check_epoch([r["runs"]["make:0"][0] for r in first])
+        table = d.cli("status").stdout  # the blocks still resident, as a user reads them
+        assert "ranks or rows" in table and " stream " in table
+        assert re.search(r"\bx\s+rows \d+-\d+\s+stream\b", table), table
+
+        # two more jobs at once, in the same order: they share the blocks both have in their windows
+        outs: dict[str, list[dict]] = {}
+
+        def run(name: str) -> None:
+            outs[name] = torchrun_two_ranks(JOB, job_args(h5, tmp_path / name, *args), tmp_path / name,
+                                            d.runtime_dir, 250)
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in ("b", "c")]
+        with memory_sampler(d) as memory:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(280)
+        assert set(outs) == {"b", "c"}
+        both = counters(d)["loads"] - loads
+        assert both < 2 * BLOCKS * KEYS, both  # fewer loads than two jobs each on its own
+        assert memory["max"] <= BUDGET
+        for name in ("b", "c"):
+            assert [r["runs"] for r in outs[name]] == [r["runs"] for r in first]
+    # without a daemon (lazy blocks read in each rank): the same rows in the same order
+    alone = torchrun_two_ranks(JOB, job_args(h5, tmp_path / "lazy", *args), tmp_path / "lazy",
+                               tmp_path / "no-daemon", 200)
+    assert all(r["backend"] == "lazy" for r in alone)
+    assert [r["runs"] for r in alone] == [r["runs"] for r in first]
+
+
+def _start_stop_job(h5: Path, out: Path, runtime_dir: Path, window: str, timeout: float) -> subprocess.Popen[str]:
+    out.mkdir()
+    env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(TESTS.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(STOP_JOB),
+           str(h5), str(out), "--window", window, "--block-rows", str(BLOCK_ROWS), "--timeout", str(timeout)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _step(out: Path, rank: int) -> int:
+    try:
+        return int((out / f"rank{rank}.step").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _stalls(out: Path, rank: int, seconds: float, within: float) -> bool:
+    """Whether ``rank`` makes no step for ``seconds`` (before ``within`` seconds pass)."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + within
+    while time.monotonic() < deadline:
+        step = _step(out, rank)
+        if step != last:
+            last, since = step, time.monotonic()
+        elif time.monotonic() - since >= seconds:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _holders(d: Daemon) -> int:
+    with DaemonClient(d.runtime_dir) as client:
+        return sum(s["holders"] for s in client.status()["segments"])
+
+
+def _node_still_serves(h5: Path, d: Daemon) -> None:
+    """A new job streams from the daemon once the stopped one is gone (its leases with it)."""
+    assert wait_for(lambda: _holders(d) == 0, 30)
+    ds = SharedH5Dataset(h5, "x", "y", mode="stream", window=WINDOW, block_rows=BLOCK_ROWS, rank=0, world_size=1,
+                         runtime_dir=d.runtime_dir, fallback="error")
+    try:
+        with h5py.File(h5) as f:
+            x = f["x"]
+            for i, (xb, yb) in enumerate(make_loader(ds, 64, seed=1)):
+                assert np.array_equal(xb.numpy(), x[np.sort(yb.numpy())][np.argsort(np.argsort(yb.numpy()))])
+                if i == 5:
+                    break
+        assert ds.backend == "shm"
+    finally:
+        ds.close()
+
+
+# a window of 7 blocks in a budget of 8: a rank stopped holding its window leaves no room for the other's
+TIGHT_BUDGET = 8 * (BLOCK_ROWS * (1024 + 8) + 2 * 4096) + 4096
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fails-by-its-deadline", "finishes-after-sigcont"])
+def test_a_stopped_rank_never_hangs_the_other(h5: Path, tmp_path: Path, resume: bool) -> None:
+    out = tmp_path / "out"
+    timeout = 60.0 if resume else 6.0
+    with daemon(TIGHT_BUDGET) as d:
+        job = _start_stop_job(h5, out, d.runtime_dir, WINDOW, timeout)
+        try:
+            assert wait_for(lambda: _step(out, 1) >= 4 or job.poll() is not None, 120), "rank 1 never started"
+            assert job.poll() is None, job.communicate()[0][-3000:]
+            stopped = int((out / "rank1.pid").read_text())
+            os.kill(stopped, signal.SIGSTOP)
+            at = time.monotonic()
+            try:
+                if resume:  # rank 0 goes on until the budget is full of rank 1's blocks, then waits
+                    assert _stalls(out, 0, 2.0, 60), "rank 0 never waited for room"
+                    assert not (out / "rank0.json").exists()  # waiting, not failed
+                else:
+                    assert wait_for(lambda: (out / "rank0.json").exists(), timeout + 30)
+                    waited = time.monotonic() - at
+                    report = json.loads((out / "rank0.json").read_text())
+                    error = report.get("error", "")
+                    assert error.startswith("BudgetExceeded") and "the window is 7 blocks" in error, report
+                    assert "budget of" in error and "this rank holds" in error and "timeout=" in error
+                    assert waited < timeout + 30
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+            if resume:
+                output, _ = job.communicate(timeout=150)
+                assert job.returncode == 0, output[-3000:]
+                reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+                assert all("error" not in r and r["backend"] == "shm" for r in reports)
+                rows = reports[0]["labels"] + reports[1]["labels"]
+                assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+        _node_still_serves(h5, d)
