@@ -29,7 +29,7 @@ from .launch import JobRun, torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(300)]
 
 MODES = ("global", "node", "contiguous", "interleave", "stream")
-SHM_MODES = MODES[:4]  # stream reads its blocks itself (for now): no daemon, no /dev/shm
+SHM_MODES = MODES[:4]  # the modes with one segment per selection (stream: one per block, dealt per epoch)
 BATCH, SEED, CHECKPOINT_AT = 32, 42, 3  # the job's make_loader: batch 32, seed 42
 BLOCK_ROWS = 64
 STREAM = ["--window", "16KiB", "--block-rows", str(BLOCK_ROWS)]  # 4 blocks of 16 in the window
@@ -107,7 +107,7 @@ def test_every_mode_sees_every_row_once_per_epoch_on_shm(first: Reference, x_all
     assert len(first.run.by_host()) == 2 and {len(v) for v in first.run.by_host().values()} == {2}
     for mode in MODES:
         each = [r["modes"][mode] for r in reports]
-        assert [e["backend"] for e in each] == ["lazy" if mode == "stream" else "shm"] * 4, mode
+        assert [e["backend"] for e in each] == ["shm"] * 4, mode  # stream too: its blocks are the daemon's segments
         for epoch in range(2):
             batches = [e["epochs"][epoch] for e in each]
             assert len({len(b) for b in batches}) == 1, mode  # equal batch counts (or the all-reduce hangs)
@@ -136,9 +136,13 @@ def test_each_node_holds_only_what_its_ranks_need(nodes3: Cluster, first: Refere
     for i, node in enumerate(nodes3.nodes):
         segments = first.status[i]["segments"]
         ranks = hosts.get(node.hostname, [])
-        held = sorted((s["mode"], s["key"], s["selection"]) for s in segments)
+        held = sorted((s["mode"], s["key"], s["selection"]) for s in segments if s["mode"] != "stream")
         want = sorted({(m, key, r["modes"][m]["selection"]) for r in ranks for m in SHM_MODES for key in ("x", "y")})
         assert held == want, node.hostname  # nothing another node's ranks need, nothing twice
+        # stream: the blocks still resident are blocks this node's ranks read (dealt to it in some epoch)
+        read_here = {row for r in ranks for epoch in range(2) for row in labels(r, "stream", epoch)}
+        blocks = [s for s in segments if s["mode"] == "stream"]
+        assert all(set(rows_of(s["selection"])) <= read_here for s in blocks), node.hostname
         assert set(first.shm[i]) == {s["name"] for s in segments}  # and nothing else in its /dev/shm
         assert all(s["rows"] == len(rows_of(s["selection"])) for s in segments)
         whole = [s for s in segments if s["mode"] == "global"]
