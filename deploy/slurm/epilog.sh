@@ -235,7 +235,8 @@ load_config() {
 #   $KEEP_ROOT/<uid>/idle-since      when the last of them ended (epoch seconds)
 # A daemon with no job for H5SERVE_KEEP_S seconds is stopped by whichever comes first: the
 # timer the epilog arms when a user's last job ends (one per node: `epilog.sh --timer`,
-# detached, sleeping until the next expiry), or the next prolog or epilog of any user.
+# detached, sleeping until the next expiry, at most 30 s at a time; it exits when no kept
+# daemon is idle), or the next prolog or epilog of any user.
 
 keep_lock() {
     # fd 9: the exclusive lock on $KEEP_LOCK, in root's $RUN_ROOT (a real dir of root's: no user
@@ -329,6 +330,7 @@ timer() {
     exec 8>>"$KEEP_ROOT/timer.lock" || return 1
     flock -n 8 || return 0
     while true; do
+        load_config  # the admin may have changed H5SERVE_KEEP_S since the timer was armed
         keep_lock || return 1
         next=$(reap_expired)
         if [ -z "$next" ]; then
@@ -337,6 +339,7 @@ timer() {
             return 0
         fi
         keep_unlock
+        [ "$next" -lt 30 ] || next=29  # wakes at least every 30 s to re-read the config
         sleep "$((next + 1))"
     done
 }

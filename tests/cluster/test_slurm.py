@@ -70,7 +70,7 @@ def env() -> Iterator[Env]:
         with slurm_cluster(nodes=2, shm="64m", share=[py.root, prefix], site=site(py)) as s:
             data = make_h5(s.cluster.shared / "train.h5", rows=ROWS, row_shape=SHAPE)
             data.chmod(0o644)
-            big = make_big(s.cluster.shared / "big.h5", rows=24000)  # 96 MiB: a node's half is 48 MiB
+            big = make_big(s.cluster.shared / "big.h5", rows=40000)  # 160 MiB: a node's half is 80 MiB
             yield Env(s, a, b, py, pub, data, big)
 
 
@@ -144,7 +144,8 @@ def leftovers(e: Env) -> list[str]:
                       if p.name not in (".keep", ".keep.lock")]
             keep = root / ".keep"
             if keep.exists():
-                found += [f"{node.hostname}:{RUN_ROOT}/.keep/{p.name}" for p in keep.iterdir() if p.name != "timer.lock"]
+                found += [f"{node.hostname}:{RUN_ROOT}/.keep/{p.name}" for p in keep.iterdir()
+                          if p.name != "timer.lock"]
         for pid in node.processes():
             try:
                 uid = os.stat(f"/proc/{pid}").st_uid
@@ -187,3 +188,183 @@ def test_torchrun_per_node_on_shm(env: Env) -> None:
     assert state == "COMPLETED", f"{state}\n{env.s.output(job)}"
     check_ranks(env, out, env.a)
     assert leftovers(env) == []
+
+
+def submit(e: Env, user: User, script: str, out: Path, *options: str, data: Path | None = None,
+           **extra: str) -> int:
+    return e.s.sbatch(user, script, "--comment=h5serve", *options, env=job_env(e, out, data, **extra))
+
+
+ONE_NODE = ("-N1", "--ntasks=2")
+
+
+def test_scancel_mid_load_leaves_nothing(env: Env) -> None:
+    env.s.site(site(env.py, max_memory="60M"))
+    out = out_dir(env, env.a, "scancel")
+    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, HOLD=str(out / "never"))
+    assert wait_for(lambda: any(out.glob("plan-task*.json")), 90), env.s.output(job)  # tasks start loading
+    env.s.scancel(job)
+    assert env.s.wait(job, 90) == "CANCELLED"
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+def test_two_users_on_one_node_isolated(env: Env) -> None:
+    node = env.s.nodes[0].hostname
+    outs = {u.name: out_dir(env, u, "isolated") for u in (env.a, env.b)}
+    go = env.s.cluster.shared / "isolated-go"
+    jobs = {u.name: submit(env, u, SRUN, outs[u.name], *ONE_NODE, f"--nodelist={node}", HOLD=str(go))
+            for u in (env.a, env.b)}
+    try:
+        for u in (env.a, env.b):
+            assert wait_for(lambda u=u: len(reports(outs[u.name], 2)) == 2, 90), env.s.output(jobs[u.name])
+        for u, other in ((env.a, env.b), (env.b, env.a)):
+            mine = reports(outs[u.name], 2)
+            assert {r["runtime_dir"] for r in mine} == {f"{RUN_ROOT}/{jobs[u.name]}"}
+            assert all(r["backend"] == "shm" for r in mine)
+            # the other user reaches neither this daemon nor its segments
+            done = env.s.command([str(env.py.h5serve_bin), "status", "--runtime-dir", f"{RUN_ROOT}/{jobs[u.name]}"],
+                                 user=other)
+            assert done.returncode != 0, done.stdout
+            segments = [n for n in env.s.nodes[0].shm() if n.startswith(f"h5serve-{u.uid}-")]
+            assert segments
+            done = env.s.command(["cat", f"/dev/shm/{segments[0]}"], user=other)
+            assert done.returncode != 0 and "Permission denied" in done.stdout
+    finally:
+        go.touch()
+    for u in (env.a, env.b):
+        assert env.s.wait(jobs[u.name], 90) == "COMPLETED", env.s.output(jobs[u.name])
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+HOSTILE = """#!/bin/bash
+# the job user turns its runtime dir against the root epilog: a FIFO pid file (node 0), a pid
+# file naming slurmd (node 1), symlinks to root's files and dirs, FIFOs, and /dev/shm filled
+srun --ntasks-per-node=1 bash -c '
+d=$H5SERVE_RUNTIME_DIR
+[ -d "$d" ] || { echo "no runtime dir"; exit 1; }
+rm -f "$d/h5serve.pid"
+if [ "$SLURM_NODEID" = 0 ]; then mkfifo "$d/h5serve.pid"; else cat /run/slurmd/slurmd.pid > "$d/h5serve.pid"; fi
+ln -s /etc/shadow "$d/shadow"; ln -s / "$d/rootdir"; mkfifo "$d/fifo" "$d/h5serve.sock.fifo"
+dd if=/dev/zero of=/dev/shm/fill-$SLURM_JOB_ID bs=1M count=200 2>/dev/null
+echo hostile done on $(hostname)'
+"""
+
+
+def test_hostile_job_user_cannot_harm_or_hang_prolog_epilog(env: Env) -> None:
+    out = out_dir(env, env.a, "hostile")
+    shadow = os.stat("/etc/shadow")
+    slurmd = [int(n.path("/run/slurmd/slurmd.pid").read_text()) for n in env.s.nodes]
+    job = submit(env, env.a, HOSTILE, out, "-N2", "--ntasks-per-node=1")
+    started = time.monotonic()
+    assert env.s.wait(job, 120) == "COMPLETED", env.s.output(job)
+    assert env.s.output(job).count("hostile done") == 2, env.s.output(job)
+    assert time.monotonic() - started < 100  # the epilogs did not hang
+    assert wait_for(env.s.idle, 30), "a node is not idle (drained?)"
+    after = os.stat("/etc/shadow")
+    assert (after.st_uid, after.st_mode, after.st_size) == (shadow.st_uid, shadow.st_mode, shadow.st_size)
+    for node, pid in zip(env.s.nodes, slurmd):
+        assert node.host_pid(pid), f"slurmd of {node.hostname} is gone"
+        fills = [name for name in node.shm() if name.startswith("fill-")]
+        assert fills  # the user's own file: not h5serve's to remove
+        for name in fills:
+            node.path(f"/dev/shm/{name}").unlink()
+    assert leftovers(env) == []
+    # the nodes still run jobs, with their daemons
+    out2 = out_dir(env, env.a, "after-hostile")
+    job2, state = run_job(env, env.a, SRUN, out2)
+    assert state == "COMPLETED", env.s.output(job2)
+    check_ranks(env, out2, env.a)
+
+
+def test_shm_too_small_says_so_in_job_output(env: Env) -> None:
+    env.s.site(site(env.py, max_memory="1G"))
+    out = out_dir(env, env.a, "small")
+    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, FALLBACK="lazy")
+    assert env.s.wait(job, 150) == "COMPLETED", env.s.output(job)
+    text = env.s.output(job)
+    got = reports(out)
+    # the first ranks of a node to load may fit; the others read lazily, and say why
+    assert len(got) == 4 and sum(r["backend"] == "lazy" for r in got) >= 2, text
+    assert text.count("h5serve: not enough room in /dev/shm for 'x'") >= 2, text
+    assert all(r["differed"] == 0 for r in got) and sorted(x for r in got for x in r["rows"]) == list(range(40000))
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+# --------------------------------------------------------------------------- kept daemons
+
+
+def reap_all(e: Env) -> None:
+    """Back to per-job daemons: KEEP_S=0 and the epilog's --reap on every node stop what is kept."""
+    e.s.site(site(e.py))
+    for i in range(len(e.s.nodes)):
+        e.s.command(["/etc/slurm/h5serve/epilog.sh", "--reap"], node=i)
+
+
+def test_keep_second_job_attaches_and_daemon_goes_after_keep_s(env: Env) -> None:
+    keep = 20
+    env.s.site(site(env.py, keep=keep))
+    try:
+        first = out_dir(env, env.a, "keep1")
+        job, state = run_job(env, env.a, SRUN, first)
+        assert state == "COMPLETED", f"{env.s.output(job)}\n{env.s.syslog(0)}"
+        kept = f"{RUN_ROOT}/user-{env.a.uid}"
+        assert {r["runtime_dir"] for r in check_ranks(env, first, env.a)} == {kept}
+        loads = [status(env, env.a, i, kept)["counters"]["loads"] for i in range(2)]
+        assert all(loads)
+        # the next job of that user, and two at once: attach, load nothing
+        outs = [out_dir(env, env.a, f"keep{i}") for i in (2, 3, 4)]
+        job2, state = run_job(env, env.a, SRUN, outs[0])
+        assert state == "COMPLETED", env.s.output(job2)
+        jobs = [submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2") for out in outs[1:]]
+        for j in jobs:
+            assert env.s.wait(j, 150) == "COMPLETED", env.s.output(j)
+        for out in outs:
+            check_ranks(env, out, env.a)
+        assert [status(env, env.a, i, kept)["counters"]["loads"] for i in range(2)] == loads
+        first_open = max(r["open_s"] for r in reports(first))
+        second_open = max(r["open_s"] for r in reports(outs[0]))
+        print(f"open (load) {first_open:.3f}s, second job open (attach) {second_open:.3f}s")
+        assert "reusing the kept daemon" in env.s.syslog(0)
+        # no job comes: the epilog's timer stops it KEEP_S after the last job ended
+        ended = time.monotonic()
+        assert wait_for(lambda: leftovers(env) == [], keep + 30), leftovers(env)
+        assert time.monotonic() - ended >= keep - 5
+        assert "no job for" in env.s.syslog(0) and "no job for" in env.s.syslog(1)
+    finally:
+        reap_all(env)
+
+
+def test_keep_idle_daemon_gives_shm_to_another_users_job(env: Env) -> None:
+    env.s.site(site(env.py, keep=300, max_memory="60M"))  # a 64 MiB /dev/shm: A's kept 8 MiB must go
+    try:
+        out_a, out_b = out_dir(env, env.a, "release"), out_dir(env, env.b, "release")
+        job, state = run_job(env, env.a, SRUN, out_a)
+        assert state == "COMPLETED", env.s.output(job)
+        assert any(name.startswith(f"h5serve-{env.a.uid}-") for name in env.s.nodes[0].shm())
+        job, state = run_job(env, env.b, SRUN, out_b)
+        assert state == "COMPLETED", env.s.output(job)
+        check_ranks(env, out_b, env.b)
+        for i, node in enumerate(env.s.nodes):
+            assert not any(name.startswith(f"h5serve-{env.a.uid}-") for name in node.shm())
+            assert f"releasing the idle kept daemon of uid {env.a.uid}" in env.s.syslog(i)
+    finally:
+        reap_all(env)
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+def test_keep_back_to_back_jobs_race_epilog_and_prolog(env: Env) -> None:
+    """KEEP_S=1: each job's epilog (and the timer) races the next job's prolog; every job must
+    find its daemon (fallback error: a daemon stopped under a job fails it) and nothing stays."""
+    env.s.site(site(env.py, keep=1))
+    try:
+        outs = [out_dir(env, env.a, f"race{i}") for i in range(4)]
+        jobs = [submit(env, env.a, SRUN, out, *ONE_NODE, f"--nodelist={env.s.nodes[1].hostname}",
+                       "--job-name=race", "--dependency=singleton") for out in outs]
+        for j in jobs:
+            assert env.s.wait(j, 150) == "COMPLETED", f"{env.s.output(j)}\n{env.s.syslog(1)}"
+        for out in outs:
+            got = reports(out, 2)
+            assert len(got) == 2 and all(r["backend"] == "shm" and r["differed"] == 0 for r in got)
+        assert wait_for(lambda: leftovers(env) == [], 45), f"{leftovers(env)}\n{env.s.syslog(1)}"
+    finally:
+        reap_all(env)
