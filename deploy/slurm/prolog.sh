@@ -50,6 +50,11 @@
 #                                          # (deploy/systemd/h5serve@.service): own cgroup,
 #                                          # journald logs, watchdog
 #   H5SERVE_START_TIMEOUT=90               # seconds before giving up on a start
+#   H5SERVE_KEEP_S=600                     # keep one daemon per user per node, runtime dir
+#                                          # /run/h5serve/user-<uid>, until the user has had no
+#                                          # job here for that long (epilog.sh: "kept daemons";
+#                                          # docs/operations.md); 0 (default): one per job
+#   H5SERVE_LOG=/var/log/h5serve-slurm.log # also append log lines here (no syslog on the node)
 
 set -u
 cd / || exit 0
