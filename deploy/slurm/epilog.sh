@@ -33,12 +33,18 @@ export PATH
 CONFIG=${H5SERVE_SLURM_CONFIG:-/etc/default/h5serve-slurm}
 RUN_ROOT=/run/h5serve
 ENV_ROOT=/run/h5serve-jobs
+KEEP_ROOT=$RUN_ROOT/.keep        # H5SERVE_KEEP_S: root's bookkeeping of kept daemons (below)
+KEEP_LOCK=$RUN_ROOT/.keep.lock
+SELF=$(readlink -f -- "$0")
 JOB_UID=""
 JOB_GID=""
 AS_JOB_USER=()  # setpriv prefix: the job's uid and gid, no other groups (set by job_identity)
 
 log() {
-    logger -t h5serve -- "epilog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*" 2>/dev/null || true
+    local line="epilog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*"
+    logger -t h5serve -- "$line" 2>/dev/null || true
+    # H5SERVE_LOG (site config): also append to this root-owned file (nodes without syslog)
+    [ -z "${H5SERVE_LOG:-}" ] || printf '%s h5serve: %s\n' "$(date '+%F %T')" "$line" >> "$H5SERVE_LOG" 2>/dev/null || true
 }
 
 config_trusted() {
@@ -53,8 +59,10 @@ config_trusted() {
 }
 
 job_identity() {
-    # JOB_UID/JOB_GID from slurmd's environment (SLURM_JOB_GID, else the uid's primary group).
-    JOB_UID=${SLURM_JOB_UID:-}
+    # JOB_UID/JOB_GID from slurmd's environment (SLURM_JOB_GID, else the uid's primary group),
+    # or from uid $1 (a kept daemon's owner, when reaping).
+    JOB_UID=${1:-${SLURM_JOB_UID:-}}
+    [ -z "${1:-}" ] || SLURM_JOB_GID=""
     case "$JOB_UID" in "" | *[!0-9]*) log "SLURM_JOB_UID='$JOB_UID' is not a uid; leaving everything as it is"; return 1 ;; esac
     if [ "$JOB_UID" -eq 0 ]; then
         log "job of root: h5serve starts no daemon for root jobs; nothing to do"
@@ -203,8 +211,9 @@ remove_runtime_dir() {
     rmdir -- "$dir" 2>/dev/null || log "cannot remove $dir (owner uid $owner): not empty or not a directory; left as it is"
 }
 
-main() {
+load_config() {
     H5SERVE_BIN=h5serve
+    H5SERVE_KEEP_S=0
     if [ -e "$CONFIG" ]; then
         if config_trusted "$CONFIG"; then
             # shellcheck source=/dev/null
@@ -213,11 +222,181 @@ main() {
             log "$CONFIG is not a regular file that only root can write; ignoring it"
         fi
     fi
+    case "$H5SERVE_KEEP_S" in "" | *[!0-9]*) log "H5SERVE_KEEP_S='$H5SERVE_KEEP_S' is not a number of seconds; 0"; H5SERVE_KEEP_S=0 ;; esac
+}
+
+# ----- kept daemons (H5SERVE_KEEP_S > 0): one per user per node, /run/h5serve/user-<uid> ---------
+#
+# Root's bookkeeping, in $KEEP_ROOT (0700: no user can read or forge it), changed only under an
+# exclusive flock on $KEEP_LOCK, which the prolog holds too while it registers a job and starts
+# or reuses the daemon. So the last epilog of a user racing that user's next prolog either
+# stops the daemon before the prolog starts one, or sees the new job and leaves it.
+#   $KEEP_ROOT/<uid>/jobs/<job id>   the user's jobs running on this node
+#   $KEEP_ROOT/<uid>/idle-since      when the last of them ended (epoch seconds)
+# A daemon with no job for H5SERVE_KEEP_S seconds is stopped by whichever comes first: the
+# timer the epilog arms when a user's last job ends (one per node: `epilog.sh --timer`,
+# detached, sleeping until the next expiry, at most 30 s at a time; it exits when no kept
+# daemon is idle), or the next prolog or epilog of any user.
+
+keep_lock() {
+    # fd 9: the exclusive lock on $KEEP_LOCK, in root's $RUN_ROOT (a real dir of root's: no user
+    # can plant the name), waited for at most 120 s.
+    [ -d "$RUN_ROOT" ] && [ ! -L "$RUN_ROOT" ] && [ "$(stat -c %u -- "$RUN_ROOT")" = 0 ] || return 1
+    exec 9>>"$KEEP_LOCK" || return 1
+    flock -w 120 9 || { log "waited 120 s for $KEEP_LOCK; giving up"; return 1; }
+}
+
+keep_unlock() {
+    exec 9>&-
+}
+
+stop_kept() {
+    # Stop uid $1's kept daemon, remove its segments, runtime dir and bookkeeping. Lock held.
+    local uid=$1 dir=$RUN_ROOT/user-$1
+    job_identity "$uid" || { rm -rf -- "${KEEP_ROOT:?}/$uid"; return 0; }
+    if [ -d "$dir" ] && [ ! -L "$dir" ]; then
+        if ! stop_daemon "$dir"; then
+            log "kept daemon of uid $uid on $dir cannot be stopped; leaving it"
+            return 1
+        fi
+        remove_leftover_segments "$dir"
+        remove_runtime_dir "$dir"
+    fi
+    rm -rf -- "${KEEP_ROOT:?}/$uid"
+}
+
+idle_for() {
+    # Seconds uid $1 has had no job on this node; nothing (false) while it has one.
+    local since
+    [ -z "$(ls -A -- "$KEEP_ROOT/$1/jobs" 2>/dev/null)" ] || return 1
+    since=$(head -c 20 -- "$KEEP_ROOT/$1/idle-since" 2>/dev/null) || since=0
+    case "$since" in "" | *[!0-9]*) since=0 ;; esac
+    echo $(( $(date +%s) - since ))
+}
+
+reap_expired() {
+    # Stop every kept daemon idle for H5SERVE_KEEP_S seconds or more. Lock held. Prints the
+    # seconds until the next expiry, if a kept daemon is idle but not yet expired.
+    local state uid idle next=""
+    for state in "$KEEP_ROOT"/*; do
+        [ -d "$state" ] || continue
+        uid=${state##*/}
+        case "$uid" in "" | *[!0-9]*) continue ;; esac
+        idle=$(idle_for "$uid") || continue
+        if [ "$idle" -ge "$H5SERVE_KEEP_S" ]; then
+            log "stopping the kept daemon of uid $uid: no job for ${idle}s (H5SERVE_KEEP_S=$H5SERVE_KEEP_S)"
+            stop_kept "$uid"
+        elif [ -z "$next" ] || [ $((H5SERVE_KEEP_S - idle)) -lt "$next" ]; then
+            next=$((H5SERVE_KEEP_S - idle))
+        fi
+    done
+    [ -z "$next" ] || echo "$next"
+}
+
+shm_free() {
+    df -B1 --output=avail -- "${H5SERVE_SHM_DIR:-/dev/shm}" 2>/dev/null | tail -n 1 | tr -d ' '
+}
+
+release_for() {
+    # A job of uid $1 needs $2 bytes of /dev/shm: stop idle kept daemons of other users, the
+    # longest idle first, until that much is free. Lock held.
+    local uid=$1 need=$2 free state other idle list=""
+    free=$(shm_free) || return 0
+    [ "${free:-0}" -lt "$need" ] || return 0
+    for state in "$KEEP_ROOT"/*; do
+        other=${state##*/}
+        case "$other" in "" | *[!0-9]* | "$uid") continue ;; esac
+        idle=$(idle_for "$other") || continue
+        list+="$idle $other"$'\n'
+    done
+    while read -r idle other; do
+        [ -n "$other" ] || continue
+        free=$(shm_free) || return 0
+        [ "${free:-0}" -lt "$need" ] || return 0
+        log "releasing the idle kept daemon of uid $other (no job for ${idle}s) for a job of uid $uid: ${free} bytes free in ${H5SERVE_SHM_DIR:-/dev/shm}, ${need} wanted"
+        stop_kept "$other"
+    done < <(printf %s "$list" | sort -rn)
+}
+
+arm_timer() {
+    # One detached timer per node (`epilog.sh --timer`): it holds $KEEP_ROOT/timer.lock while it
+    # waits, so a second one exits at once; it lets go of it under the keep lock when nothing is
+    # left to wait for, so an idle-since written after that arms a new one.
+    setsid -f "$BASH" "$SELF" --timer </dev/null >/dev/null 2>&1 || log "cannot arm the keep timer"
+}
+
+timer() {
+    local next
+    exec 8>>"$KEEP_ROOT/timer.lock" || return 1
+    flock -n 8 || return 0
+    while true; do
+        load_config  # the admin may have changed H5SERVE_KEEP_S since the timer was armed
+        keep_lock || return 1
+        next=$(reap_expired)
+        if [ -z "$next" ]; then
+            exec 8>&-
+            keep_unlock
+            return 0
+        fi
+        keep_unlock
+        [ "$next" -lt 30 ] || next=29  # wakes at least every 30 s to re-read the config
+        sleep "$((next + 1))"
+    done
+}
+
+job_end_kept() {
+    # The job's epilog with a kept daemon: unregister the job; the user's last job on the node
+    # starts the idle clock (and the timer). Reaps what expired meanwhile. Lock held.
+    local uid=$SLURM_JOB_UID
+    rm -f -- "$KEEP_ROOT/$uid/jobs/$1"
+    if [ -z "$(ls -A -- "$KEEP_ROOT/$uid/jobs" 2>/dev/null)" ]; then
+        date +%s > "$KEEP_ROOT/$uid/idle-since"
+        log "last job of uid $uid on this node ended; its daemon stays ${H5SERVE_KEEP_S}s"
+    fi
+    reap_expired >/dev/null
+}
+
+main() {
+    load_config
+    case "${1:-}" in
+        --timer)
+            [ -d "$KEEP_ROOT" ] || return 0
+            timer
+            return
+            ;;
+        --reap | --release)
+            # From the prolog (before it takes the lock itself): expired daemons, and with
+            # --release UID BYTES idle daemons of other users while /dev/shm has less free.
+            [ -d "$KEEP_ROOT" ] || return 0
+            keep_lock || return 1
+            reap_expired >/dev/null
+            if [ "$1" = --release ]; then
+                case "${2:-}${3:-}" in "" | *[!0-9]*) ;; *) release_for "$2" "$3" ;; esac
+            fi
+            keep_unlock
+            return 0
+            ;;
+    esac
     local job=${SLURM_JOB_ID:-}
     case "$job" in
         "" | *[!0-9]*) log "SLURM_JOB_ID='$job' is not a job id; is this running as a slurmd Epilog?"; return 1 ;;
     esac
     local dir=$RUN_ROOT/$job
+
+    if [ -d "$KEEP_ROOT" ] && [ ! -L "$KEEP_ROOT" ]; then
+        case "${SLURM_JOB_UID:-}" in "" | *[!0-9]*) ;; *)
+            if keep_lock; then
+                if [ -e "$KEEP_ROOT/$SLURM_JOB_UID/jobs/$job" ]; then
+                    job_end_kept "$job"
+                else
+                    reap_expired >/dev/null
+                fi
+                keep_unlock
+                [ -z "$(ls -A -- "$KEEP_ROOT" 2>/dev/null | grep -v '^timer.lock$')" ] || arm_timer
+            fi
+            ;;
+        esac
+    fi
 
     # A systemd instance (H5SERVE_LAUNCH=systemd, or started by hand): stopping it sends
     # SIGTERM and its ExecStopPost removes the dir and env file. Harmless when not loaded.
@@ -238,5 +417,5 @@ main() {
     return 0
 }
 
-( main ) || log "cleanup incomplete (exit $?); see the lines above"
+( main "$@" ) || log "cleanup incomplete (exit $?); see the lines above"
 exit 0

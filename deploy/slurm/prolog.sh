@@ -50,6 +50,11 @@
 #                                          # (deploy/systemd/h5serve@.service): own cgroup,
 #                                          # journald logs, watchdog
 #   H5SERVE_START_TIMEOUT=90               # seconds before giving up on a start
+#   H5SERVE_KEEP_S=600                     # keep one daemon per user per node, runtime dir
+#                                          # /run/h5serve/user-<uid>, until the user has had no
+#                                          # job here for that long (epilog.sh: "kept daemons";
+#                                          # docs/operations.md); 0 (default): one per job
+#   H5SERVE_LOG=/var/log/h5serve-slurm.log # also append log lines here (no syslog on the node)
 
 set -u
 cd / || exit 0
@@ -60,9 +65,15 @@ export PATH
 CONFIG=${H5SERVE_SLURM_CONFIG:-/etc/default/h5serve-slurm}
 RUN_ROOT=/run/h5serve          # h5serve@.service uses the same path
 ENV_ROOT=/run/h5serve-jobs     # per-job environment files for h5serve@.service
+KEEP_ROOT=$RUN_ROOT/.keep      # H5SERVE_KEEP_S: root's bookkeeping of kept daemons (epilog.sh)
+KEEP_LOCK=$RUN_ROOT/.keep.lock
+EPILOG=$(dirname -- "$(readlink -f -- "$0")")/epilog.sh   # installed next to this script
 
 log() {
-    logger -t h5serve -- "prolog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*" 2>/dev/null || true
+    local line="prolog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*"
+    logger -t h5serve -- "$line" 2>/dev/null || true
+    # H5SERVE_LOG (site config): also append to this root-owned file (nodes without syslog)
+    [ -z "${H5SERVE_LOG:-}" ] || printf '%s h5serve: %s\n' "$(date '+%F %T')" "$line" >> "$H5SERVE_LOG" 2>/dev/null || true
 }
 
 config_trusted() {
@@ -121,6 +132,69 @@ write_env_file() {
     return 1
 }
 
+to_bytes() {
+    # 64G, 48M, 512MiB, 1.5GB, 1000000 -> bytes (h5serve's sizes are binary); nothing if unreadable.
+    local v=${1%B}
+    v=${v%i}
+    timeout 10 numfmt --from=iec -- "$v" 2>/dev/null
+}
+
+shm_need() {
+    # What a new job may need in /dev/shm: the daemon's --max-memory from H5SERVE_OPTS, else
+    # the whole of /dev/shm.
+    local prev="" word bytes
+    for word in "$@"; do
+        case "$word" in --max-memory=*) bytes=$(to_bytes "${word#*=}") && { echo "$bytes"; return; } ;; esac
+        if [ "$prev" = --max-memory ]; then bytes=$(to_bytes "$word") && { echo "$bytes"; return; }; fi
+        prev=$word
+    done
+    df -B1 --output=size -- "${H5SERVE_SHM_DIR:-/dev/shm}" 2>/dev/null | tail -n 1 | tr -d ' '
+}
+
+epilog_trusted() {
+    # The prolog runs the epilog (reaping, releasing) as root: root's, writable by root only.
+    local perms
+    [ -f "$EPILOG" ] && [ ! -L "$EPILOG" ] || return 1
+    perms=$(stat -c '%u %a' -- "$EPILOG" 2>/dev/null) || return 1
+    case "$perms" in "0 "*[0-7][0145][0145]) return 0 ;; esac
+    log "$EPILOG is not root's and writable by root only; kept daemons are not reaped from the prolog"
+    return 1
+}
+
+start_kept() {
+    # H5SERVE_KEEP_S > 0: the user's daemon on this node, /run/h5serve/user-<uid>, started or
+    # reused, with this job registered in root's bookkeeping (epilog.sh: "kept daemons"), all
+    # under the keep lock, so the user's last epilog cannot stop it between our check and the
+    # job's start. First: expired kept daemons are stopped, and idle ones of other users give
+    # their /dev/shm back while less than this job may need is free.
+    local user=$1 uid=$2 gid=$3 dir=$RUN_ROOT/user-$2 out need
+    shift 3
+    if [ -L "$KEEP_ROOT" ]; then log "$KEEP_ROOT is a symbolic link; refusing to use it"; return 1; fi
+    timeout 10 install -d -m 0700 -o root -g root "$KEEP_ROOT" || { log "cannot create $KEEP_ROOT"; return 1; }
+    need=$(shm_need "$@")
+    if epilog_trusted; then
+        H5SERVE_SLURM_CONFIG=$CONFIG timeout -k 5 300 "$EPILOG" --release "$uid" "${need:-0}" \
+            || log "reaping kept daemons failed"
+    fi
+    exec 9>>"$KEEP_LOCK" || { log "cannot open $KEEP_LOCK"; return 1; }
+    flock -w 120 9 || { log "waited 120 s for $KEEP_LOCK; giving up"; return 1; }
+    timeout 10 install -d -m 0700 -o root -g root "$KEEP_ROOT/$uid" "$KEEP_ROOT/$uid/jobs" \
+        || { log "cannot create $KEEP_ROOT/$uid"; return 1; }
+    : > "$KEEP_ROOT/$uid/jobs/$SLURM_JOB_ID"
+    rm -f -- "$KEEP_ROOT/$uid/idle-since"
+    job_dir "$dir" "$uid" "$gid" || return 1
+    if ! out=$(timeout -k 5 "$H5SERVE_START_TIMEOUT" "$H5SERVE_BIN" start --user "$user" --runtime-dir "$dir" \
+        "$@" 2>&1); then
+        log "h5serve start failed: ${out//$'\n'/ | }"
+        return 1
+    fi
+    case "$out" in
+        *"already serves"* | *"already running"*) log "reusing the kept daemon for $user on $dir" ;;
+        *) log "kept daemon for $user on $dir (stays ${H5SERVE_KEEP_S}s after the user's last job here)" ;;
+    esac
+    exec 9>&-
+}
+
 opted_in() {
     case "${H5SERVE_ALL_JOBS:-no}" in
         yes | true | 1) return 0 ;;
@@ -140,6 +214,7 @@ main() {
     H5SERVE_ALL_JOBS=no
     H5SERVE_LAUNCH=direct
     H5SERVE_START_TIMEOUT=90
+    H5SERVE_KEEP_S=0
     if [ -e "$CONFIG" ]; then
         if ! config_trusted "$CONFIG"; then
             log "$CONFIG is not a regular file that only root can write; refusing to source it"
@@ -168,6 +243,14 @@ main() {
     local dir=$RUN_ROOT/$job opts=()
     read -r -a opts <<< "$H5SERVE_OPTS"
     root_dir "$RUN_ROOT" || return 1
+    case "$H5SERVE_KEEP_S" in "" | *[!0-9]*) log "H5SERVE_KEEP_S='$H5SERVE_KEEP_S' is not a number of seconds; 0"; H5SERVE_KEEP_S=0 ;; esac
+    if [ "$H5SERVE_KEEP_S" -gt 0 ]; then
+        if [ "$H5SERVE_LAUNCH" = direct ]; then
+            start_kept "$user" "$uid" "$gid" ${opts[@]+"${opts[@]}"}
+            return
+        fi
+        log "H5SERVE_KEEP_S needs H5SERVE_LAUNCH=direct; starting a daemon for this job only"
+    fi
 
     case "$H5SERVE_LAUNCH" in
         systemd)

@@ -1,0 +1,46 @@
+"""One rank of tests/cluster/test_slurm.py's jobs, launched by srun (one task per rank) or by
+torchrun (one per node): opens ARGV[1] with SharedH5Dataset (contiguous, fallback ``error``
+unless $FALLBACK says otherwise), reads every row of its shard, checks each against h5py, and
+writes ``ARGV[2]/rank<N>.json``: rank, host, uid, backend, rows read, rows that differed, the
+runtime dir the TaskProlog gave it and how long opening took. ``--hold FILE`` waits (up to 120 s)
+for FILE after opening, for tests that act while a job runs."""
+
+import json
+import os
+import socket
+import sys
+import time
+
+import h5py
+import numpy as np
+
+from h5serve.client import SharedH5Dataset
+
+
+def main() -> None:
+    path, out = sys.argv[1], sys.argv[2]
+    hold = sys.argv[sys.argv.index("--hold") + 1] if "--hold" in sys.argv else ""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    started = time.monotonic()
+    ds = SharedH5Dataset(path, x_key="x", y_key="y", mode="contiguous", fallback=os.environ.get("FALLBACK", "error"))
+    opened = time.monotonic() - started
+    with h5py.File(path) as f:
+        x_all = f["x"][:]
+    rows, differed = [], 0
+    for i in range(len(ds.indices)):
+        x, y = ds[i]
+        differed += not np.array_equal(np.asarray(x), x_all[int(y)])
+        rows.append(int(y))
+    report = {"rank": rank, "host": socket.gethostname(), "uid": os.getuid(), "backend": ds.backend, "rows": rows,
+              "differed": differed, "runtime_dir": os.environ.get("H5SERVE_RUNTIME_DIR", ""), "open_s": opened}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    if hold:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    ds.close()
+
+
+if __name__ == "__main__":
+    main()

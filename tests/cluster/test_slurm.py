@@ -1,0 +1,371 @@
+"""h5serve under a real SLURM (tests/cluster/slurm.py: slurmctld, a slurmd and a munged per
+namespace node, deploy/slurm/ installed as docs/operations.md says), with jobs of throwaway users:
+
+- sbatch -N2 --ntasks-per-node=2, ranks launched by srun and by torchrun per node: every rank on
+  shared memory, every row once, h5py's bytes; `h5serve plan` in the batch script and every task;
+- the epilog leaves nothing (no daemon, segment, runtime dir), also after `scancel` mid-load;
+- two users' jobs on one node: each on its own daemon, neither can reach the other's;
+- a hostile job user (symlinks and FIFOs in its runtime dir, a forged pid file, /dev/shm filled)
+  cannot make the root prolog or epilog harm anything or hang;
+- /dev/shm too small: the job's output says so;
+- H5SERVE_KEEP_S: a user's second job attaches without loading; the daemon goes when the user
+  had no job for that long (the epilog's timer, with no job coming); an idle kept daemon gives
+  /dev/shm back to another user's job (logged); back-to-back jobs racing epilog and prolog.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from ..helpers import make_h5, wait_for
+from ..users import PortablePython, PublicInterpreter, User, portable_python, public_interpreter, throwaway_user
+from .slurm import LOG, Slurm, slurm_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(300)]
+
+RANK = Path(__file__).resolve().parent / "slurm_rank.py"
+ROWS, SHAPE = 4000, (64, 64)  # 16 MiB of x: each node holds its half (contiguous) in its 64 MiB /dev/shm
+RUN_ROOT = "/run/h5serve"
+
+
+@dataclass(frozen=True)
+class Env:
+    s: Slurm
+    a: User
+    b: User
+    py: PortablePython
+    pub: PublicInterpreter
+    data: Path
+    big: Path  # more than a node's /dev/shm holds
+
+
+def site(py: PortablePython, keep: int = 0, max_memory: str = "48M") -> str:
+    return (f"H5SERVE_BIN={py.h5serve_bin}\nH5SERVE_OPTS=\"--max-memory {max_memory}\"\nH5SERVE_START_TIMEOUT=60\n"
+            f"H5SERVE_LOG={LOG}\nH5SERVE_KEEP_S={keep}\n")
+
+
+def make_big(path: Path, rows: int) -> Path:
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", shape=(rows, *SHAPE), dtype="uint8", chunks=(256, *SHAPE))
+        for start in range(0, rows, 4096):
+            x[start:start + 4096] = 7
+        f.create_dataset("y", data=np.arange(rows, dtype=np.int64))
+    path.chmod(0o644)
+    return path
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    with throwaway_user() as a, throwaway_user() as b, portable_python() as py, public_interpreter() as pub:
+        prefix = Path(pub.python).parents[1]
+        with slurm_cluster(nodes=2, shm="64m", share=[py.root, prefix], site=site(py)) as s:
+            data = make_h5(s.cluster.shared / "train.h5", rows=ROWS, row_shape=SHAPE)
+            data.chmod(0o644)
+            big = make_big(s.cluster.shared / "big.h5", rows=40000)  # 160 MiB: a node's half is 80 MiB
+            yield Env(s, a, b, py, pub, data, big)
+
+
+@pytest.fixture(autouse=True)
+def default_site(env: Env) -> Iterator[None]:
+    env.s.site(site(env.py))
+    yield
+    assert wait_for(env.s.idle, 60), f"nodes not idle after the test:\n{env.s.logs()}"
+
+
+def job_env(e: Env, out: Path, data: Path | None = None, **extra: str) -> dict[str, str]:
+    return {**e.pub.env, "PATH": f"{e.py.root}:{e.pub.env['PATH']}", "PY": e.pub.python, "RANKPY": str(RANK),
+            "DATA": str(data or e.data), "OUT": str(out), **extra}
+
+
+def out_dir(e: Env, user: User, name: str) -> Path:
+    out = e.s.user_dir(user) / name
+    out.mkdir()
+    os.chown(out, user.uid, user.gid)
+    return out
+
+
+SRUN = """#!/bin/bash
+set -u
+h5serve plan --json > "$OUT/plan-batch.json"
+echo "batch runtime dir: ${H5SERVE_RUNTIME_DIR:-none}"
+# as sbatch_example.sh: each task's rank from SLURM's variables
+srun bash -c 'h5serve plan --json > "$OUT/plan-task$SLURM_PROCID.json" && RANK=$SLURM_PROCID \
+  LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS exec "$PY" "$RANKPY" "$DATA" "$OUT" '"${HOLD:+--hold $HOLD}"
+"""
+
+TORCHRUN = """#!/bin/bash
+set -u
+master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c 'exec "$PY" -m torch.distributed.run \
+  --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node=2 --node_rank="$SLURM_NODEID" --master_addr='"$master"' \
+  --master_port=29500 "$RANKPY" "$DATA" "$OUT"'
+"""
+
+
+def reports(out: Path, n: int = 4) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n) if (out / f"rank{r}.json").exists()]
+
+
+def run_job(e: Env, user: User, script: str, out: Path, *options: str, timeout: float = 150,
+            **extra: str) -> tuple[int, str]:
+    job = e.s.sbatch(user, script, "-N2", "--ntasks-per-node=2", "--comment=h5serve", *options,
+                     env=job_env(e, out, **extra))
+    state = e.s.wait(job, timeout)
+    return job, state
+
+
+def check_ranks(e: Env, out: Path, user: User) -> list[dict]:
+    got = reports(out)
+    assert len(got) == 4, f"{len(got)} rank reports"
+    assert all(r["backend"] == "shm" and r["differed"] == 0 and r["uid"] == user.uid for r in got), got
+    assert sorted(row for r in got for row in r["rows"]) == list(range(ROWS))  # every row once
+    hosts = {r["host"] for r in got}
+    assert hosts == {n.hostname for n in e.s.nodes}
+    return got
+
+
+def leftovers(e: Env) -> list[str]:
+    """Anything h5serve left on any node: segments, runtime dirs, daemons of the job users."""
+    found = []
+    for node in e.s.nodes:
+        found += [f"{node.hostname}:/dev/shm/{name}" for name in node.shm()]
+        root = node.path(RUN_ROOT)
+        if root.exists():
+            found += [f"{node.hostname}:{RUN_ROOT}/{p.name}" for p in root.iterdir()
+                      if p.name not in (".keep", ".keep.lock")]
+            keep = root / ".keep"
+            if keep.exists():
+                found += [f"{node.hostname}:{RUN_ROOT}/.keep/{p.name}" for p in keep.iterdir()
+                          if p.name != "timer.lock"]
+        for pid in node.processes():
+            try:
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            if uid in (e.a.uid, e.b.uid):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{node.hostname}: process {pid} of uid {uid}: {cmdline!r}")
+    return found
+
+
+def status(e: Env, user: User, node: int, runtime_dir: str) -> dict:
+    done = e.s.command([str(e.py.h5serve_bin), "status", "--json", "--runtime-dir", runtime_dir], user=user, node=node)
+    assert done.returncode == 0, done.stdout
+    return dict(json.loads(done.stdout))
+
+
+# --------------------------------------------------------------------------- per-job daemons
+
+
+def test_srun_ranks_on_shm_plan_and_epilog_leaves_nothing(env: Env) -> None:
+    out = out_dir(env, env.a, "srun")
+    job, state = run_job(env, env.a, SRUN, out)
+    assert state == "COMPLETED", f"{state}\n{env.s.output(job)}\n{env.s.syslog(0)}\n{env.s.logs()}"
+    got = check_ranks(env, out, env.a)
+    assert all(r["runtime_dir"] == f"{RUN_ROOT}/{job}" for r in got)  # the TaskProlog's
+    assert f"batch runtime dir: {RUN_ROOT}/{job}" in env.s.output(job)
+    batch = json.loads((out / "plan-batch.json").read_text())
+    assert batch["world_size"] == 4 and batch["node_rank"] == 0 and batch["ranks"] == [0, 1]
+    for r in got:
+        plan = json.loads((out / f"plan-task{r['rank']}.json").read_text())
+        node = [n.hostname for n in env.s.nodes].index(r["host"])
+        assert plan["node_rank"] == node and r["rank"] in plan["ranks"] and plan["world_size"] == 4
+    # the daemon's forkserver exits just after the daemon the epilog stopped
+    assert wait_for(lambda: leftovers(env) == [], 15), leftovers(env)
+
+
+def test_torchrun_per_node_on_shm(env: Env) -> None:
+    out = out_dir(env, env.a, "torchrun")
+    job, state = run_job(env, env.a, TORCHRUN, out)
+    assert state == "COMPLETED", f"{state}\n{env.s.output(job)}"
+    check_ranks(env, out, env.a)
+    assert wait_for(lambda: leftovers(env) == [], 15), leftovers(env)
+
+
+def submit(e: Env, user: User, script: str, out: Path, *options: str, data: Path | None = None,
+           **extra: str) -> int:
+    return e.s.sbatch(user, script, "--comment=h5serve", *options, env=job_env(e, out, data, **extra))
+
+
+ONE_NODE = ("-N1", "--ntasks=2")
+
+
+def test_scancel_mid_load_leaves_nothing(env: Env) -> None:
+    env.s.site(site(env.py, max_memory="60M"))
+    out = out_dir(env, env.a, "scancel")
+    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, HOLD=str(out / "never"))
+    assert wait_for(lambda: any(out.glob("plan-task*.json")), 90), env.s.output(job)  # tasks start loading
+    env.s.scancel(job)
+    assert env.s.wait(job, 90) == "CANCELLED"
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+def test_two_users_on_one_node_isolated(env: Env) -> None:
+    node = env.s.nodes[0].hostname
+    outs = {u.name: out_dir(env, u, "isolated") for u in (env.a, env.b)}
+    go = env.s.cluster.shared / "isolated-go"
+    jobs = {u.name: submit(env, u, SRUN, outs[u.name], *ONE_NODE, f"--nodelist={node}", HOLD=str(go))
+            for u in (env.a, env.b)}
+    try:
+        for u in (env.a, env.b):
+            assert wait_for(lambda u=u: len(reports(outs[u.name], 2)) == 2, 90), env.s.output(jobs[u.name])
+        for u, other in ((env.a, env.b), (env.b, env.a)):
+            mine = reports(outs[u.name], 2)
+            assert {r["runtime_dir"] for r in mine} == {f"{RUN_ROOT}/{jobs[u.name]}"}
+            assert all(r["backend"] == "shm" for r in mine)
+            # the other user reaches neither this daemon nor its segments
+            done = env.s.command([str(env.py.h5serve_bin), "status", "--runtime-dir", f"{RUN_ROOT}/{jobs[u.name]}"],
+                                 user=other)
+            assert done.returncode != 0, done.stdout
+            segments = [n for n in env.s.nodes[0].shm() if n.startswith(f"h5serve-{u.uid}-")]
+            assert segments
+            done = env.s.command(["cat", f"/dev/shm/{segments[0]}"], user=other)
+            assert done.returncode != 0 and "Permission denied" in done.stdout
+    finally:
+        go.touch()
+    for u in (env.a, env.b):
+        assert env.s.wait(jobs[u.name], 90) == "COMPLETED", env.s.output(jobs[u.name])
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+HOSTILE = """#!/bin/bash
+# the job user turns its runtime dir against the root epilog: a FIFO pid file (node 0), a pid
+# file naming slurmd (node 1), symlinks to root's files and dirs, FIFOs, and /dev/shm filled
+srun --ntasks-per-node=1 bash -c '
+d=$H5SERVE_RUNTIME_DIR
+[ -d "$d" ] || { echo "no runtime dir"; exit 1; }
+rm -f "$d/h5serve.pid"
+if [ "$SLURM_NODEID" = 0 ]; then mkfifo "$d/h5serve.pid"; else cat /run/slurmd/slurmd.pid > "$d/h5serve.pid"; fi
+ln -s /etc/shadow "$d/shadow"; ln -s / "$d/rootdir"; mkfifo "$d/fifo" "$d/h5serve.sock.fifo"
+dd if=/dev/zero of=/dev/shm/fill-$SLURM_JOB_ID bs=1M count=200 2>/dev/null
+echo hostile done on $(hostname)'
+"""
+
+
+def test_hostile_job_user_cannot_harm_or_hang_prolog_epilog(env: Env) -> None:
+    out = out_dir(env, env.a, "hostile")
+    shadow = os.stat("/etc/shadow")
+    slurmd = [int(n.path("/run/slurmd/slurmd.pid").read_text()) for n in env.s.nodes]
+    job = submit(env, env.a, HOSTILE, out, "-N2", "--ntasks-per-node=1")
+    started = time.monotonic()
+    assert env.s.wait(job, 120) == "COMPLETED", env.s.output(job)
+    assert env.s.output(job).count("hostile done") == 2, env.s.output(job)
+    assert time.monotonic() - started < 100  # the epilogs did not hang
+    assert wait_for(env.s.idle, 30), "a node is not idle (drained?)"
+    after = os.stat("/etc/shadow")
+    assert (after.st_uid, after.st_mode, after.st_size) == (shadow.st_uid, shadow.st_mode, shadow.st_size)
+    for node, pid in zip(env.s.nodes, slurmd):
+        assert node.host_pid(pid), f"slurmd of {node.hostname} is gone"
+        fills = [name for name in node.shm() if name.startswith("fill-")]
+        assert fills  # the user's own file: not h5serve's to remove
+        for name in fills:
+            node.path(f"/dev/shm/{name}").unlink()
+    assert wait_for(lambda: leftovers(env) == [], 15), leftovers(env)
+    # the nodes still run jobs, with their daemons
+    out2 = out_dir(env, env.a, "after-hostile")
+    job2, state = run_job(env, env.a, SRUN, out2)
+    assert state == "COMPLETED", env.s.output(job2)
+    check_ranks(env, out2, env.a)
+
+
+def test_shm_too_small_says_so_in_job_output(env: Env) -> None:
+    env.s.site(site(env.py, max_memory="1G"))
+    out = out_dir(env, env.a, "small")
+    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, FALLBACK="lazy")
+    assert env.s.wait(job, 150) == "COMPLETED", env.s.output(job)
+    text = env.s.output(job)
+    got = reports(out)
+    # the first ranks of a node to load may fit; the others read lazily, and say why
+    assert len(got) == 4 and sum(r["backend"] == "lazy" for r in got) >= 2, text
+    assert text.count("h5serve: not enough room in /dev/shm for 'x'") >= 2, text
+    assert all(r["differed"] == 0 for r in got) and sorted(x for r in got for x in r["rows"]) == list(range(40000))
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+# --------------------------------------------------------------------------- kept daemons
+
+
+def reap_all(e: Env) -> None:
+    """Back to per-job daemons: KEEP_S=0 and the epilog's --reap on every node stop what is kept."""
+    e.s.site(site(e.py))
+    for i in range(len(e.s.nodes)):
+        e.s.command(["/etc/slurm/h5serve/epilog.sh", "--reap"], node=i)
+
+
+def test_keep_second_job_attaches_and_daemon_goes_after_keep_s(env: Env) -> None:
+    keep = 20
+    env.s.site(site(env.py, keep=keep))
+    try:
+        first = out_dir(env, env.a, "keep1")
+        job, state = run_job(env, env.a, SRUN, first)
+        assert state == "COMPLETED", f"{env.s.output(job)}\n{env.s.syslog(0)}"
+        kept = f"{RUN_ROOT}/user-{env.a.uid}"
+        assert {r["runtime_dir"] for r in check_ranks(env, first, env.a)} == {kept}
+        loads = [status(env, env.a, i, kept)["counters"]["loads"] for i in range(2)]
+        assert all(loads)
+        # the next job of that user, and two at once: attach, load nothing
+        outs = [out_dir(env, env.a, f"keep{i}") for i in (2, 3, 4)]
+        job2, state = run_job(env, env.a, SRUN, outs[0])
+        assert state == "COMPLETED", env.s.output(job2)
+        jobs = [submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2") for out in outs[1:]]
+        for j in jobs:
+            assert env.s.wait(j, 150) == "COMPLETED", env.s.output(j)
+        for out in outs:
+            check_ranks(env, out, env.a)
+        assert [status(env, env.a, i, kept)["counters"]["loads"] for i in range(2)] == loads
+        first_open = max(r["open_s"] for r in reports(first))
+        second_open = max(r["open_s"] for r in reports(outs[0]))
+        print(f"open (load) {first_open:.3f}s, second job open (attach) {second_open:.3f}s")
+        assert "reusing the kept daemon" in env.s.syslog(0)
+        # no job comes: the epilog's timer stops it KEEP_S after the last job ended
+        ended = time.monotonic()
+        assert wait_for(lambda: leftovers(env) == [], keep + 30), leftovers(env)
+        assert time.monotonic() - ended >= keep - 5
+        assert "no job for" in env.s.syslog(0) and "no job for" in env.s.syslog(1)
+    finally:
+        reap_all(env)
+
+
+def test_keep_idle_daemon_gives_shm_to_another_users_job(env: Env) -> None:
+    env.s.site(site(env.py, keep=300, max_memory="60M"))  # a 64 MiB /dev/shm: A's kept 8 MiB must go
+    try:
+        out_a, out_b = out_dir(env, env.a, "release"), out_dir(env, env.b, "release")
+        job, state = run_job(env, env.a, SRUN, out_a)
+        assert state == "COMPLETED", env.s.output(job)
+        assert any(name.startswith(f"h5serve-{env.a.uid}-") for name in env.s.nodes[0].shm())
+        job, state = run_job(env, env.b, SRUN, out_b)
+        assert state == "COMPLETED", env.s.output(job)
+        check_ranks(env, out_b, env.b)
+        for i, node in enumerate(env.s.nodes):
+            assert not any(name.startswith(f"h5serve-{env.a.uid}-") for name in node.shm())
+            assert f"releasing the idle kept daemon of uid {env.a.uid}" in env.s.syslog(i)
+    finally:
+        reap_all(env)
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+def test_keep_back_to_back_jobs_race_epilog_and_prolog(env: Env) -> None:
+    """KEEP_S=1: each job's epilog (and the timer) races the next job's prolog; every job must
+    find its daemon (fallback error: a daemon stopped under a job fails it) and nothing stays."""
+    env.s.site(site(env.py, keep=1))
+    try:
+        outs = [out_dir(env, env.a, f"race{i}") for i in range(4)]
+        jobs = [submit(env, env.a, SRUN, out, *ONE_NODE, f"--nodelist={env.s.nodes[1].hostname}",
+                       "--job-name=race", "--dependency=singleton") for out in outs]
+        for j in jobs:
+            assert env.s.wait(j, 150) == "COMPLETED", f"{env.s.output(j)}\n{env.s.syslog(1)}"
+        for out in outs:
+            got = reports(out, 2)
+            assert len(got) == 2 and all(r["backend"] == "shm" and r["differed"] == 0 for r in got)
+        assert wait_for(lambda: leftovers(env) == [], 45), f"{leftovers(env)}\n{env.s.syslog(1)}"
+    finally:
+        reap_all(env)
