@@ -14,7 +14,8 @@ The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sa
   if any rank wants it, with the smallest limit of any node. Without a process group, ranks
   of one node ask the same daemon with the same budget and decide alike.
 
-The window is the blocks the agreed limit holds (``resolve_stream`` with it as the budget),
+The window is the blocks the agreed limit holds (h5serve/stream_plan.py, as ``h5serve
+inspect`` recommends; ``resolve_stream`` with the limit as the budget),
 passed to StreamBackend as bytes, so every rank's sampler has the same capacity whether its
 blocks come from a daemon or from h5py.
 """
@@ -27,18 +28,17 @@ from dataclasses import dataclass
 import torch
 
 from ..connection import DaemonClient
-from ..errors import CapacityError, ConfigError, H5ServeError, ShmFull
+from ..errors import CapacityError, H5ServeError, ShmFull
 from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..segments import HEADER_SIZE
-from ..stream_order import block_unit, default_block_rows
+from ..stream_plan import plan_window
 from ..units import format_bytes, row_nbytes
 from .backends import BackendSpec
 from .stream import resolve_stream
 
 __all__ = ["StreamPlan", "decide", "streamable_infos"]
 
-MIN_BLOCKS = 8  # a window of fewer default blocks gets smaller blocks, so that the shuffle mixes some
 _UNKNOWN = -(1 << 62)  # an all-reduce MAX of -limit never picks a rank that knows no limit
 
 
@@ -69,19 +69,6 @@ def streamable_infos(spec: BackendSpec) -> list[DatasetInfo] | None:
     if any(i.vlen for i in infos) or len({i.rows for i in infos}) != 1:
         return None
     return infos
-
-
-def _block_rows(infos: list[DatasetInfo], limit: int) -> int:
-    """The default block (stream_order.default_block_rows), or whole chunks of about
-    ``limit / MIN_BLOCKS`` when the default would leave the window fewer blocks."""
-    unit = block_unit([i.chunk_rows if i.chunked else 1 for i in infos])
-    row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
-    rows = default_block_rows(unit, row_bytes, infos[0].rows)
-    cost = rows * row_bytes + len(infos) * HEADER_SIZE
-    if limit // cost >= MIN_BLOCKS:
-        return rows
-    small = (limit // MIN_BLOCKS - len(infos) * HEADER_SIZE) // max(row_bytes, 1)
-    return unit * max(small // unit, 1)
 
 
 def _limit(spec: BackendSpec) -> tuple[int, int] | None:
@@ -141,10 +128,11 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
         infos = streamable_infos(spec)
         if infos is None:
             return None
-    try:
-        config = resolve_stream(infos, None, _block_rows(infos, limit), ranks, limit)
-    except ConfigError:  # not even one block fits: the lazy fallback
+    row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
+    window = plan_window([i.chunk_rows if i.chunked else 1 for i in infos], row_bytes, infos[0].rows, limit)
+    if window is None:  # not even one block fits: the lazy fallback
         return None
+    config = resolve_stream(infos, None, window.block_rows, ranks, limit)
     rows = len(spec.selection.rows(infos[0].rows))
     need = sum(rows * row_nbytes(i.row_shape, i.dtype) + HEADER_SIZE for i in infos)
     reason = "shm" if isinstance(error, ShmFull) or limit < budget else "budget"
