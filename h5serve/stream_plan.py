@@ -10,13 +10,14 @@ each costing its rows and a header page per key in shared memory (as the daemon 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .segments import HEADER_SIZE
+from .sharding import GLOBAL, NODE, STREAM
 from .stream_order import BlockLayout, block_unit, default_block_rows
 
-__all__ = ["MIN_BLOCKS", "StreamWindow", "plan_window"]
+__all__ = ["MIN_BLOCKS", "StreamWindow", "plan_window", "recommend"]
 
 MIN_BLOCKS = 8
 
@@ -49,3 +50,18 @@ def plan_window(chunk_rows: Sequence[int], row_bytes: int, total_rows: int, limi
     if capacity < 1:
         return None
     return StreamWindow(rows, block, cost, BlockLayout(total_rows, rows).n_blocks, capacity, capacity * block)
+
+
+def recommend(needs: Mapping[str, int], mode: str | None, multi_node: bool, limit: int,
+              keys: Sequence[tuple[int, int, int]]) -> tuple[str, StreamWindow | None]:
+    """What ``h5serve inspect`` recommends: the mode asked about (None: global, else node across
+    nodes) when its need (``needs``: bytes by mode) fits ``limit`` (the budget, or /dev/shm's
+    free space when smaller); else stream, with the window ``limit`` holds for ``keys``
+    (``(chunk rows or 1, row bytes, rows)`` each). A sharded mode asked about, or data where
+    not even one block fits, keeps the mode asked (read lazily where it does not fit)."""
+    wanted = [mode] if mode else [GLOBAL, NODE] if multi_node else [GLOBAL]
+    chosen = next((m for m in wanted if needs.get(m, limit + 1) <= limit), None)
+    if chosen is not None or not keys or wanted[0] not in (GLOBAL, NODE):
+        return chosen or wanted[0], None
+    window = plan_window([k[0] for k in keys], sum(k[1] for k in keys), max(k[2] for k in keys), limit)
+    return (STREAM, window) if window is not None else (wanted[0], None)
