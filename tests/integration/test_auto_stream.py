@@ -122,6 +122,16 @@ def test_one_rank_streams_and_auto_stream_false_keeps_lazy_reads(h5: Path) -> No
             assert rows[:BATCH] != list(range(BATCH))  # not file order
         finally:
             ds.close()
+        with warnings.catch_warnings(record=True) as node_caught:
+            warnings.simplefilter("always")
+            node = SharedH5Dataset(h5, "x", "y", mode="node", rank=0, world_size=1)
+        try:
+            check_warning([str(w.message) for w in node_caught if issubclass(w.category, RuntimeWarning)])
+            assert "not the node permutation" in str(node_caught[0].message)
+            assert (node.mode, node.requested_mode, node.backend) == ("stream", "node", "shm")
+            assert sorted(epoch_rows(node, x_all, epoch=1)) == list(range(ROWS))
+        finally:
+            node.close()
         lazy, caught = open_global(h5, auto_stream=False)
         try:
             assert (lazy.mode, lazy.backend, lazy.auto_streamed) == ("global", "lazy", None)
