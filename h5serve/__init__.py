@@ -15,7 +15,7 @@ Layering (imports only point down; nothing imports a layer above it)::
     h5serve.daemon | h5serve.client  server side | training side: never imports h5serve.daemon
     h5serve.connection               the client end of the protocol (torch-free: the CLI uses it)
     h5serve.hdf5                     reading HDF5 through h5py (both sides)
-    h5serve.protocol, segments, runtime, sharding, equalise, stream_order, safeio, topology, crc
+    h5serve.protocol, segments, runtime, sharding, equalise, stream_order, stream_plan, safeio, topology, crc
     h5serve.errors, units, checks, logtext
 
 ``import h5serve`` itself imports nothing heavy (no torch, h5py or zmq). docs/architecture.md

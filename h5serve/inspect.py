@@ -30,6 +30,7 @@ from .hdf5.source import inspect_dataset
 from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import HEADER_SIZE
 from .sharding import ALL_MODES, GLOBAL, NODE, Selection
+from .stream_plan import StreamWindow, recommend
 from .units import format_bytes, row_nbytes
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
@@ -129,6 +130,8 @@ class InspectReport:
     daemon: DaemonReport
     nofile_soft: int
     nofile_hard: int
+    recommended_mode: str  # the mode asked about (else global, or node) when it fits, else "stream"
+    stream: StreamWindow | None  # "stream": its window, what min(budget, free shm) holds, and block
     advice: tuple[Advice, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -334,12 +337,23 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
         other = (f"; or mode 'node' across more nodes (each node holds its ranks' rows: "
                  f"{format_bytes(node.bytes)} here)" if node is not None and report_parts["world_size"] >
                  report_parts["ranks_per_node"] else "")
+        served = ("is streamed instead (see the stream advice)" if report_parts["stream"] is not None
+                  else "is read lazily through h5py instead (slower, a copy per process)")
         out.append(Advice("over_budget", None, (
             f"mode {need.mode!r} needs {format_bytes(need.bytes)} of shared memory on this node, over the daemon's "
-            f"budget of {format_bytes(budget)} ({rule}): what does not fit is read lazily through h5py instead "
-            f"(slower, a copy per process); raise the budget with `h5serve start --max-memory SIZE` (at most the free "
+            f"budget of {format_bytes(budget)} ({rule}): what does not fit {served}; raise the budget with "
+            f"`h5serve start --max-memory SIZE` (at most the free "
             f"space in {shm.path}: {format_bytes(shm.free)}), or grow {shm.path} "
             f"(mount -o remount,size=... {shm.path}; Docker: --shm-size){other}")))
+    window: StreamWindow | None = report_parts["stream"]
+    if window is not None:
+        asked = report_parts["mode"] or GLOBAL
+        out.append(Advice("stream", None, (
+            f"use mode 'stream': the data does not fit this node's shared memory ({format_bytes(budget)} budget, "
+            f"{format_bytes(shm.free)} free in {shm.path}); a window of {format_bytes(window.window)} holds "
+            f"{window.capacity} of its {window.blocks} blocks of {window.block_rows:,} rows "
+            f"({format_bytes(window.block_bytes)}): SharedH5Dataset(..., mode='stream', window={window.window}, "
+            f"block_rows={window.block_rows}); mode={asked!r} streams so automatically, with a warning")))
     if "docker-64m" in shm.notes:
         out.append(Advice("docker_shm", None, (
             f"{shm.path} is 64 MiB, Docker's default: a container's own /dev/shm holds almost nothing and is not "
@@ -404,10 +418,14 @@ def inspect_file(
     modes = (mode,) if mode else ALL_MODES
     needs = mode_needs(datasets, modes, world_size, ranks_per_node, budget)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    recommended, window = recommend({n.mode: n.bytes for n in needs}, mode, world_size > ranks_per_node,
+                                    min(budget, shm.free), [(d.chunk_rows or 1, d.row_bytes, d.rows)
+                                                            for d in datasets if d.counted])
     parts: dict[str, Any] = {
         "file": os.path.abspath(path), "file_bytes": os.path.getsize(path), "world_size": world_size,
         "ranks_per_node": ranks_per_node, "mode": mode, "datasets": datasets, "needs": needs, "budget": budget,
         "budget_rule": rule, "shm": shm, "daemon": daemon, "nofile_soft": _limit(soft), "nofile_hard": _limit(hard),
+        "recommended_mode": recommended, "stream": window,
     }
     return InspectReport(**parts, advice=_advice(parts))
 
@@ -435,6 +453,10 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _not_fitting(report: InspectReport, mode: str) -> str:
+    return "NO: streamed" if report.stream is not None and mode in (GLOBAL, NODE) else "NO: lazy reads"
+
+
 def format_report(report: InspectReport) -> str:
     """The report as text for a terminal."""
     lines = [f"{report.file} ({format_bytes(report.file_bytes)})", "datasets:"]
@@ -444,8 +466,14 @@ def format_report(report: InspectReport) -> str:
     lines.append(f"shared memory on this node ({where}; source dtypes; budget {format_bytes(report.budget)}: "
                  f"{report.budget_rule}):")
     lines += _table([["mode", "rows", "memory", "fits"],
-                     *[[n.mode, f"{n.rows:,}", format_bytes(n.bytes), "yes" if n.fits else "NO: lazy reads"]
+                     *[[n.mode, f"{n.rows:,}", format_bytes(n.bytes), "yes" if n.fits else _not_fitting(report, n.mode)]
                        for n in report.needs]])
+    if report.stream is None:
+        lines.append(f"recommended: mode {report.recommended_mode!r}")
+    else:
+        w = report.stream
+        lines.append(f"recommended: mode 'stream', window {format_bytes(w.window)} ({w.capacity} of {w.blocks} blocks "
+                     f"of {w.block_rows:,} rows, {format_bytes(w.block_bytes)} each)")
     shm = report.shm
     notes = {"docker-64m": "Docker's default 64 MiB", "slurm-job-tmpfs": "a SLURM per-job tmpfs"}
     lines.append(f"{shm.path}: {format_bytes(shm.size)}, {format_bytes(shm.free)} free"

@@ -7,6 +7,7 @@ run without a daemon is the same run, only slower.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import warnings
@@ -22,7 +23,7 @@ from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.files import describe_files, expand_paths
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..stream_order import STREAM, node_rows
-from . import ring
+from . import automatic, ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
@@ -85,6 +86,15 @@ class SharedH5Dataset(Dataset):
     memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
     one, each process reads its blocks itself (client/stream.py); one file, fixed-size rows.
 
+    ``auto_stream`` (default True): a global or node dataset the daemon refuses for room (its
+    ``--max-memory`` budget, or /dev/shm) is served in stream mode instead of read lazily row
+    by row, with one RuntimeWarning naming what the full mode needs, the budget and the window:
+    then ``ds.mode == "stream"`` (``ds.requested_mode`` keeps what was asked, ``ds.auto_streamed``
+    the plan) and make_loader's batches are block-shuffled (StreamSampler). Every rank decides
+    alike (in a torch.distributed process group: one all-reduce, so build the dataset on every
+    rank; client/automatic.py). No daemon, many files or variable-length rows: the lazy
+    fallback as before. ``auto_stream=False``: the lazy fallback always.
+
     Rank and world size come from the arguments, else an initialized torch.distributed
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served
     by the daemon, ``"lazy"`` when read through h5py (``fallback="lazy"``, the default, when
@@ -136,6 +146,7 @@ class SharedH5Dataset(Dataset):
         num_nodes: int | None = None,
         window: int | str | None = None,
         block_rows: int | None = None,
+        auto_stream: bool = True,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -174,9 +185,11 @@ class SharedH5Dataset(Dataset):
             files=sources.paths if many else (),
             pattern=sources.shown if many else "",
         )
-        self.mode = mode
+        self.mode = self.requested_mode = mode
         self.fallback = fallback
-        self._stream_args = (window, block_rows)
+        self.auto_stream = bool(auto_stream)
+        self.auto_streamed: automatic.StreamPlan | None = None  # set when global/node data is streamed instead
+        self._stream_args: tuple[object, object] = (window, block_rows)
         self._backend: Backend | StreamBackend = self._open_backend()
         try:
             self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
@@ -226,13 +239,34 @@ class SharedH5Dataset(Dataset):
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None)
+        backend, error = None, None
         try:
-            return ShmBackend.connect(self.spec, self.rank)
-        except H5ServeError as exc:  # errors.py decides which ones lazy reads can stand in for
-            if self.fallback == "error" or not falls_back(exc):
-                raise
-            self._announce_fallback(exc)
-            return self._fallback_backend()
+            backend = ShmBackend.connect(self.spec, self.rank)
+        except H5ServeError as exc:
+            error = exc
+        if self.auto_stream and self.mode in (GLOBAL, NODE):  # a collective in a process group: every rank
+            plan = automatic.decide(self.spec, error, self.world_size,
+                                    self.layout.local_world_size if self.layout else None)
+            if plan is not None:
+                if backend is not None:
+                    backend.close()
+                return self._stream_instead(plan)
+        if error is None:
+            assert backend is not None
+            return backend
+        if self.fallback == "error" or not falls_back(error):  # errors.py: which ones lazy reads stand in for
+            raise error
+        self._announce_fallback(error)
+        return self._fallback_backend()
+
+    def _stream_instead(self, plan: automatic.StreamPlan) -> Backend | StreamBackend:
+        """Serve a global/node dataset that does not fit shared memory in stream mode (client/automatic.py)."""
+        warnings.warn(automatic.warning_text(plan, self.mode, self._shown_path()), RuntimeWarning, stacklevel=4)
+        if self.layout is None:
+            self._stream_selection(self.rank, self.world_size, None, None, None, None)
+        self.spec = dataclasses.replace(self.spec, selection=Selection(GLOBAL, self.world_size, self.rank))
+        self.mode, self.auto_streamed, self._stream_args = STREAM, plan, (plan.window, plan.block_rows)
+        return self._open_backend()
 
     def _announce_fallback(self, exc: H5ServeError) -> None:
         warnings.warn(
@@ -312,7 +346,7 @@ class SharedH5Dataset(Dataset):
 
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
-        if self.mode != GLOBAL and self.world_size > 1:
+        if self.requested_mode != GLOBAL and self.world_size > 1:
             check_not_measured_by_distributed_sampler(self)
         return len(self.indices)
 

@@ -57,7 +57,9 @@ def test_a_good_layout_gets_no_advice_and_the_json_schema(plain: Path, nowhere: 
     report = inspect_json(capsys, str(plain))
     assert report["schema_version"] == 1
     assert set(report) == {"schema_version", "file", "file_bytes", "world_size", "ranks_per_node", "mode", "datasets",
-                           "needs", "budget", "budget_rule", "shm", "daemon", "nofile_soft", "nofile_hard", "advice"}
+                           "needs", "budget", "budget_rule", "shm", "daemon", "nofile_soft", "nofile_hard",
+                           "recommended_mode", "stream", "advice"}
+    assert report["recommended_mode"] == "global" and report["stream"] is None
     x, y = report["datasets"]
     assert x == {"key": "x", "rows": 1000, "row_shape": [3, 4, 4], "dtype": "uint8", "nbytes": 48000,
                  "row_bytes": 48, "layout": "chunked", "chunk_rows": 64, "chunk_bytes": 64 * 48, "filters": [],
@@ -111,12 +113,16 @@ def test_compression_advises_load_processes(tmp_path: Path, nowhere: Path, capsy
     assert all("--load-processes" in a["text"] for a in advice)
 
 
-def test_over_budget_says_lazy_reads_and_how_to_raise_it(plain: Path, nowhere: Path, capsys) -> None:
+def test_over_budget_says_streamed_or_lazy_reads_and_how_to_raise_it(plain: Path, nowhere: Path, capsys) -> None:
     report = inspect_json(capsys, str(plain), "--max-memory", "40K")
     assert {n["mode"]: n["fits"] for n in report["needs"]} == {"contiguous": False, "interleave": False,
                                                                  "global": False, "node": False}
     (advice,) = [a for a in report["advice"] if a["code"] == "over_budget"]
-    assert "mode 'global'" in advice["text"] and "lazily" in advice["text"] and "--max-memory" in advice["text"]
+    assert "mode 'global'" in advice["text"] and "streamed instead" in advice["text"]
+    assert "--max-memory" in advice["text"]
+    sharded = inspect_json(capsys, str(plain), "--max-memory", "40K", "--mode", "contiguous")
+    assert "lazily" in codes_text(sharded, "over_budget") and "stream" not in codes(sharded)
+    assert sharded["recommended_mode"] == "contiguous" and sharded["stream"] is None
     # a job of 2 nodes in node mode fits where global does not: said so
     split = inspect_json(capsys, str(plain), "--max-memory", "40K", "--world-size", "2", "--ranks-per-node", "1")
     assert "mode 'node' across more nodes" in codes_text(split, "over_budget")
@@ -153,7 +159,7 @@ def test_dockers_64_mib_shm_is_named_and_the_file_does_not_fit(tmp_path: Path, n
     with tmpfs("64m") as shm:
         report = inspect_json(capsys, str(path), "--shm-dir", str(shm))
     assert report["shm"]["size"] == 64 * 1024**2 and report["shm"]["notes"] == ["docker-64m"]
-    assert set(codes(report)) == {"docker_shm", "over_budget"}
+    assert set(codes(report)) == {"docker_shm", "over_budget", "stream"}
     assert "--shm-size" in codes_text(report, "docker_shm")
     assert report["budget"] == int(report["shm"]["free"] * 0.8) and "80%" in report["budget_rule"]
 

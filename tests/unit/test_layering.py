@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("h5serve.connection", "h5serve._daemon_process", "h5serve.progress"),
     ("h5serve.hdf5",),
     ("h5serve.protocol", "h5serve.segments", "h5serve.runtime", "h5serve.sharding", "h5serve.equalise",
-     "h5serve.stream_order",
+     "h5serve.stream_order", "h5serve.stream_plan",
      "h5serve.safeio", "h5serve.topology", "h5serve.crc"),
     ("h5serve.errors", "h5serve.units", "h5serve.checks", "h5serve.logtext", "h5serve"),
 ]

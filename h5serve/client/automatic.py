@@ -1,0 +1,160 @@
+"""Automatic stream mode: a ``mode="global"`` or ``mode="node"`` dataset whose rows do not fit
+the daemon's budget or /dev/shm is served in stream mode (client/stream.py) instead of read
+lazily row by row.
+
+The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sampler exists:
+
+- a rank *wants* stream mode when its daemon refused the full shard for room (CapacityError:
+  BudgetExceeded, ShmFull) and the data can be streamed (one file, fixed-size rows); no
+  daemon (DaemonUnavailable) is not a reason: the lazy fallback stays, bounded by its cache;
+- every rank whose daemon answered reports its *limit*: the daemon's budget, or the free
+  space of its /dev/shm when that is smaller;
+- with torch.distributed initialised over more than one rank, one all-reduce (MAX of
+  ``[wants, -limit]``) makes every rank take the same decision and the same window: stream
+  if any rank wants it, with the smallest limit of any node. Without a process group, ranks
+  of one node ask the same daemon with the same budget and decide alike.
+
+The window is the blocks the agreed limit holds (h5serve/stream_plan.py, as ``h5serve
+inspect`` recommends; ``resolve_stream`` with the limit as the budget),
+passed to StreamBackend as bytes, so every rank's sampler has the same capacity whether its
+blocks come from a daemon or from h5py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..connection import DaemonClient
+from ..errors import CapacityError, H5ServeError, ShmFull
+from ..hdf5.identity import open_h5
+from ..hdf5.source import DatasetInfo, inspect_dataset
+from ..segments import HEADER_SIZE
+from ..stream_plan import plan_window
+from ..units import format_bytes, row_nbytes
+from .backends import BackendSpec
+from .stream import resolve_stream
+
+__all__ = ["StreamPlan", "decide", "streamable_infos"]
+
+_UNKNOWN = -(1 << 62)  # an all-reduce MAX of -limit never picks a rank that knows no limit
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What an automatically streamed dataset is served with, and why."""
+
+    need: int  # bytes the full mode needs in shared memory (rows and a header page per key)
+    budget: int  # the daemon's budget (agreed: the smallest of any rank's)
+    limit: int  # what the window may take: the budget, or /dev/shm's free space when smaller
+    window: int  # bytes of rows of the window's blocks (capacity x block bytes)
+    block_rows: int
+    block_bytes: int
+    capacity: int
+    reason: str  # "budget" or "shm"
+
+
+def streamable_infos(spec: BackendSpec) -> list[DatasetInfo] | None:
+    """The datasets of ``spec`` when stream mode can serve them (one file, fixed-size rows),
+    else None."""
+    if spec.files:
+        return None
+    try:
+        with open_h5(spec.path) as f:
+            infos = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
+    except H5ServeError:
+        return None
+    if any(i.vlen for i in infos) or len({i.rows for i in infos}) != 1:
+        return None
+    return infos
+
+
+def _limit(spec: BackendSpec) -> tuple[int, int] | None:
+    """(budget, what a window may take) from the node's daemon; None when none answers."""
+    try:
+        with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
+            info = client.ping()
+    except H5ServeError:
+        return None
+    budget = info.get("budget")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        return None
+    limit = budget
+    try:
+        st = os.statvfs(str(info.get("shm_dir", "/dev/shm")))
+        limit = min(limit, st.f_bavail * st.f_frsize)
+    except OSError:
+        pass
+    return budget, limit
+
+
+def _grouped(world_size: int) -> bool:
+    """Whether the dataset spans an initialised process group of more than one rank."""
+    import torch.distributed as dist
+
+    return world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree(want: bool, budget: int | None, limit: int | None, world_size: int) -> tuple[bool, int | None, int | None]:
+    """Every rank's (want, budget, limit) made one: any rank's want, the smallest known budget
+    and limit (one all-reduce when a process group of more than one rank is initialised)."""
+    import torch.distributed as dist
+
+    if not _grouped(world_size):
+        return want, budget, limit
+    value = torch.tensor([int(want), _UNKNOWN if budget is None else -budget, _UNKNOWN if limit is None else -limit],
+                         dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    got = [int(v) for v in value.tolist()]
+    return bool(got[0]), None if got[1] == _UNKNOWN else -got[1], None if got[2] == _UNKNOWN else -got[2]
+
+
+def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks: int | None) -> StreamPlan | None:
+    """Whether the global/node dataset ``spec`` (whose daemon acquire ended in ``error``, None:
+    served) is streamed instead, and how; None: serve it as today. A collective when
+    torch.distributed is initialised over more than one rank: call it on every rank."""
+    infos = streamable_infos(spec) if isinstance(error, CapacityError) else None
+    want = infos is not None
+    if not want and not _grouped(world_size):
+        return None
+    known = _limit(spec) if want or error is None else None
+    budget, limit = (None, None) if known is None else known
+    want, budget, limit = _agree(want and known is not None, budget, limit, world_size)
+    if not want or budget is None or limit is None:
+        return None
+    if infos is None:  # this rank was served (or had no daemon) and another was refused
+        infos = streamable_infos(spec)
+        if infos is None:
+            return None
+    row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
+    window = plan_window([i.chunk_rows if i.chunked else 1 for i in infos], row_bytes, infos[0].rows, limit)
+    if window is None:  # not even one block fits: the lazy fallback
+        return None
+    config = resolve_stream(infos, None, window.block_rows, ranks, limit)
+    rows = len(spec.selection.rows(infos[0].rows))
+    need = sum(rows * row_nbytes(i.row_shape, i.dtype) + HEADER_SIZE for i in infos)
+    reason = "shm" if isinstance(error, ShmFull) or limit < budget else "budget"
+    return StreamPlan(need, budget, limit, config.capacity * config.block_bytes, config.layout.block_rows,
+                      config.block_bytes, config.capacity, reason)
+
+
+def warning_text(plan: StreamPlan, mode: str, shown_path: str) -> str:
+    """The one warning of an automatically streamed dataset: why, what changes, how to silence it."""
+    order = ("DistributedShuffleSampler's (or DistributedSampler's) permutation" if mode == "global"
+             else "the node permutation")
+    budget = format_bytes(plan.budget)
+    if plan.reason == "shm":
+        room = f"the free space of /dev/shm ({format_bytes(plan.limit)}; the daemon's budget is {budget})"
+    elif plan.need > plan.budget:
+        room = f"the daemon's budget of {budget}"
+    else:
+        room = f"what is free of the daemon's budget of {budget} (other jobs' segments hold the rest)"
+    return (f"h5serve: {shown_path} in mode={mode!r} needs {format_bytes(plan.need)} of shared memory, more than "
+            f"{room}: streaming it instead (mode='stream': blocks of {plan.block_rows} rows, "
+            f"{format_bytes(plan.block_bytes)}, through a window of {plan.capacity} blocks, "
+            f"{format_bytes(plan.window)}), not reading rows lazily. The order is now block-shuffled "
+            f"(make_loader's StreamSampler), not {order}; with your own sampler pass auto_stream=False. "
+            f"To silence this: pass mode='stream', or start the daemon with --max-memory of at least "
+            f"{format_bytes(plan.need)} (and as much free in /dev/shm); auto_stream=False keeps lazy row reads.")
