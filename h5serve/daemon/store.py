@@ -294,7 +294,10 @@ class SegmentStore:
             yield
         finally:
             self._answering = False
-            self._launch_pending()
+            try:
+                self._launch_pending()
+            except Exception:  # out of processes or descriptors: the daemon never dies of a request
+                log.exception("could not start a loader; the load stays queued and is started again later")
 
     def _launch_pending(self) -> None:
         running = sum(1 for e in self.entries.values() if e.process is not None)
