@@ -330,16 +330,13 @@ class SegmentStore:
         return sum(e.meta.file_size for e in self.entries.values())
 
     def _make_room(self, needed: int, meta: SegmentMeta) -> None:
-        """Evict least-recently-used segments no client holds until ``needed`` fits the budget;
-        stream blocks never served yet (prefetched ahead of their use) go last: a block a rank
-        has released is older in use but newer by the clock than the prefetch it is to make
-        room for, and evicting prefetches loads them twice.
+        """Evict least-recently-used segments no client holds until ``needed`` fits the budget.
 
         Raised when it cannot fit even then: BudgetExceeded.
         """
         if self.used_bytes() + needed <= self.max_memory:
             return
-        for entry in sorted(self.entries.values(), key=lambda e: (e.meta.mode == STREAM and not e.hits, e.last_used)):
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
             if self.used_bytes() + needed <= self.max_memory:
                 return
             if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.file):
