@@ -5,6 +5,7 @@ table of ratios.
     python -m bench --write-docs           # ... and write docs/benchmarks.md, benchmarks.png, shuffle.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
+    python -m bench --only stream          # stream mode: daemon blocks vs lazy blocks vs lazy rows (~30 s)
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
     python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
 
@@ -34,7 +35,7 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
 from .common import BenchDaemon, Row, log, make_files
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
-GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "peers", "multinode")
+GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "stream", "peers", "multinode")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -337,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += many_files(args.data_dir, min(args.repeat, 2))
             log("variable-length rows")
             rows += vlen_rows(args.data_dir)
+        elif group == "stream":
+            from .stream import stream
+
+            log("stream mode from the daemon and without it")
+            rows += stream(args.data_dir, epochs=args.epochs)
         elif group == "peers":
             from .peers import run_peers
 

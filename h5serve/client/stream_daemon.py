@@ -148,7 +148,7 @@ class DaemonBlocks:
             segment.close()
 
     def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
-        """Ask for the blocks of ``ahead`` not mapped or asked for yet, without waiting: the
+        """Ask for the blocks of ``alive``, then ``ahead``, not mapped or asked for yet, without waiting: the
         daemon starts their loads. A full budget stops the prefetch here (the blocks are asked
         for again when needed). Forgets the prefetches outside ``alive`` and ``ahead`` (the
         window has passed them: nothing held, nothing to close)."""
@@ -158,7 +158,9 @@ class DaemonBlocks:
         for block in [b for b in self._asked if b not in keep]:
             del self._asked[block]
         client = self.client()
-        for block in ahead_list:
+        # the window's own blocks first: at the start of an epoch (or a resume) none is asked
+        # for yet, and the daemon starts loads in the order asked
+        for block in [*np.asarray(alive).tolist(), *ahead_list]:
             if block in self._held or block in self._asked:
                 continue
             try:

@@ -32,6 +32,9 @@ cached go too (the page cache is shared); pages mapped by a process stay. The st
 the pages in place when a load still waiting for a loader will read some of the same rows
 (interleaved shards of more ranks than ``--loaders``: every rank's load reads every row), so
 that the last of them drops them.
+Stream blocks (mode "stream") keep their pages: the daemon evicts a block within the epoch
+and loads it again the next, and only the page cache can keep a file larger than the
+budget (but not than memory) from being read from disk every epoch.
 """
 
 from __future__ import annotations

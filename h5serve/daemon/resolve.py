@@ -148,8 +148,8 @@ class Resolver:
 
     def poll(self, path: str, key: str, peer: Peer,
              files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
-        """The resolution of this request: started now if none is in flight, waited for up to
-        RESOLVE_WAIT_S; None while it is still running (ask again). ``files``: many files as
+        """The resolution of this request: started now if none is in flight, waited for until
+        RESOLVE_WAIT_S after it started; None while it is still running (ask again). ``files``: many files as
         one dataset, every one resolved (fileset.py).
 
         Raised when the file cannot be served: the H5ServeError saying why.
@@ -169,8 +169,9 @@ class Resolver:
             self._pending[pending_key] = (started, future)
             future.add_done_callback(self._wake)
         if not future.done():
-            try:
-                future.exception(timeout=RESOLVE_WAIT_S)
+            try:  # RESOLVE_WAIT_S in all per resolution: a burst of acquires for one file (a stream
+                # job's prefetch: one per block and key) waited it out once each, holding the loop
+                future.exception(timeout=max(started + RESOLVE_WAIT_S - time.monotonic(), 0.0))
             except FutureTimeout:
                 limit = RESOLVE_TIMEOUT_S + RESOLVE_PER_FILE_S * len(files)
                 if time.monotonic() - started < limit:

@@ -428,19 +428,8 @@ class Server:
             if self.store.resolver.wake_fd in ready:
                 self.store.resolver.drain_wakes()
             self.store.start_resolved()  # loads of requests answered "loading" before their file resolved
-            for n in range(_MAX_MESSAGES_PER_TICK if sock in ready else 0):
-                if n % _GUARD_EVERY == _GUARD_EVERY - 1:  # connections keep arriving while we answer
-                    self.guard.check()
-                try:
-                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                peer = _peer_of(frames[0]) if frames else None
-                reply = self.reply_to([f.bytes for f in frames], peer)
-                try:
-                    sock.send_multipart([identity.bytes, reply], zmq.NOBLOCK)
-                except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
-                    pass
+            with self.store.answering():  # the loads asked for start after the replies
+                self._answer(sock, sock in ready)
             if sock not in ready:
                 self.store.keep_spare()
             self.store.sweep()
@@ -449,6 +438,21 @@ class Server:
             self.notifier.status(self._status_line())
             if self.metrics is not None:
                 self.metrics.refresh(self.store.status)
+
+    def _answer(self, sock: zmq.Socket, readable: bool) -> None:
+        for n in range(_MAX_MESSAGES_PER_TICK if readable else 0):
+            if n % _GUARD_EVERY == _GUARD_EVERY - 1:  # connections keep arriving while we answer
+                self.guard.check()
+            try:
+                identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            peer = _peer_of(frames[0]) if frames else None
+            reply = self.reply_to([f.bytes for f in frames], peer)
+            try:
+                sock.send_multipart([identity.bytes, reply], zmq.NOBLOCK)
+            except zmq.ZMQError:  # the client went away (ROUTER_MANDATORY) or is not reading
+                pass
 
     def _status_line(self) -> str:
         entries = self.store.entries.values()

@@ -13,8 +13,9 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import replace
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
@@ -49,7 +50,7 @@ from ..segments import (
     temporary_name,
     try_evict,
 )
-from ..sharding import Selection
+from ..sharding import STREAM, Selection
 from ..units import format_bytes
 from ._process import loader_output
 from .access import Peer
@@ -129,6 +130,7 @@ class SegmentStore:
         self._last_uid = -1  # the uid whose queued load started last (round robin: loadqueue.next_queued)
         # requests answered before their file was resolved: their loads start once it is
         self._resolving: dict[tuple[Acquire, int, int], tuple[Acquire, Peer, float]] = {}
+        self._answering = False  # loads asked for now start once the replies are sent (``answering``)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -278,8 +280,24 @@ class SegmentStore:
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
         self.counters["loads_requested"] += 1
-        self._launch_pending()
+        if not self._answering:
+            self._launch_pending()
         return entry
+
+    @contextmanager
+    def answering(self) -> Iterator[None]:
+        """Requests answered inside start their loads on exit, after the replies: starting a
+        loader through the forkserver holds the daemon 2-8 ms (more on a busy node), which every
+        acquire answered "loading" (a stream prefetch: one per block and key) used to wait out."""
+        self._answering = True
+        try:
+            yield
+        finally:
+            self._answering = False
+            try:
+                self._launch_pending()
+            except Exception:  # out of processes or descriptors: the daemon never dies of a request
+                log.exception("could not start a loader; the load stays queued and is started again later")
 
     def _launch_pending(self) -> None:
         running = sum(1 for e in self.entries.values() if e.process is not None)
@@ -289,7 +307,7 @@ class SegmentStore:
                 return
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
                           self.load_processes, self.checksum,
-                          self.drop_page_cache and not read_again_soon(self.entries.values(), entry), entry.spans)
+                          self._drops_pages(entry), entry.spans)
             spare, self._spare = self._spare, None
             if spare is not None and spare.take(job):
                 entry.process, entry.reply = spare.process, spare.reply
@@ -300,6 +318,13 @@ class SegmentStore:
             running += 1
             log.info("loading %s[%s] %s (%s) into %s", printable(entry.meta.source_path),
                      printable(entry.meta.key), entry.meta.shard_label(), format_bytes(entry.meta.nbytes), entry.file)
+
+    def _drops_pages(self, entry: Entry) -> bool:
+        """Whether ``entry``'s loader drops the source's cached pages of its rows: not while a
+        queued load reads them too, and never for a stream block (evicted again within the
+        epoch and read again the next: the page cache, not the budget, is what can keep it)."""
+        return (self.drop_page_cache and entry.meta.mode != STREAM
+                and not read_again_soon(self.entries.values(), entry))
 
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())
