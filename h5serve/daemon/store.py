@@ -14,7 +14,6 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
 from multiprocessing.context import ForkServerProcess
@@ -22,16 +21,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
-
 from ..errors import (
     AccessDenied,
-    BudgetExceeded,
     H5ServeError,
     SegmentError,
     error_from_code,
 )
-from ..hdf5.identity import identities_unchanged
 from ..hdf5.source import check_cast, resolve_dtype, storage_dtype
 from ..logtext import printable
 from ..protocol import Acquire, AcquireResult
@@ -42,7 +37,6 @@ from ..segments import (
     PublishStamp,
     SegmentMeta,
     check_published,
-    count_leases,
     header_checksum,
     read_activity,
     read_progress,
@@ -59,17 +53,19 @@ from .config import (
     FAILURE_MEMORY_S,
     MAX_AWAITING_RESOLUTION,
     STALL_CHECK_INTERVAL_S,
-    SWEEP_INTERVAL_S,
 )
-from .entries import COUNTERS, Entry, LoadFailure, not_ours, shown_state
+from .entries import COUNTERS, Entry, LoadFailure, not_ours
 from .fileset import ResolvedFiles, files_meta
 from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .loadqueue import check_queue_of, next_queued, read_again_soon
+from .refusals import over_budget, stalled_load
+from .report import segments_status, visible_to
 from .resolve import RESOLVE_TIMEOUT_S, Resolver
 from .secret import load_secret
 from .spare import Spare, start_spare
+from .sweep import StaleSweep
 
 __all__ = ["SegmentStore"]
 
@@ -80,14 +76,6 @@ SPARE_RETRY_S = 10.0  # after a spare could not be started
 # takes a core from it, and the daemon answers nobody until the forkserver replied (2-8 ms):
 # the clients of the load just published attach first
 SPARE_AFTER_LOAD_S = 0.02
-
-
-def _changed_sources(sources: dict[str, list[tuple]]) -> set[str]:
-    """The names one of whose files (the source, linked files, every file of a multi-file
-    dataset, virtual sources) no longer has its recorded identity (blocking; each file stat-ed once)."""
-    unique = {ident for identities in sources.values() for ident in identities}
-    changed = {ident for ident in unique if not identities_unchanged([ident])}
-    return {name for name, identities in sources.items() if changed.intersection(identities)}
 
 
 class SegmentStore:
@@ -119,8 +107,7 @@ class SegmentStore:
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.errors: Counter[str] = Counter()  # error replies by code
         self.resolver = Resolver(self.allow_roots)
-        self._last_sweep = time.monotonic()
-        self._sweep: Future[set[str]] | None = None
+        self._stale = StaleSweep()
         self._ctx = loader_context()
         self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
         self._spare_after = time.monotonic() + SPARE_DELAY_S
@@ -346,44 +333,12 @@ class SegmentStore:
         used = self.used_bytes()
         if used + needed > self.max_memory:
             self.counters["refusals"] += 1
-            what = f"{meta.source_path}[{meta.key}] rank {meta.rank} needs {format_bytes(needed)}"
-            if needed > self.max_memory:  # nothing another job could free would make it fit
-                raise BudgetExceeded(
-                    f"{what}, more than the daemon's whole budget of {format_bytes(self.max_memory)} "
-                    f"({self.budget_rule}); restart the daemon with --max-memory of at least "
-                    f"{format_bytes(needed)}, or use a mode that holds fewer rows per node"
-                )
-            raise BudgetExceeded(
-                f"{what}; the daemon's budget is {format_bytes(self.max_memory)} ({self.budget_rule}) and "
-                f"{format_bytes(used)} of it is held by segments jobs are using "
-                f"({format_bytes(self.max_memory - used)} free); finish those jobs, or restart the daemon with a "
-                "larger --max-memory"
-            )
+            raise over_budget(meta, needed, used, self.max_memory, self.budget_rule)
 
     def sweep(self) -> None:
-        """Evict ready segments whose source file changed (or vanished) once no client holds
-        them: new requests already map to new names, so these can only waste memory. The
-        files are stat-ed in a resolver thread (a hung network file system must not stall the
-        control loop); the evictions happen here, on a later tick."""
-        if self._sweep is not None:
-            if not self._sweep.done():
-                return
-            sweep, self._sweep = self._sweep, None
-            try:
-                changed = sweep.result()
-            except Exception as exc:  # noqa: BLE001 - the sweep is housekeeping: it never stops the loop
-                log.warning("the stale sweep failed (%s: %s); trying again in %gs", type(exc).__name__, exc,
-                            SWEEP_INTERVAL_S)
-                return
-            self._evict_changed(changed)
-            return
-        now = time.monotonic()
-        if now - self._last_sweep < SWEEP_INTERVAL_S:
-            return
-        self._last_sweep = now
-        sources = {e.name: e.meta.identities() for e in self.entries.values() if e.state != "loading"}
-        if sources:
-            self._sweep = self.resolver.submit(_changed_sources, sources)
+        """Evict ready segments whose source file changed (or vanished), once no client holds
+        them (sweep.py: the files are stat-ed in a resolver thread)."""
+        self._evict_changed(self._stale.poll(self.entries.values(), self.resolver.submit))
 
     def _evict_changed(self, changed: set[str]) -> None:
         for name in changed:
@@ -538,43 +493,13 @@ class SegmentStore:
         self.counters["stalled"] += 1
         log.warning("load of %s[%s] %s made no progress for %.0fs: killed its %d process(es)",
                     printable(m.source_path), printable(m.key), m.shard_label(), now - entry.active_at, killed)
-        self._fail(entry, SegmentError.code, (
-            f"the daemon's load of {m.source_path}[{m.key}] {m.shard_label()} made no progress for "
-            f"{self.stall_timeout:g}s ({entry.activity[0]} of {m.rows} rows; a stopped loader or a hung file system), "
-            f"so the daemon stopped it. Check that the file reads (e.g. `cat FILE > /dev/null`); the daemon loads it "
-            f"again when asked {FAILURE_MEMORY_S:g}s from now (raise --stall-timeout if loads are legitimately "
-            "that slow)"))
+        self._fail(entry, SegmentError.code, stalled_load(m, entry.activity[0], self.stall_timeout))
 
     # ----- reporting and shutdown ----------------------------------------------------------
     def status(self, viewer: int | None = None) -> dict[str, Any]:
         """Every segment, or, for ``viewer`` (a uid) other than the daemon's and root, only those
         it was granted (memory totals and counters stay the daemon's)."""
-        segments = []
-        now = time.time()
-        shown = [e for e in self.entries.values()
-                 if viewer is None or viewer in (os.geteuid(), 0) or viewer in e.granted]
-        holders = count_leases([self.shm_dir / e.file for e in shown if e.state != "loading"])
-        for entry in shown:
-            m = entry.meta
-            done = m.rows if entry.state != "loading" else (
-                read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0)
-            mode, world_size, rank = entry.label()
-            segments.append({
-                "name": entry.file, "file": m.source_path, "files": [f[0] for f in m.files] or [m.source_path],
-                "key": m.key, "rank": rank,
-                "world_size": world_size, "mode": mode, "modes": sorted(entry.modes or {m.mode}),
-                "selection": str(m.row_range), "whole_file": m.row_range.covers(m.total_rows),
-                "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
-                f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
-                "source_dtype": str(np.dtype(m.source_dtype)),
-                "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": shown_state(entry, self.shm_dir),
-                "hits": entry.hits, "holders": holders.get(self.shm_dir / entry.file, 0),
-                "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
-                "load_read_s": round(entry.load_read_seconds, 4),
-                "load_parts": entry.load_parts,
-                "load_copied_bytes": entry.load_copied_bytes,
-                "checksum": entry.checksum,
-            })
+        segments = segments_status(visible_to(self.entries.values(), viewer), self.shm_dir)
         st = os.statvfs(self.shm_dir)
         return {
             "segments": segments,
