@@ -294,10 +294,11 @@ def markdown(report: dict) -> str:
         if "failed" in f:
             lines.append(f"| {budget} | {name} | failed: {f['failed'][:160]} |" + " |" * 10)
             return
+        peak = f"{f['peak_cache'] / 2**20:.1f}" if f["peak_cache"] else "— (process memory, not measured)"
         lines.append(f"| {budget} | {name} | {f['epoch0_s']:.2f} | {b['seq_s'] / f['epoch0_s']:.3f}x | "
                      f"{f['samples_s']:,.0f} | {f['wait_share']:.0%} | {f['wait_time_share']:.0%} | "
                      f"{f['first_s']:.2f} | "
-                     f"{f['read_x']:.2f} | {f['peak_cache'] / 2**20:.1f} | {f['entropy']:.2f} | {f['overlap']:.3f} |")
+                     f"{f['read_x']:.2f} | {peak} | {f['entropy']:.2f} | {f['overlap']:.3f} |")
 
     line("—", "lazy h5py (global, no daemon)", b["lazy"])
     for share, res in b["budgets"].items():
