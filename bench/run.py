@@ -8,6 +8,7 @@ table of ratios.
     python -m bench --only stream          # stream mode: daemon blocks vs lazy blocks vs lazy rows (~30 s)
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
     python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
+    python -m bench --only bigdata         # data 4-20x the budget, cold, beside the peers (~5-10 min)
 
 Data files are made on first use under --data-dir and kept. Speed is measured here, never
 asserted in tests; rows with a target say whether this run met it.
@@ -35,7 +36,8 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
 from .common import BenchDaemon, Row, log, make_files
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
-GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "stream", "peers", "multinode")
+GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "stream", "peers", "multinode",
+          "bigdata")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     qualities: list[Quality] = []
     loads: dict[str, float] = {}
     peers: dict = {}
+    big: dict = {}
     for group in GROUPS:
         if group not in groups:
             continue
@@ -347,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             from .peers import run_peers
 
             rows += run_peers(files, args.repeat, peers)
+        elif group == "bigdata":
+            from .bigdata import bigdata
+
+            log("data bigger than the budget, cold, beside the peers")
+            rows += bigdata(args.data_dir, report=big)
         elif group == "multinode":
             from .multinode import multinode
 
@@ -364,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if results is not None:
         results.write_text(json.dumps(
             {"machine": machine(), "argv": sys.argv, "seconds": took, "load_average": loads,
-             "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities), "peers": peers}, indent=1))
+             "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities), "peers": peers,
+             "bigdata": big}, indent=1))
     if args.write_docs:
         command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         docs = ROOT / "docs"

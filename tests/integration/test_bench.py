@@ -154,3 +154,20 @@ def test_peers_group_says_in_one_line_when_the_extra_is_missing(tmp_path: Path) 
     assert len(skipped) == 1 and "-c bench/constraints-peers.txt" in skipped[0], done.stderr[-2000:]
     report = json.loads(results.read_text())
     assert report["rows"] == [] and report["peers"]["skipped"] in skipped[0]
+
+
+@pytest.mark.timeout(240)
+def test_bigdata_group_streams_a_cold_file_within_its_budget(tmp_path: Path) -> None:
+    """A 16 MiB file through a daemon budget of half of it, 2 ranks, cold: stream mode and lazy
+    h5py both run, every row of rank 0's share comes once per epoch, and the daemon's shared
+    memory never passes its budget (no peers here: they are the bench-peers extra)."""
+    from bench.bigdata import big
+
+    rows, out = big(tmp_path, 16, [50], [], block_rows=256)
+    stream, lazy = out["budgets"][50]["stream"], out["lazy"]
+    assert "failed" not in stream and "failed" not in lazy, (stream, lazy)
+    rows_total = out["size"] // 3072
+    for f in (stream, lazy):
+        assert abs(f["samples"] - rows_total / 2) <= 256 and f["entropy"] > 1 and 0 <= f["overlap"] <= 1
+    assert 0 < stream["peak_cache"] <= out["budgets"][50]["budget"]
+    assert any("stream vs lazy h5py" in r.scenario for r in rows)

@@ -1,0 +1,114 @@
+"""Ranks the bigdata group launches: ``torchrun --nproc-per-node 2 -m bench.bigdata_jobs SYSTEM DATA ...``.
+
+SYSTEM is ``stream`` (h5serve, mode="stream", from the daemon at ``--runtime-dir``), ``lazy``
+(h5serve global mode, no daemon: lazy h5py reads), ``streaming`` (MosaicML Streaming, the data
+dir as its remote, a private local cache bounded by ``cache_limit``) or ``litdata`` (LitData, the
+data dir as a ``local:`` remote, a private cache bounded by ``max_cache_size``). Each step
+"trains" for ``--step-ms`` (a sleep, as a GPU step leaves the CPU to the loader), batch 256,
+``num_workers=0``. Rank 0 prints one ``result {json}`` line: first-batch wall time, each epoch's
+end wall time, seconds spent in ``next()`` per epoch, steps that waited over 1 ms, and its labels
+(row ids) per epoch, for the shuffle figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from .peer_jobs import import_streaming
+
+BATCH = 256
+WAIT_S = 0.001
+
+
+def build(system: str, data: str, args: argparse.Namespace):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if system in ("stream", "lazy"):
+        from h5serve.client import SharedH5Dataset, make_loader
+
+        kw: dict = ({"mode": "stream", "block_rows": args.block_rows, "runtime_dir": args.runtime_dir,
+                     "fallback": "error"} if system == "stream" else
+                    {"mode": "global", "runtime_dir": "/nonexistent"})
+        ds = SharedH5Dataset(data, "x", "y", rank=rank, world_size=world, timeout=600, **kw)
+        if system == "stream":
+            assert ds.backend == "shm", ds.backend
+        return make_loader(ds, BATCH, seed=0)
+    cache = os.path.join(args.cache, f"rank{rank}" if system == "litdata" else "")
+    if system == "streaming":
+        from torch.utils.data import DataLoader
+
+        ds = import_streaming().StreamingDataset(remote=data, local=cache, batch_size=BATCH, shuffle=True,
+                                                 cache_limit=args.budget)
+        return DataLoader(ds, batch_size=BATCH, num_workers=0)
+    import litdata
+
+    os.environ["GLOBAL_RANK"] = str(rank)
+    ds = litdata.StreamingDataset(litdata.streaming.resolver.Dir(path=cache, url=f"local:{data}"), shuffle=True,
+                                  drop_last=True, max_cache_size=args.budget)
+    return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=0)
+
+
+def set_epoch(loader, epoch: int) -> None:
+    for owner in (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
+                  getattr(loader, "dataset", None)):
+        if owner is not None and hasattr(owner, "set_epoch") and owner is not loader:
+            owner.set_epoch(epoch)
+            return
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    loader = build(args.system, args.data, args)
+    first, ends, waits, waited, steps, labels = 0.0, [], [], [], [], []
+    for epoch in range(args.epochs):
+        set_epoch(loader, epoch)
+        it, seen, wait, slow, n = iter(loader), [], 0.0, 0, 0
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            dt = time.perf_counter() - t
+            y = batch["y"] if isinstance(batch, dict) else batch[1]
+            if not first:
+                first = time.time()
+            else:  # the first batch is the start-up figure, not a step
+                wait, slow, n = wait + dt, slow + (dt > WAIT_S), n + 1
+            seen.append(np.asarray(y).astype(np.int64).ravel())
+            time.sleep(args.step_ms / 1000)
+        ends.append(time.time())
+        waits.append(wait)
+        waited.append(slow)
+        steps.append(n)
+        labels.append(np.concatenate(seen).tolist() if seen else [])
+    dist.barrier()
+    if rank == 0:
+        print("result " + json.dumps({"first_batch": first, "ends": ends, "wait": waits, "waited": waited,
+                                      "steps": steps, "labels": labels}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bigdata_jobs")
+    p.add_argument("system", choices=("stream", "lazy", "streaming", "litdata"))
+    p.add_argument("data")
+    p.add_argument("--runtime-dir")
+    p.add_argument("--budget", type=int, default=0, help="bytes: the peers' cache_limit / max_cache_size")
+    p.add_argument("--cache", default="", help="the peers' local cache directory")
+    p.add_argument("--block-rows", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--step-ms", type=float, default=2.0)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
