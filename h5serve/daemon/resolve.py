@@ -123,9 +123,23 @@ class Resolver:
         self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
         self._lock = threading.Lock()
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
+        self._done_at: dict[int, float] = {}  # id(future) -> when it finished (set by its done callback)
         # written to when a resolution finishes, so that the control loop (which polls the read
         # end) starts its load at once, whether or not the client asks again
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def _finished(self, future: Future[Any]) -> None:
+        self._done_at[id(future)] = time.monotonic()
+        self._wake()
+
+    def _stale(self, future: Future[Any]) -> bool:
+        """Whether a finished resolution finished more than RESOLVE_FRESH_S ago (nobody picked
+        it up in time: the file may have changed since)."""
+        return future.done() and time.monotonic() - self._done_at.get(id(future), 0.0) > RESOLVE_FRESH_S
+
+    def _drop(self, key: tuple[object, ...]) -> None:
+        _, future = self._pending.pop(key)
+        self._done_at.pop(id(future), None)
 
     def _wake(self, _: object = None) -> None:
         try:
@@ -141,10 +155,15 @@ class Resolver:
         except OSError:  # empty: EAGAIN
             pass
 
-    def finished(self, path: str, key: str, peer: Peer, files: tuple[str, ...] = ()) -> bool:
-        """Whether this request's resolution is in flight and done (``poll`` answers at once)."""
+    def peek(self, path: str, key: str, peer: Peer,
+             files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | BaseException | None:
+        """This request's resolution if it is done, without taking it (its client's next
+        ``poll`` still gets it, error included): the result, the error it raised, or None while
+        it runs or when none is in flight."""
         _, future = self._pending.get(_pending_key(path, key, peer, files), (0.0, None))
-        return future is not None and future.done()
+        if future is None or not future.done():
+            return None
+        return future.exception() or future.result()
 
     def poll(self, path: str, key: str, peer: Peer,
              files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
@@ -156,7 +175,8 @@ class Resolver:
         """
         pending_key = _pending_key(path, key, peer, files)
         started, future = self._pending.get(pending_key, (0.0, None))
-        if future is not None and future.done() and time.monotonic() - started > RESOLVE_FRESH_S:
+        if future is not None and self._stale(future):
+            self._drop(pending_key)
             future = None  # an answer nobody picked up in time: the file may have changed since
         if future is None:
             if len(self._pending) >= _PENDING_MAX:
@@ -167,7 +187,7 @@ class Resolver:
                 future = self._pool.submit(self.resolve, path, key, peer)
             started = time.monotonic()
             self._pending[pending_key] = (started, future)
-            future.add_done_callback(self._wake)
+            future.add_done_callback(self._finished)
         if not future.done():
             try:  # RESOLVE_WAIT_S in all per resolution: a burst of acquires for one file (a stream
                 # job's prefetch: one per block and key) waited it out once each, holding the loop
@@ -176,13 +196,13 @@ class Resolver:
                 limit = RESOLVE_TIMEOUT_S + RESOLVE_PER_FILE_S * len(files)
                 if time.monotonic() - started < limit:
                     return None
-                del self._pending[pending_key]
+                self._drop(pending_key)
                 what = f"{path} (and the other {len(files) - 1} files)" if files else path
                 raise SourceNotFound(
                     f"{what} did not open within {limit:g}s (a hung file system, or not a regular "
                     "file); check the path"
                 ) from None
-        del self._pending[pending_key]
+        self._drop(pending_key)
         error = future.exception()
         if error is not None:
             try:
@@ -197,10 +217,9 @@ class Resolver:
 
     def _forget_abandoned(self) -> None:
         """Drop finished resolutions no client came back for (it died, or gave up)."""
-        now = time.monotonic()
-        for k, (started, future) in list(self._pending.items()):
-            if future.done() and now - started > RESOLVE_FRESH_S:
-                del self._pending[k]
+        for k, (_, future) in list(self._pending.items()):
+            if self._stale(future):
+                self._drop(k)
 
     def resolve(self, path: str, key: str, peer: Peer) -> Resolved:
         """Open, check and inspect (blocking: runs in a resolver thread)."""

@@ -62,7 +62,7 @@ from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans
 from .loadqueue import check_queue_of, next_queued, read_again_soon
 from .refusals import over_budget, stalled_load
 from .report import segments_status, visible_to
-from .resolve import RESOLVE_TIMEOUT_S, Resolver
+from .resolve import RESOLVE_TIMEOUT_S, Resolved, Resolver
 from .secret import load_secret
 from .spare import Spare, start_spare
 from .sweep import StaleSweep
@@ -152,18 +152,23 @@ class SegmentStore:
 
     def start_resolved(self) -> None:
         """Start the loads of requests whose resolution finished since they were answered (the
-        control loop calls it when the resolver wakes it). A request that fails now is
-        answered with its error when its client asks again."""
+        control loop calls it when the resolver wakes it). The resolution stays for the
+        client's next poll (which then finds the load running), errors included; nothing here
+        counts as a hit."""
         now = time.monotonic()
         for key, (req, peer, since) in list(self._resolving.items()):
-            if now - since > RESOLVE_TIMEOUT_S:
-                del self._resolving[key]
-            elif self.resolver.finished(req.path, req.key, peer, req.files):
-                del self._resolving[key]
-                try:
-                    self.acquire(req, peer)
-                except H5ServeError:
-                    pass
+            resolved = self.resolver.peek(req.path, req.key, peer, req.files)
+            if resolved is None and now - since <= RESOLVE_TIMEOUT_S:
+                continue  # still resolving
+            del self._resolving[key]
+            if resolved is None or isinstance(resolved, BaseException):
+                continue  # its client gets the error when it asks again
+            try:
+                result = self._acquire_meta(req, *self._meta_of(req, resolved), peer.uid, hit=False)
+            except H5ServeError:
+                continue  # answered to its client, the same way, at its next poll
+            if result.name:
+                self._grant(result.name, peer.uid)
 
     def _grant(self, file: str, uid: int) -> None:
         """Grant ``uid`` the segment published (or being loaded) as ``file``."""
@@ -183,9 +188,14 @@ class SegmentStore:
             self._awaiting_resolution(req, peer)
             st = os.stat(self.shm_dir)
             return AcquireResult("loading", "", str(self.shm_dir), 0, 0, 0, os.getuid(), st.st_dev, st.st_ino)
-        uid = os.geteuid() if peer is None else peer.uid
+        return self._acquire_meta(req, *self._meta_of(req, resolved), peer.uid)
+
+    def _meta_of(self, req: Acquire, resolved: Resolved | ResolvedFiles,
+                 ) -> tuple[SegmentMeta, Callable[[], tuple[tuple[int, int], ...]] | None]:
+        """The segment ``req`` asks for, from its resolved file(s), and how to plan its load's
+        parts (None: the loader does)."""
         if isinstance(resolved, ResolvedFiles):
-            return self._acquire_meta(req, files_meta(req, resolved), uid)
+            return files_meta(req, resolved), None
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span, req.rows)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
@@ -201,12 +211,14 @@ class SegmentStore:
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
             start=req.rows[0] if req.rows else 0,
         )
-        return self._acquire_meta(req, meta, uid, lambda: load_spans(info, meta, self.load_processes))
+        return meta, lambda: load_spans(info, meta, self.load_processes)
 
-    def _acquire_meta(self, req: Acquire, meta: SegmentMeta, uid: int,
-                      spans: Callable[[], tuple[tuple[int, int], ...]] | None = None) -> AcquireResult:
+    def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
+                      spans: Callable[[], tuple[tuple[int, int], ...]] | None, uid: int,
+                      hit: bool = True) -> AcquireResult:
         """``acquire``, asked by ``uid``, once the request's files are resolved into the segment
-        ``meta`` describes; ``spans()`` plans its load's parts (None: the loader does).
+        ``meta`` describes; ``spans()`` plans its load's parts (None: the loader does). ``hit``:
+        count a ready answer as a hit (not for a load started on a client's behalf).
 
         Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting: CapacityError.
         """
@@ -229,8 +241,9 @@ class SegmentStore:
         if entry.state == "stale":  # requested under the same identity again: the file is back
             entry.state = "ready"
         if entry.state == "ready":
-            entry.hits += 1
-            self.counters["hits"] += 1
+            if hit:
+                entry.hits += 1
+                self.counters["hits"] += 1
             return self._result("ready", entry.file, entry.meta.rows, entry.meta, entry.stamp)
         done = read_progress(self.shm_dir / entry.tmp_name)[0] if entry.process else 0
         return self._result("loading", entry.file, done, entry.meta)
