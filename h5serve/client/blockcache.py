@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,27 @@ from ..units import row_nbytes
 from .backends import H5Handle
 from .gather import as_column
 
-__all__ = ["StreamBatch", "BlockCache"]
+__all__ = ["StreamBatch", "BlockCache", "gather_by_block"]
+
+
+def gather_by_block(rows: np.ndarray, block_rows: int, infos: list[DatasetInfo], out_dtypes: list[np.dtype],
+                    arrays_of: Callable[[int, set[int]], list[np.ndarray]]) -> list[torch.Tensor | np.ndarray]:
+    """The rows ``rows`` (global, int64) of every dataset, gathered a block at a time:
+    ``arrays_of(block, needed)`` gives each dataset's rows of ``block`` (``needed``: every block
+    this batch touches, which the source keeps while it makes room), whatever holds them (a
+    block cache, a segment of the daemon's); one ``take`` per block and dataset, cast per batch."""
+    ids = rows // block_rows
+    order = np.argsort(ids, kind="stable")
+    bounds = np.flatnonzero(np.diff(ids[order])) + 1
+    groups = np.split(order, bounds) if len(order) else []
+    needed = {int(ids[g[0]]) for g in groups}
+    outs = [np.empty((len(rows), *i.row_shape), dtype=i.dtype) for i in infos]
+    for group in groups:
+        block = int(ids[group[0]])
+        local = rows[group] - block * block_rows
+        for out, array in zip(outs, arrays_of(block, needed)):
+            out[group] = array.take(local, axis=0)
+    return [as_column(out if out.dtype == d else out.astype(d)) for out, d in zip(outs, out_dtypes)]
 
 
 class StreamBatch:
@@ -130,18 +151,7 @@ class BlockCache:
         Raised when the file changed since it was opened: SourceChanged; when HDF5 cannot
         read a block: DataError."""
         self._check_pid()
-        ids = rows // self.layout.block_rows
-        order = np.argsort(ids, kind="stable")
-        bounds = np.flatnonzero(np.diff(ids[order])) + 1
-        groups = np.split(order, bounds) if len(order) else []
-        needed = {int(ids[g[0]]) for g in groups}
-        outs = [np.empty((len(rows), *i.row_shape), dtype=i.dtype) for i in self.infos]
-        for group in groups:
-            block = int(ids[group[0]])
-            local = rows[group] - block * self.layout.block_rows
-            for out, array in zip(outs, self._block(block, needed)):
-                out[group] = array.take(local, axis=0)
-        return [as_column(out if out.dtype == d else out.astype(d)) for out, d in zip(outs, self.out_dtypes)]
+        return gather_by_block(rows, self.layout.block_rows, self.infos, self.out_dtypes, self._block)
 
     def clear(self) -> None:
         self._blocks = OrderedDict()

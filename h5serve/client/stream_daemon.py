@@ -46,7 +46,7 @@ from ..sharding import STREAM
 from ..stream_order import BlockLayout
 from ..units import format_bytes
 from .backends import BackendSpec
-from .gather import as_column
+from .blockcache import gather_by_block
 
 __all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
 
@@ -252,18 +252,8 @@ class DaemonBlocks:
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        ids = rows // self.layout.block_rows
-        order = np.argsort(ids, kind="stable")
-        bounds = np.flatnonzero(np.diff(ids[order])) + 1
-        groups = np.split(order, bounds) if len(order) else []
-        needed = {int(ids[g[0]]) for g in groups}
-        outs = [np.empty((len(rows), *i.row_shape), dtype=i.dtype) for i in self.infos]
-        for group in groups:
-            block = int(ids[group[0]])
-            local = rows[group] - block * self.layout.block_rows
-            for out, segment in zip(outs, self._block(block, needed)):
-                out[group] = segment.data.take(local, axis=0)
-        return [as_column(out if out.dtype == d else out.astype(d)) for out, d in zip(outs, self.out_dtypes)]
+        return gather_by_block(rows, self.layout.block_rows, self.infos, self.out_dtypes,
+                               lambda block, needed: [segment.data for segment in self._block(block, needed)])
 
     def close(self) -> None:
         if self._pid == os.getpid():
