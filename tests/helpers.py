@@ -85,6 +85,16 @@ def temporary_prefix(d: DaemonProcess) -> str:
     return temporary_name(namespace).rsplit("-", 2)[0] + "-"
 
 
+@contextlib.contextmanager
+def running_daemon(*args: str) -> Iterator[Daemon]:
+    """A real daemon (``h5serve start ARGS`` on a runtime dir of its own), stopped on the way out."""
+    d = Daemon(*args)
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
 def make_h5(path: Path, rows: int = ROWS, row_shape: tuple[int, ...] = ROW_SHAPE, dtype: str = "uint8",
             chunks: bool = True) -> Path:
     """x[i] is filled with values derived from i; y[i] == i (labels are row ids)."""

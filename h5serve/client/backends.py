@@ -43,7 +43,8 @@ from .vlencache import VlenCache
 if TYPE_CHECKING:
     from .files import FilesLazyBackend
 
-__all__ = ["BackendSpec", "ShmBackend", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend", "Backend"]
+__all__ = ["BackendSpec", "ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend",
+           "Backend"]
 
 log = logging.getLogger("h5serve.client")
 
@@ -209,6 +210,18 @@ def _check_same_shm(result: AcquireResult) -> None:
         )
 
 
+def open_acquired(client: DaemonClient, result: AcquireResult) -> AttachedSegment:
+    """Map the segment an acquire answered ready, as the runtime dir's owner (checked to be
+    trusted: never the uid the daemon reports) and against the reply's publish stamp.
+
+    Raised when it cannot be mapped (evicted, changed, not the daemon's): SegmentError; when
+    the daemon refuses this user its descriptor: AccessDenied.
+    """
+    owner = os.getuid() if client.daemon_uid is None else client.daemon_uid
+    return open_segment(client.location.directory, result.shm_dir, result.name, owner,
+                        PublishStamp(result.ino, result.ctime_ns))
+
+
 class ShmBackend(ArrayBackend):
     """Segments loaded by the daemon, mapped read-only; the lease is held while attached.
     ``runtime_dir``: the daemon's, where a spawned worker asks again for the descriptors
@@ -297,10 +310,7 @@ class ShmBackend(ArrayBackend):
             if result.state != "ready":
                 result = client.acquire(request, progress, deadline)
             try:
-                # the runtime dir's owner, checked to be trusted: never the uid the daemon reports
-                owner = os.getuid() if client.daemon_uid is None else client.daemon_uid
-                segment = open_segment(client.location.directory, result.shm_dir, result.name, owner,
-                                       PublishStamp(result.ino, result.ctime_ns))
+                segment = open_acquired(client, result)
             except SegmentError:
                 if attempt == 2:
                     raise

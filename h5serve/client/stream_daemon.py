@@ -41,11 +41,11 @@ from ..connection import DaemonClient
 from ..errors import BudgetExceeded, ConfigError, SegmentError
 from ..hdf5.source import DatasetInfo
 from ..protocol import Acquire, AcquireResult
-from ..segments import AttachedSegment, PublishStamp, open_segment
+from ..segments import AttachedSegment
 from ..sharding import STREAM
 from ..stream_order import BlockLayout
 from ..units import format_bytes
-from .backends import BackendSpec
+from .backends import BackendSpec, open_acquired
 from .blockcache import gather_by_block
 
 __all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
@@ -199,9 +199,7 @@ class DaemonBlocks:
             if result is None or result.state != "ready":
                 result = self._wait_ready(client, request, block)
             try:
-                owner = os.getuid() if client.daemon_uid is None else client.daemon_uid
-                segment = open_segment(client.location.directory, result.shm_dir, result.name, owner,
-                                       PublishStamp(result.ino, result.ctime_ns))
+                segment = open_acquired(client, result)
             except SegmentError:
                 if attempt == 2:
                     raise

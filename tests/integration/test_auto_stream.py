@@ -11,7 +11,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import h5py
@@ -21,7 +21,7 @@ import pytest
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.units import format_bytes
 
-from ..helpers import Daemon, h5serve_cli, make_h5, short_tmpdir, torchrun_two_ranks
+from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon, short_tmpdir, torchrun_two_ranks
 from .test_stream_daemon import memory_sampler
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,13 +37,8 @@ def h5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_h5(tmp_path_factory.mktemp("autostream") / "data.h5", rows=ROWS, row_shape=SHAPE)
 
 
-@contextmanager
-def daemon(budget: int = BUDGET) -> Iterator[Daemon]:
-    d = Daemon("--max-memory", str(budget), "--loaders", "2")
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+def daemon(budget: int = BUDGET) -> AbstractContextManager[Daemon]:
+    return running_daemon("--max-memory", str(budget), "--loaders", "2")
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import h5py
@@ -27,7 +27,7 @@ import pytest
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.connection import DaemonClient
 
-from ..helpers import Daemon, make_h5, torchrun_two_ranks, wait_for
+from ..helpers import Daemon, make_h5, running_daemon, torchrun_two_ranks, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,13 +45,8 @@ def h5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_h5(tmp_path_factory.mktemp("streamd") / "data.h5", rows=ROWS, row_shape=SHAPE)
 
 
-@contextmanager
-def daemon(budget: int = BUDGET) -> Iterator[Daemon]:
-    d = Daemon("--max-memory", str(budget), "--loaders", "2")
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+def daemon(budget: int = BUDGET) -> AbstractContextManager[Daemon]:
+    return running_daemon("--max-memory", str(budget), "--loaders", "2")
 
 
 @contextmanager
