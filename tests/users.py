@@ -83,8 +83,28 @@ def throwaway_user(groups: tuple[Group, ...] = ()) -> Iterator[User]:
         yield User(name, pw.pw_uid, pw.pw_gid)
     finally:
         subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True, timeout=60)
+        _remove_shm_files_of(name)
         subprocess.run(["userdel", "--force", name], capture_output=True, timeout=60)
         subprocess.run(["groupdel", name], capture_output=True, timeout=60)
+
+
+def _remove_shm_files_of(name: str) -> None:
+    """The segments a killed daemon of the throwaway user ``name`` left in /dev/shm (nothing
+    else can clean them up after a SIGKILL: docs/reliability.md); its files only, by uid, while
+    the account (and so the uid) still exists."""
+    import pwd
+
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return
+    with os.scandir("/dev/shm") as entries:
+        for entry in entries:
+            try:
+                if entry.name.startswith(f"h5serve-{uid}-") and entry.stat(follow_symlinks=False).st_uid == uid:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 @contextlib.contextmanager
