@@ -24,6 +24,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing import context, popen_forkserver, reduction, spawn
@@ -246,8 +247,19 @@ def clean_preparation() -> Iterator[None]:
     can write is theirs. Loaders need nothing from ``__main__``: their targets are h5serve's.
     Version: ``spawn.get_preparation_data`` is looked up by ``popen_forkserver`` and
     ``forkserver.ensure_running`` at call time (CPython 3.8 to 3.13 at least); it is replaced
-    only for the duration of a start, from the daemon's one control thread.
+    only for the duration of a start. Starts come from the control thread (loaders, spares) and
+    from resolver threads (inspectors), so one start at a time holds the swap (a re-entrant lock:
+    a start may start the forkserver inside it); unlocked, one thread could restore the original
+    while another was launching, and that child would import the main module after all.
     """
+    with _PREPARATION_LOCK:
+        yield from _swapped_preparation()
+
+
+_PREPARATION_LOCK = threading.RLock()
+
+
+def _swapped_preparation() -> Iterator[None]:
     original = spawn.get_preparation_data
 
     def prepared(name: str) -> dict[str, Any]:
