@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from h5serve._daemon_process import DaemonProcess
-from h5serve.units import row_nbytes
+from h5serve.util.units import row_nbytes
 
 CHUNK_ROWS = 256
 ROW_SHAPE = (3, 32, 32)

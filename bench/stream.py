@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from h5serve.connection import DaemonClient
-from h5serve.units import parse_size
+from h5serve.util.units import parse_size
 
 from .common import CHUNK_ROWS, ROW_SHAPE, BenchDaemon, Row, _image_rows, log, warm_page_cache
 

@@ -12,7 +12,7 @@ from .errors import SegmentError
 from .runtime import HANDOUT_SOCKET_NAME
 from .segments import verify_content
 from .segments.handout import opens_by_name, request_descriptor
-from .units import format_bytes
+from .util.units import format_bytes
 
 __all__ = ["format_status", "format_verify", "verify_segments"]
 

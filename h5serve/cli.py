@@ -24,7 +24,7 @@ from ._status_cli import format_status, format_verify, verify_segments
 from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
 from .protocol import Ping
 from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
-from .units import format_bytes
+from .util.units import format_bytes
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 START_TIMEOUT_S = 30.0
@@ -84,7 +84,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             setattr(args, name, os.path.abspath(getattr(args, name)))
     args.allow_root = [os.path.abspath(root) for root in args.allow_root or ()]
     from .daemon.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
-    from .units import parse_size
+    from .util.units import parse_size
 
     account = lookup_user(args.user) if args.user else None
     if args.group is not None:
@@ -147,7 +147,7 @@ def _open_log(dir_fd: int, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) 
     """The daemon's log in the (checked) runtime dir: never through a symlink, never a FIFO,
     only a file of ours."""
     from .runtime import LOGFILE_NAME
-    from .safeio import open_regular
+    from .util.safeio import open_regular
 
     return open_regular(LOGFILE_NAME, ConfigError, owners={os.geteuid()}, flags=flags, dir_fd=dir_fd,
                         hint="remove it from the runtime dir")[0]
@@ -206,7 +206,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     from .daemon._process import start_from_root
     from .daemon.config import DEFAULT_STALL_TIMEOUT_S
     from .daemon.privileges import drop_privileges, lookup_group, lookup_user
-    from .units import parse_size
+    from .util.units import parse_size
 
     logging.basicConfig(
         level=getattr(logging, (args.log_level or "INFO").upper(), logging.INFO),
@@ -285,8 +285,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_preload(args: argparse.Namespace) -> int:
     from .hdf5.source import resolve_dtype
-    from .progress import Progress
     from .protocol import POLL_INTERVAL_S, Acquire, AcquireResult
+    from .util.progress import Progress
 
     if args.mode == "global":
         if args.ranks or args.plan:
@@ -354,7 +354,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import format_report, inspect_file
-    from .units import parse_size
+    from .util.units import parse_size
 
     report = inspect_file(
         args.file, keys=args.key, world_size=args.world_size, ranks_per_node=args.ranks_per_node, mode=args.mode,

@@ -31,7 +31,7 @@ from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import HEADER_SIZE
 from .sharding import ALL_MODES, GLOBAL, NODE, Selection
 from .stream_plan import StreamWindow, recommend
-from .units import format_bytes, row_nbytes
+from .util.units import format_bytes, row_nbytes
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
            "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]

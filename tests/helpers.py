@@ -177,7 +177,7 @@ def expected_checksum(data: bytes | np.ndarray) -> str:
     (not h5serve's code): crc32c where the crc32c package hashes in hardware, else zlib's crc32."""
     import zlib
 
-    from h5serve.crc import LOAD_CRC
+    from h5serve.util.crc import LOAD_CRC
 
     if LOAD_CRC.name == "crc32c":
         import crc32c

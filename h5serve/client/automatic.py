@@ -33,7 +33,7 @@ from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..segments import HEADER_SIZE
 from ..stream_plan import plan_window
-from ..units import format_bytes, row_nbytes
+from ..util.units import format_bytes, row_nbytes
 from .backends import BackendSpec
 from .stream import resolve_stream
 

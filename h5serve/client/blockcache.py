@@ -27,7 +27,7 @@ from ..hdf5.reads import read_block_into
 from ..hdf5.source import DatasetInfo
 from ..sharding import RowRange
 from ..stream_order import BlockLayout
-from ..units import row_nbytes
+from ..util.units import row_nbytes
 from .backends import H5Handle
 from .gather import as_column
 

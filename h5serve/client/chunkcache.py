@@ -24,7 +24,7 @@ from ..errors import DataError
 from ..hdf5.reads import read_block_into, read_rows
 from ..hdf5.source import DatasetInfo
 from ..sharding import RowRange, Selection, as_rows
-from ..units import row_nbytes
+from ..util.units import row_nbytes
 from .gather import RowSource, as_column
 
 __all__ = ["ChunkCache", "auto_cache_bytes", "hdf5_cache_options", "local_ranks"]

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..checks import is_int
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.files import describe_files, expand_paths
 from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..stream_order import STREAM, node_rows
+from ..util.checks import is_int
 from . import automatic, ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from ..checks import is_int
 from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
+from ..util.checks import is_int
 from .resharding import check_not_rebuilt, check_not_resharded
 from .sampler import check_state_origin, counted_batches, wrap_order
 

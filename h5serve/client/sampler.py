@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ..checks import is_int
 from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
+from ..util.checks import is_int
 from .gather import IndexBatches
 from .resharding import check_not_rebuilt, check_not_resharded
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ..checks import is_int
 from ..errors import ConfigError, H5ServeError, UnsupportedDataset, falls_back
 from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, inspect_dataset
 from ..segments import HEADER_SIZE
 from ..stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
-from ..units import format_bytes, parse_size, row_nbytes
+from ..util.checks import is_int
+from ..util.units import format_bytes, parse_size, row_nbytes
 from .backends import BackendSpec, H5Handle
 from .blockcache import BlockCache, StreamBatch
 from .chunkcache import auto_cache_bytes

@@ -44,7 +44,7 @@ from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment
 from ..sharding import STREAM
 from ..stream_order import BlockLayout
-from ..units import format_bytes
+from ..util.units import format_bytes
 from .backends import BackendSpec, open_acquired
 from .blockcache import gather_by_block
 

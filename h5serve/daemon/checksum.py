@@ -17,7 +17,7 @@ copies are bound by memory bandwidth, as on the bench's VM, the thread made a 30
 
 from __future__ import annotations
 
-from ..crc import LOAD_CRC
+from ..util.crc import LOAD_CRC
 
 __all__ = ["RunningCrc"]
 

@@ -27,7 +27,7 @@ from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_d
 from ..protocol import Acquire
 from ..segments import SegmentMeta, SegmentWriter
 from ..sharding import RowRange, Selection
-from ..units import row_nbytes
+from ..util.units import row_nbytes
 
 if TYPE_CHECKING:
     from .access import Peer

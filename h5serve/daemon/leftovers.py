@@ -13,8 +13,6 @@ from pathlib import Path
 
 from ..errors import H5ServeError
 from ..hdf5.identity import identities_unchanged
-from ..logtext import printable
-from ..safeio import remove_if
 from ..segments import (
     describe_file,
     fresh_name,
@@ -26,6 +24,8 @@ from ..segments import (
     temporary_owner_pid,
     try_evict,
 )
+from ..util.logtext import printable
+from ..util.safeio import remove_if
 from .entries import Entry, not_ours
 
 __all__ = ["adopt_leftovers", "own_files", "publish_name"]

@@ -52,7 +52,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
@@ -62,7 +61,8 @@ from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..segments import SegmentMeta, SegmentWriter, create_segment
 from ..sharding import RowRange, Selection
-from ..units import row_nbytes
+from ..util.crc import LOAD_CRC
+from ..util.units import row_nbytes
 from ._process import LOADER_NAME, drop_forkserver_alive_fd, quiet_blas, set_pdeathsig, set_process_name
 from .checksum import RunningCrc
 from .fileset import read_files_part

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..runtime import RuntimeLocation
-from ..safeio import describe_owner
+from ..util.safeio import describe_owner
 
 __all__ = ["Account", "lookup_user", "lookup_group", "drop_privileges", "prepare_runtime_dir"]
 

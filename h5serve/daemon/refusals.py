@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import BudgetExceeded
 from ..segments import SegmentMeta
-from ..units import format_bytes
+from ..util.units import format_bytes
 from .config import FAILURE_MEMORY_S
 
 __all__ = ["over_budget", "stalled_load"]

@@ -30,7 +30,6 @@ from ..errors import (
     code_for,
     host_error,
 )
-from ..logtext import EscapingFilter
 from ..protocol import (
     POLL_INTERVAL_S,
     VERSION,
@@ -44,8 +43,9 @@ from ..protocol import (
     encode_ok,
 )
 from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
-from ..safeio import open_regular, read_small
-from ..units import format_bytes
+from ..util.logtext import EscapingFilter
+from ..util.safeio import open_regular, read_small
+from ..util.units import format_bytes
 from .access import Peer, requester
 from .config import (
     DEFAULT_MEMORY_FRACTION,

@@ -28,10 +28,8 @@ from ..errors import (
     error_from_code,
 )
 from ..hdf5.source import check_cast, resolve_dtype, storage_dtype
-from ..logtext import printable
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
-from ..safeio import remove_if
 from ..segments import (
     UNKNOWN_STAMP,
     PublishStamp,
@@ -45,7 +43,9 @@ from ..segments import (
     try_evict,
 )
 from ..sharding import STREAM, Selection
-from ..units import format_bytes
+from ..util.logtext import printable
+from ..util.safeio import remove_if
+from ..util.units import format_bytes
 from ._process import loader_output
 from .access import Peer
 from .config import (

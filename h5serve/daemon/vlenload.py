@@ -32,7 +32,6 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..crc import LOAD_CRC
 from ..errors import SourceChanged
 from ..hdf5.files import pieces
 from ..hdf5.identity import open_h5_verified, pinned_rows
@@ -41,6 +40,7 @@ from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..hdf5.vlen import read_vlen
 from ..segments import SegmentMeta, SegmentWriter, values_offset
 from ..sharding import RowRange
+from ..util.crc import LOAD_CRC
 
 __all__ = ["load_vlen", "BLOCK_VALUE_BYTES"]
 

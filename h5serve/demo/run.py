@@ -35,9 +35,9 @@ import numpy as np
 
 from .._daemon_process import DaemonProcess
 from ..errors import ConfigError, H5ServeError
-from ..progress import Progress
 from ..runtime import resolve_shm_dir
-from ..units import format_bytes
+from ..util.progress import Progress
+from ..util.units import format_bytes
 
 __all__ = ["run_demo", "make_sample_file", "DemoResult", "DEFAULT_ROWS", "IMAGE_SHAPE"]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from ..units import row_nbytes
+from ..util.units import row_nbytes
 from .source import DatasetInfo
 
 __all__ = ["COPY_BUFFER_BYTES", "HASHED_COPY_BYTES", "MAX_MAPPED_CHUNKS", "FileCopier", "Hasher", "StoredRows",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SegmentError
-from ..safeio import NOFOLLOW_FLAGS
+from ..util.safeio import NOFOLLOW_FLAGS
 from .format import SegmentMeta, data_view, parse_header, read_header, values_view
 from .naming import TMP_MARK, describe_file
 

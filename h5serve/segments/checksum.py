@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..crc import KINDS, LOAD_CRC, CrcKind
 from ..errors import SegmentError
-from ..safeio import open_regular
+from ..util.crc import KINDS, LOAD_CRC, CrcKind
+from ..util.safeio import open_regular
 from .format import CHECKSUM, CHECKSUM_NONE, CHECKSUM_OFFSET, parse_header, read_header
 
 __all__ = ["data_checksum", "checksum_text", "header_checksum", "verify_content"]

@@ -30,9 +30,9 @@ import msgpack
 import numpy as np
 
 from ..errors import ConfigError, SegmentError
-from ..safeio import NOFOLLOW_FLAGS
 from ..sharding import STREAM, RowRange, Selection
-from ..units import row_nbytes
+from ..util.safeio import NOFOLLOW_FLAGS
+from ..util.units import row_nbytes
 from .naming import describe_file, is_own_file
 
 __all__ = [

@@ -34,11 +34,11 @@ import struct
 from dataclasses import replace
 from pathlib import Path
 
-from ..crc import LOAD_CRC, CrcKind
 from ..errors import SegmentError, ShmFull
-from ..logtext import printable
-from ..safeio import NOFOLLOW_FLAGS, flocks, open_regular
-from ..units import format_bytes
+from ..util.crc import LOAD_CRC, CrcKind
+from ..util.logtext import printable
+from ..util.safeio import NOFOLLOW_FLAGS, flocks, open_regular
+from ..util.units import format_bytes
 from .attach import UNKNOWN_STAMP, PublishStamp
 from .checksum import checksum_text, data_checksum
 from .format import (

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from ..safeio import describe_owner
+from ..util.safeio import describe_owner
 
 if TYPE_CHECKING:
     from .format import SegmentMeta

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import is_int
 from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
+from ..util.checks import is_int
 from .hostlist import format_ranks
 
 __all__ = ["NodeLayout", "layout_from_hostnames", "uniform_layout", "check_node_ranks"]

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import is_int
 from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
+from ..util.checks import is_int
 from .hostlist import format_ranks
 from .layout import check_node_ranks
 

@@ -9,9 +9,9 @@ import os
 import socket
 from collections.abc import Mapping
 
-from ..checks import is_int
 from ..errors import ConfigError
 from ..protocol import MAX_WORLD_SIZE
+from ..util.checks import is_int
 from .hostlist import parse_tasks_per_node
 from .nodeplan import NodePlan, plan_explicit, plan_from_layout
 from .slurm import node_rank_from_env, plan_and_node_count_from_env

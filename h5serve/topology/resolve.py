@@ -27,8 +27,8 @@ import os
 import socket
 from collections.abc import Mapping
 
-from ..checks import is_int
 from ..errors import ConfigError
+from ..util.checks import is_int
 from .group import GroupView, current_group
 from .hostlist import format_ranks
 from .layout import NodeLayout, layout_from_hostnames, uniform_layout

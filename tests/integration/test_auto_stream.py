@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.units import format_bytes
+from h5serve.util.units import format_bytes
 
 from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon, short_tmpdir, torchrun_two_ranks
 from .test_stream_daemon import memory_sampler

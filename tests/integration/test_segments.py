@@ -36,7 +36,7 @@ from h5serve.segments import (
     temporary_owner_pid,
     try_evict,
 )
-from h5serve.units import format_bytes
+from h5serve.util.units import format_bytes
 
 from ..helpers import NAMESPACE, SECRET, make_meta, sample_data
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from h5serve.crc import CRC32, CRC32C, KINDS, LOAD_CRC, CrcKind
 from h5serve.segments import create_segment, segment_name, temporary_name, verify_content
+from h5serve.util.crc import CRC32, CRC32C, KINDS, LOAD_CRC, CrcKind
 
 from ..helpers import NAMESPACE, SECRET, make_meta, sample_data
 

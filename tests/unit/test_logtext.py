@@ -1,4 +1,4 @@
-"""Unit tests for h5serve.logtext: user text never breaks a log line."""
+"""Unit tests for h5serve.util.logtext: user text never breaks a log line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from h5serve.logtext import EscapingFilter, printable
+from h5serve.util.logtext import EscapingFilter, printable
 
 
 @pytest.mark.parametrize("value, shown", [

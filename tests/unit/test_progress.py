@@ -11,7 +11,7 @@ import struct
 import termios
 import time
 
-from h5serve.progress import Progress
+from h5serve.util.progress import Progress
 
 
 def test_bar_on_a_terminal() -> None:

@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["parse_size", "format_bytes", "row_nbytes"]
 

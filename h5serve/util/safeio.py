@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from .errors import H5ServeError, OutOfResources, host_error
+from ..errors import H5ServeError, OutOfResources, host_error
 
 __all__ = [
     "NOFOLLOW_FLAGS",
