@@ -38,7 +38,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from h5serve.stream_order import neighbour_entropy
+from h5serve.order.stream_order import neighbour_entropy
 
 from .common import BenchDaemon, Row, drop_page_cache, log
 from .memory import _tree

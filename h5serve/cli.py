@@ -312,7 +312,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
     if args.y_key:
         dtypes[args.y_key] = resolve_dtype(args.dtype_y, "--dtype-y")
     if args.mode == "node":  # the node's ranks share one block: the union of their contiguous shards
-        from .sharding import node_selection
+        from .order.sharding import node_selection
 
         block = node_selection(args.world_size, sorted(ranks))
         places = [(block.rank, block.span)]

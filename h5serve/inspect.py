@@ -27,10 +27,10 @@ from .hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
 from .hdf5.identity import open_h5
 from .hdf5.links import dataset_names
 from .hdf5.source import inspect_dataset
+from .order.sharding import ALL_MODES, GLOBAL, NODE, Selection
+from .order.stream_plan import StreamWindow, recommend
 from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import HEADER_SIZE
-from .sharding import ALL_MODES, GLOBAL, NODE, Selection
-from .stream_plan import StreamWindow, recommend
 from .util.units import format_bytes, row_nbytes
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",

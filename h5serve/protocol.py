@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from .errors import ConfigError, H5ServeError, ProtocolError, error_from_code
-from .sharding import STREAM, WIRE_MODES
+from .order.sharding import STREAM, WIRE_MODES
 from .util.checks import is_int
 
 __all__ = [

@@ -3,7 +3,7 @@
 Light, fork- and spawn-safe; never imports ``h5serve.daemon``.
 """
 
-from ..sharding import balanced_contiguous_shard, interleaved_indices, shard_indices
+from ..order.sharding import balanced_contiguous_shard, interleaved_indices, shard_indices
 from .compat import RankMemCachedH5Dataset
 from .connection import DaemonClient
 from .dataset import Batch, SampleList, SharedH5Dataset, collate

@@ -31,8 +31,8 @@ from ..connection import DaemonClient
 from ..errors import CapacityError, H5ServeError, ShmFull
 from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, inspect_dataset
+from ..order.stream_plan import plan_window
 from ..segments import HEADER_SIZE
-from ..stream_plan import plan_window
 from ..util.units import format_bytes, row_nbytes
 from .backends import BackendSpec
 from .stream import resolve_stream

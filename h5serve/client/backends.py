@@ -30,10 +30,10 @@ from ..hdf5.identity import open_h5
 from ..hdf5.rawcopy import StoredRows, stored_rows
 from ..hdf5.reads import read_rows, read_shard_into
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
+from ..order.sharding import Selection
 from ..protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 from ..runtime import resolve_runtime
 from ..segments import AttachedSegment, PublishStamp, open_segment
-from ..sharding import Selection
 from ..util.progress import Progress
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from .gather import RowSource, as_column

@@ -25,8 +25,8 @@ import torch
 
 from ..hdf5.reads import read_block_into
 from ..hdf5.source import DatasetInfo
-from ..sharding import RowRange
-from ..stream_order import BlockLayout
+from ..order.sharding import RowRange
+from ..order.stream_order import BlockLayout
 from ..util.units import row_nbytes
 from .backends import H5Handle
 from .gather import as_column

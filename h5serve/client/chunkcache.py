@@ -23,7 +23,7 @@ import torch
 from ..errors import DataError
 from ..hdf5.reads import read_block_into, read_rows
 from ..hdf5.source import DatasetInfo
-from ..sharding import RowRange, Selection, as_rows
+from ..order.sharding import RowRange, Selection, as_rows
 from ..util.units import row_nbytes
 from .gather import RowSource, as_column
 

@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.files import describe_files, expand_paths
-from ..sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
-from ..stream_order import STREAM, node_rows
+from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
+from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
 from . import automatic, ring
 from .backends import Backend, BackendSpec, ShmBackend, lazy_backend

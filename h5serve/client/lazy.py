@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, get_worker_info
 from ..hdf5.identity import open_h5
 from ..hdf5.reads import read_rows
 from ..hdf5.source import check_cast, check_lengths, inspect_dataset, resolve_dtype
-from ..sharding import Selection
+from ..order.sharding import Selection
 from .backends import H5Handle
 from .chunkcache import ChunkCache
 from .gather import as_positions

@@ -21,7 +21,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from ..errors import ConfigError
-from ..sharding import GLOBAL, NODE
+from ..order.sharding import GLOBAL, NODE
 from ..util.checks import is_int
 from . import ring
 from ._process import return_batch_memory

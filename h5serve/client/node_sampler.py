@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from ..equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..errors import ConfigError
+from ..order.equalise import EpochSize, check_batch_size, equal_epoch_size
 from ..util.checks import is_int
 from .resharding import check_not_rebuilt, check_not_resharded
 from .sampler import check_state_origin, counted_batches, wrap_order

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ..equalise import check_batch_size, equal_epoch_size
 from ..errors import ConfigError
+from ..order.equalise import check_batch_size, equal_epoch_size
 from ..util.checks import is_int
 from .gather import IndexBatches
 from .resharding import check_not_rebuilt, check_not_resharded
@@ -181,7 +181,7 @@ class EpochBatchSampler(Sampler[torch.Tensor]):
     ``set_epoch``, ``state_dict`` and ``load_state_dict`` act on the wrapped sampler.
 
     ``shard_sizes``: the shard size of every rank (``SharedH5Dataset.shard_sizes()``). Then
-    every rank gets the same number of batches per epoch (``h5serve.equalise``): the wrapped
+    every rank gets the same number of batches per epoch (``h5serve.order.equalise``): the wrapped
     sampler's epoch is padded with its own order to the largest shard (``drop_last=False``) or
     cut to the smallest shard's full batches (``drop_last=True``). make_loader passes them.
 
@@ -339,7 +339,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
     def __init__(self, data_len: int, batch_size: int, world_size: int | None = None, rank: int | None = None,
                  *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False,
                  arrays: bool = False) -> None:
-        from ..sharding import resolve_rank_world
+        from ..order.sharding import resolve_rank_world
 
         check_not_rebuilt(type(self), data_len)
         self.data_len = _check_count("data_len", data_len)

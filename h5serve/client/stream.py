@@ -29,8 +29,8 @@ import torch
 from ..errors import ConfigError, H5ServeError, UnsupportedDataset, falls_back
 from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, inspect_dataset
+from ..order.stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..segments import HEADER_SIZE
-from ..stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..util.checks import is_int
 from ..util.units import format_bytes, parse_size, row_nbytes
 from .backends import BackendSpec, H5Handle

@@ -40,10 +40,10 @@ import torch
 from ..connection import DaemonClient
 from ..errors import BudgetExceeded, ConfigError, SegmentError
 from ..hdf5.source import DatasetInfo
+from ..order.sharding import STREAM
+from ..order.stream_order import BlockLayout
 from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment
-from ..sharding import STREAM
-from ..stream_order import BlockLayout
 from ..util.units import format_bytes
 from .backends import BackendSpec, open_acquired
 from .blockcache import gather_by_block

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from ..equalise import check_batch_size
 from ..errors import ConfigError
-from ..stream_order import BlockLayout, NodeEpoch, node_epoch, node_rows, window_for
+from ..order.equalise import check_batch_size
+from ..order.stream_order import BlockLayout, NodeEpoch, node_epoch, node_rows, window_for
 from .blockcache import StreamBatch
 from .node_sampler import NodePlace
 from .resharding import check_not_resharded

@@ -18,7 +18,7 @@ import torch
 
 from ..hdf5.source import DatasetInfo
 from ..hdf5.vlen import gather, offsets_of, read_vlen
-from ..sharding import RowRange, Selection, as_rows
+from ..order.sharding import RowRange, Selection, as_rows
 from .ragged import RaggedColumn, RaggedSource
 
 __all__ = ["VlenCache"]

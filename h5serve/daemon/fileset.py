@@ -24,9 +24,9 @@ from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import Hasher, data_extents, drop_cached
 from ..hdf5.reads import read_shard_into
 from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
+from ..order.sharding import RowRange, Selection
 from ..protocol import Acquire
 from ..segments import SegmentMeta, SegmentWriter
-from ..sharding import RowRange, Selection
 from ..util.units import row_nbytes
 
 if TYPE_CHECKING:

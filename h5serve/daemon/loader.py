@@ -59,8 +59,8 @@ from ..hdf5.identity import check_holder, identities_unchanged, open_h5_verified
 from ..hdf5.rawcopy import data_extents, drop_cached
 from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, inspect_dataset
+from ..order.sharding import RowRange, Selection
 from ..segments import SegmentMeta, SegmentWriter, create_segment
-from ..sharding import RowRange, Selection
 from ..util.crc import LOAD_CRC
 from ..util.units import row_nbytes
 from ._process import LOADER_NAME, drop_forkserver_alive_fd, quiet_blas, set_pdeathsig, set_process_name

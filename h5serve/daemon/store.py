@@ -28,6 +28,7 @@ from ..errors import (
     error_from_code,
 )
 from ..hdf5.source import check_cast, resolve_dtype, storage_dtype
+from ..order.sharding import STREAM, Selection
 from ..protocol import Acquire, AcquireResult
 from ..runtime import RuntimeLocation
 from ..segments import (
@@ -42,7 +43,6 @@ from ..segments import (
     temporary_name,
     try_evict,
 )
-from ..sharding import STREAM, Selection
 from ..util.logtext import printable
 from ..util.safeio import remove_if
 from ..util.units import format_bytes

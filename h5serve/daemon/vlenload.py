@@ -38,8 +38,8 @@ from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import write_all
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..hdf5.vlen import read_vlen
+from ..order.sharding import RowRange
 from ..segments import SegmentMeta, SegmentWriter, values_offset
-from ..sharding import RowRange
 from ..util.crc import LOAD_CRC
 
 __all__ = ["load_vlen", "BLOCK_VALUE_BYTES"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, DataError, LengthMismatch, SourceNotFound
+from ..order.sharding import RowRange
 from ..protocol import MAX_FILES, MAX_FILES_FRAME_BYTES, MAX_PATH_CHARS
-from ..sharding import RowRange
 from .source import DatasetInfo, check_cast
 from .vlen import SEQ
 

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from ..errors import DataError
-from ..sharding import RowRange, Selection, as_rows
+from ..order.sharding import RowRange, Selection, as_rows
 from ..util.units import row_nbytes
 from .rawcopy import FileCopier, Hasher, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
 from .source import DatasetInfo

@@ -30,9 +30,9 @@ import msgpack
 import numpy as np
 
 from ..errors import ConfigError, SegmentError
-from ..sharding import STREAM, RowRange, Selection
+from ..order.sharding import STREAM, RowRange, Selection
 from ..util.safeio import NOFOLLOW_FLAGS
-from ..util.units import row_nbytes
+from ..util.units import SEGMENT_HEADER_BYTES, row_nbytes
 from .naming import describe_file, is_own_file
 
 __all__ = [
@@ -67,7 +67,7 @@ __all__ = [
 
 MAGIC = b"H5SRVSEG"
 FORMAT_VERSION = 2  # 2: read-only once published, checksum and activity counter in the header
-HEADER_SIZE = 4096
+HEADER_SIZE = SEGMENT_HEADER_BYTES  # one page (util/units.py, where stream_plan.py counts it)
 # magic, version, complete, rows_done, rows_total, meta_len, checksum kind, checksum, activity
 FIXED = struct.Struct("<8sIIQQII16sQ")
 COMPLETE_OFFSET = 12

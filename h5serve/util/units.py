@@ -1,6 +1,7 @@
 """Sizes in bytes: as people write and read them (``parse_size("16G")`` and its inverse
-``format_bytes``), and the size of one row (``row_nbytes``). Shared by the command line, the
-daemon and the client (torch-free, daemon-free)."""
+``format_bytes``), the size of one row (``row_nbytes``) and of the page in front of a segment's
+rows (``SEGMENT_HEADER_BYTES``). Shared by the command line, the daemon and the client
+(torch-free, daemon-free)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["parse_size", "format_bytes", "row_nbytes"]
+__all__ = ["parse_size", "format_bytes", "row_nbytes", "SEGMENT_HEADER_BYTES"]
+
+# A segment's header: one page in front of its rows, so that the rows start page-aligned. The
+# segment format is segments/format.py (its HEADER_SIZE); defined here because stream mode's
+# plan (order/stream_plan.py), below the segments in the layers, counts one per block and key.
+SEGMENT_HEADER_BYTES = 4096
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 

@@ -18,7 +18,7 @@ import torch
 
 from h5serve.client import SharedH5Dataset, collate
 from h5serve.errors import DataError, KeyNotFound, SourceNotFound, UnsupportedDataset
-from h5serve.sharding import shard_indices
+from h5serve.order.sharding import shard_indices
 
 from ..helpers import Daemon
 

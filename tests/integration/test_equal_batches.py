@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from h5serve.client import EpochBatchSampler, EpochShuffleSampler, SharedH5Dataset, make_loader
-from h5serve.equalise import EpochSize, equal_epoch_size
 from h5serve.errors import ConfigError
-from h5serve.sharding import MODES, Selection, shard_sizes
+from h5serve.order.equalise import EpochSize, equal_epoch_size
+from h5serve.order.sharding import MODES, Selection, shard_sizes
 
 from ..helpers import Daemon, make_h5, torchrun_two_ranks
 

@@ -19,7 +19,7 @@ from torch.utils.data._utils.collate import default_collate
 from h5serve.client import H5LazyDataset, RankMemCachedH5Dataset, SharedH5Dataset, collate
 from h5serve.client.fields import DictBatch, TupleBatch
 from h5serve.errors import ConfigError, DataError, KeyNotFound, LengthMismatch, UnsupportedDataset
-from h5serve.sharding import GLOBAL, NODE
+from h5serve.order.sharding import GLOBAL, NODE
 
 from ..helpers import WORLD_4, Daemon, open_ds, rank_args
 

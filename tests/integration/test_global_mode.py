@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from h5serve.client import DistributedShuffleSampler, SharedH5Dataset, make_loader
 from h5serve.client.sampler import distributed_num_samples
 from h5serve.errors import ConfigError
-from h5serve.sharding import ALL_MODES, GLOBAL, RowRange, Selection, shard_sizes
+from h5serve.order.sharding import ALL_MODES, GLOBAL, RowRange, Selection, shard_sizes
 
 from ..helpers import Daemon, h5serve_cli, make_h5, torchrun_two_ranks
 

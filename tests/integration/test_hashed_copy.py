@@ -23,8 +23,8 @@ from h5serve.daemon.checksum import RunningCrc
 from h5serve.hdf5.rawcopy import FileCopier
 from h5serve.hdf5.reads import read_shard_into
 from h5serve.hdf5.source import inspect_dataset
+from h5serve.order.sharding import RowRange, Selection
 from h5serve.protocol import Acquire
-from h5serve.sharding import RowRange, Selection
 from h5serve.util.crc import LOAD_CRC
 
 from ..helpers import Daemon, expected_checksum, short_workdir

@@ -24,7 +24,7 @@ from h5serve.client import RankMemCachedH5Dataset, SharedH5Dataset, collate, mak
 from h5serve.client.fields import DictBatch, TupleBatch
 from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import DataError, KeyNotFound, LengthMismatch, UnsupportedDataset
-from h5serve.sharding import GLOBAL, NODE
+from h5serve.order.sharding import GLOBAL, NODE
 
 from ..helpers import WORLD_4, Daemon, h5serve_cli, open_ds, rank_args, wait_for
 

@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from h5serve.client import NodePlace, NodeShuffleSampler, SharedH5Dataset, make_loader
 from h5serve.errors import ConfigError
-from h5serve.sharding import NODE, Selection, node_selection, shard_sizes
+from h5serve.order.sharding import NODE, Selection, node_selection, shard_sizes
 
 from ..helpers import Daemon, make_h5
 from .test_global_mode import run_job, segments_of

@@ -158,7 +158,7 @@ def h5_rows(path: Path, key: str, indices: np.ndarray) -> np.ndarray:
 def test_plan_parts() -> None:
     from h5serve.daemon.loader import MIN_PART_BYTES, plan_parts
     from h5serve.hdf5.source import DatasetInfo
-    from h5serve.sharding import Selection
+    from h5serve.order.sharding import Selection
 
     def info(rows: int) -> DatasetInfo:  # 1 MiB rows, 10 rows per chunk
         return DatasetInfo(key="x", rows=rows, row_shape=(1024, 1024), dtype=np.dtype("uint8"), chunk_rows=10)

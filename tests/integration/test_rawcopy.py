@@ -22,7 +22,7 @@ from h5serve.errors import DataError, SourceChanged
 from h5serve.hdf5.rawcopy import copy_rows, read_stored_rows, stored_rows
 from h5serve.hdf5.reads import read_shard_into
 from h5serve.hdf5.source import inspect_dataset
-from h5serve.sharding import Selection
+from h5serve.order.sharding import Selection
 
 from ..helpers import Daemon, short_workdir
 from .test_parallel_load import kill_tree, start_daemon

@@ -21,7 +21,7 @@ from torch.utils.data._utils.collate import default_collate
 from h5serve.client import H5LazyDataset, SharedH5Dataset, collate, make_loader
 from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import BudgetExceeded, ConfigError, DataError, ShmFull, UnsupportedDataset
-from h5serve.sharding import GLOBAL, NODE
+from h5serve.order.sharding import GLOBAL, NODE
 
 from ..helpers import WORLD_4, Daemon, open_ds, rank_args, short_tmpdir, wait_for
 
@@ -233,7 +233,7 @@ def test_lazy_reads_cached_in_blocks_or_uncached_are_the_same(vfile: Path, no_da
     blocks, so a batch meets cached and unread ones), and uncached per-batch reads."""
     from h5serve.client.vlencache import VlenCache
     from h5serve.hdf5.source import inspect_dataset
-    from h5serve.sharding import Selection
+    from h5serve.order.sharding import Selection
 
     want = h5_rows(vfile, "ids")
     selection = Selection("interleave", 2, 1)

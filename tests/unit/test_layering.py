@@ -17,9 +17,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("h5serve.daemon", "h5serve.client"),  # siblings that never import each other (below)
     ("h5serve.connection", "h5serve._daemon_process"),
     ("h5serve.hdf5",),
-    ("h5serve.protocol", "h5serve.segments", "h5serve.runtime", "h5serve.sharding", "h5serve.equalise",
-     "h5serve.stream_order", "h5serve.stream_plan",
-     "h5serve.topology"),
+    ("h5serve.protocol", "h5serve.segments", "h5serve.runtime", "h5serve.topology"),
+    ("h5serve.order",),
     ("h5serve.util",),
     ("h5serve.errors", "h5serve"),
 ]

@@ -9,7 +9,7 @@ import pytest
 
 from h5serve.daemon.loader import MIN_PART_BYTES, load_spans, plan_parts
 from h5serve.hdf5.source import DatasetInfo
-from h5serve.sharding import Selection
+from h5serve.order.sharding import Selection
 
 from ..helpers import make_meta
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from h5serve import errors
 from h5serve.errors import ERROR_CODES, H5ServeError, ProtocolError, RemoteError
+from h5serve.order.sharding import MODES
 from h5serve.protocol import (
     MAX_DTYPE_CHARS,
     MAX_FRAME_BYTES,
@@ -28,7 +29,6 @@ from h5serve.protocol import (
     encode_ok,
     encode_request,
 )
-from h5serve.sharding import MODES
 
 VALID_ACQUIRE = {
     "v": VERSION,

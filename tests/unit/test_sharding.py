@@ -1,4 +1,4 @@
-"""Unit tests for h5serve.sharding: which global rows belong to which rank."""
+"""Unit tests for h5serve.order.sharding: which global rows belong to which rank."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from h5serve.errors import ConfigError, H5ServeError
-from h5serve.sharding import (
+from h5serve.order.sharding import (
     MODES,
     Selection,
     balanced_contiguous_shard,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from h5serve.equalise import equal_epoch_size
 from h5serve.errors import ConfigError
-from h5serve.stream_order import (
+from h5serve.order.equalise import equal_epoch_size
+from h5serve.order.stream_order import (
     BlockLayout,
     block_unit,
     check_block_rows,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from h5serve.order.stream_plan import MIN_BLOCKS, plan_window, recommend
 from h5serve.segments import HEADER_SIZE
-from h5serve.stream_plan import MIN_BLOCKS, plan_window, recommend
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ import torch
 from h5serve.client import SharedH5Dataset, StreamSampler, make_loader
 from h5serve.client.node_sampler import NodePlace
 from h5serve.errors import ConfigError, SourceChanged
-from h5serve.stream_order import BlockLayout
+from h5serve.order.stream_order import BlockLayout
 
 from ..helpers import make_h5
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
-from .util.checks import is_int
+from ..errors import ConfigError
+from ..util.checks import is_int
 
 __all__ = [
     "MODES",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .segments import HEADER_SIZE
+from ..util.units import SEGMENT_HEADER_BYTES as HEADER_SIZE
 from .sharding import GLOBAL, NODE, STREAM
 from .stream_order import BlockLayout, block_unit, default_block_rows
 

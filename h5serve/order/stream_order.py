@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
+from ..util.checks import is_int
+from ..util.units import format_bytes
 from .equalise import check_batch_size, equal_epoch_size
-from .errors import ConfigError
 from .sharding import STREAM
-from .util.checks import is_int
-from .util.units import format_bytes
 
 __all__ = [
     "STREAM",

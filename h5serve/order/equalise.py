@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .util.checks import is_int
+from ..errors import ConfigError
+from ..util.checks import is_int
 
 __all__ = ["EpochSize", "check_batch_size", "equal_epoch_size"]
 
