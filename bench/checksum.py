@@ -31,10 +31,10 @@ import numpy as np
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from h5serve.connection import DaemonClient
-from h5serve.protocol import Acquire
 from h5serve.segments import data_checksum
 from h5serve.util.crc import CRC32, CRC32C, CrcKind
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire
 
 SIZE = 300 * 2**20
 ROWS, ROW_SHAPE = 25_600, (64, 64, 3)  # 12 KiB rows: 300 MiB

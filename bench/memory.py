@@ -18,8 +18,8 @@ from pathlib import Path
 
 import h5py
 
-from h5serve.runtime import resolve_runtime
 from h5serve.segments import segment_prefix
+from h5serve.wire.runtime import resolve_runtime
 
 from .common import ROW_SHAPE, BenchDaemon, Row, cached_bytes, drop_page_cache, log
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from h5serve.runtime import resolve_runtime
 from h5serve.segments import segment_prefix
+from h5serve.wire.runtime import resolve_runtime
 
 from .common import CHUNK_ROWS, ROW_SHAPE, BenchDaemon, Row, cached_bytes, drop_page_cache, log, warm_page_cache
 from .memory import _pss, _segments_bytes, _tree

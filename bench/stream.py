@@ -25,8 +25,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from h5serve.connection import DaemonClient
 from h5serve.util.units import parse_size
+from h5serve.wire.connection import DaemonClient
 
 from .common import CHUNK_ROWS, ROW_SHAPE, BenchDaemon, Row, _image_rows, log, warm_page_cache
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import H5ServeError
-from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import segment_prefix
+from .wire.runtime import resolve_runtime, resolve_shm_dir
 
 __all__ = ["DaemonProcess"]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SegmentError
-from .runtime import HANDOUT_SOCKET_NAME
 from .segments import verify_content
 from .segments.handout import opens_by_name, request_descriptor
 from .util.units import format_bytes
+from .wire.runtime import HANDOUT_SOCKET_NAME
 
 __all__ = ["format_status", "format_verify", "verify_segments"]
 

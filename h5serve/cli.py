@@ -22,9 +22,9 @@ from typing import Any
 from . import __version__
 from ._status_cli import format_status, format_verify, verify_segments
 from .errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
-from .protocol import Ping
-from .runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
 from .util.units import format_bytes
+from .wire.protocol import Ping
+from .wire.runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 START_TIMEOUT_S = 30.0
@@ -72,7 +72,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _client(runtime_dir: str | os.PathLike[str] | None, timeout: float | None = None) -> Any:
-    from .connection import DaemonClient  # zmq only for the commands that talk
+    from .wire.connection import DaemonClient  # zmq only for the commands that talk
 
     return DaemonClient(runtime_dir, timeout)
 
@@ -146,8 +146,8 @@ def _check_interpreter(user: str) -> None:
 def _open_log(dir_fd: int, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
     """The daemon's log in the (checked) runtime dir: never through a symlink, never a FIFO,
     only a file of ours."""
-    from .runtime import LOGFILE_NAME
     from .util.safeio import open_regular
+    from .wire.runtime import LOGFILE_NAME
 
     return open_regular(LOGFILE_NAME, ConfigError, owners={os.geteuid()}, flags=flags, dir_fd=dir_fd,
                         hint="remove it from the runtime dir")[0]
@@ -241,7 +241,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .runtime import read_pid, signal_daemon
+    from .wire.runtime import read_pid, signal_daemon
 
     with _client(args.runtime_dir) as client:
         if not client.available():
@@ -285,8 +285,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_preload(args: argparse.Namespace) -> int:
     from .hdf5.source import resolve_dtype
-    from .protocol import POLL_INTERVAL_S, Acquire, AcquireResult
     from .util.progress import Progress
+    from .wire.protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 
     if args.mode == "global":
         if args.ranks or args.plan:

@@ -29,9 +29,9 @@ from .hdf5.links import dataset_names
 from .hdf5.source import inspect_dataset
 from .order.sharding import ALL_MODES, GLOBAL, NODE, Selection
 from .order.stream_plan import StreamWindow, recommend
-from .runtime import resolve_runtime, resolve_shm_dir
 from .segments import HEADER_SIZE
 from .util.units import format_bytes, row_nbytes
+from .wire.runtime import resolve_runtime, resolve_shm_dir
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
            "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]
@@ -268,7 +268,7 @@ def _same_file(a: str, b: str) -> bool | None:
 
 
 def _daemon_report(runtime_dir: str | os.PathLike[str] | None) -> DaemonReport:
-    from .connection import DaemonClient
+    from .wire.connection import DaemonClient
 
     location = resolve_runtime(runtime_dir)
     try:

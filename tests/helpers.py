@@ -78,8 +78,8 @@ class Daemon(DaemonProcess):
 def temporary_prefix(d: DaemonProcess) -> str:
     """How every temporary of ``d``'s loads is named, up to the loader's pid: the temporary
     tells nobody which segment it becomes (segments/naming.py), so tests find a load's by this."""
-    from h5serve.runtime import resolve_runtime
     from h5serve.segments import temporary_name
+    from h5serve.wire.runtime import resolve_runtime
 
     namespace = resolve_runtime(d.runtime_dir).namespace
     return temporary_name(namespace).rsplit("-", 2)[0] + "-"

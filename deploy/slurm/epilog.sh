@@ -176,7 +176,7 @@ stop_daemon() {
 }
 
 namespace_of() {
-    # blake2b(runtime dir, 4 bytes) in hex, as h5serve.runtime.RuntimeLocation.namespace.
+    # blake2b(runtime dir, 4 bytes) in hex, as h5serve.wire.runtime.RuntimeLocation.namespace.
     local ns
     if command -v b2sum >/dev/null 2>&1; then
         ns=$(printf %s "$1" | timeout 10 b2sum -l 32) || return 1

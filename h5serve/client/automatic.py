@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..connection import DaemonClient
 from ..errors import CapacityError, H5ServeError, ShmFull
 from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..order.stream_plan import plan_window
 from ..segments import HEADER_SIZE
 from ..util.units import format_bytes, row_nbytes
+from ..wire.connection import DaemonClient
 from .backends import BackendSpec
 from .stream import resolve_stream
 

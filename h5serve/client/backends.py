@@ -22,7 +22,6 @@ import h5py
 import numpy as np
 import torch
 
-from ..connection import DaemonClient
 from ..errors import AccessDenied, SegmentError, SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import check_file_lengths
@@ -31,10 +30,11 @@ from ..hdf5.rawcopy import StoredRows, stored_rows
 from ..hdf5.reads import read_rows, read_shard_into
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
 from ..order.sharding import Selection
-from ..protocol import POLL_INTERVAL_S, Acquire, AcquireResult
-from ..runtime import resolve_runtime
 from ..segments import AttachedSegment, PublishStamp, open_segment
 from ..util.progress import Progress
+from ..wire.connection import DaemonClient
+from ..wire.protocol import POLL_INTERVAL_S, Acquire, AcquireResult
+from ..wire.runtime import resolve_runtime
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from .gather import RowSource, as_column
 from .ragged import RaggedColumn, RaggedSource, read_ragged

@@ -37,14 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..connection import DaemonClient
 from ..errors import BudgetExceeded, ConfigError, SegmentError
 from ..hdf5.source import DatasetInfo
 from ..order.sharding import STREAM
 from ..order.stream_order import BlockLayout
-from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment
 from ..util.units import format_bytes
+from ..wire.connection import DaemonClient
+from ..wire.protocol import Acquire, AcquireResult
 from .backends import BackendSpec, open_acquired
 from .blockcache import gather_by_block
 

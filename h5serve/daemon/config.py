@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..runtime import RuntimeLocation
+from ..wire.runtime import RuntimeLocation
 
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
            "default_load_processes", "FAILURE_MEMORY_S", "MAX_AWAITING_RESOLUTION", "MAX_QUEUED_LOADS_PER_UID",

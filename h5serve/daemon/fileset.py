@@ -25,9 +25,9 @@ from ..hdf5.rawcopy import Hasher, data_extents, drop_cached
 from ..hdf5.reads import read_shard_into
 from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
 from ..order.sharding import RowRange, Selection
-from ..protocol import Acquire
 from ..segments import SegmentMeta, SegmentWriter
 from ..util.units import row_nbytes
+from ..wire.protocol import Acquire
 
 if TYPE_CHECKING:
     from .access import Peer

@@ -32,9 +32,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import SegmentError
-from ..runtime import HANDOUT_SOCKET_NAME, RuntimeLocation
 from ..segments import PublishStamp, open_published
 from ..segments.handout import MAX_NAME_BYTES, REPLY_NO, REPLY_OK, peer_uid
+from ..wire.runtime import HANDOUT_SOCKET_NAME, RuntimeLocation
 from .entries import Entry
 
 __all__ = ["Grant", "HandoutServer", "MAX_CONNECTIONS", "CONNECTION_TIMEOUT_S", "grant", "grants_of"]

@@ -15,8 +15,8 @@ import pwd
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..runtime import RuntimeLocation
 from ..util.safeio import describe_owner
+from ..wire.runtime import RuntimeLocation
 
 __all__ = ["Account", "lookup_user", "lookup_group", "drop_privileges", "prepare_runtime_dir"]
 

@@ -30,7 +30,10 @@ from ..errors import (
     code_for,
     host_error,
 )
-from ..protocol import (
+from ..util.logtext import EscapingFilter
+from ..util.safeio import open_regular, read_small
+from ..util.units import format_bytes
+from ..wire.protocol import (
     POLL_INTERVAL_S,
     VERSION,
     Acquire,
@@ -42,10 +45,7 @@ from ..protocol import (
     encode_error,
     encode_ok,
 )
-from ..runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
-from ..util.logtext import EscapingFilter
-from ..util.safeio import open_regular, read_small
-from ..util.units import format_bytes
+from ..wire.runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
 from .access import Peer, requester
 from .config import (
     DEFAULT_MEMORY_FRACTION,

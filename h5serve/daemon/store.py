@@ -29,8 +29,6 @@ from ..errors import (
 )
 from ..hdf5.source import check_cast, resolve_dtype, storage_dtype
 from ..order.sharding import STREAM, Selection
-from ..protocol import Acquire, AcquireResult
-from ..runtime import RuntimeLocation
 from ..segments import (
     UNKNOWN_STAMP,
     PublishStamp,
@@ -46,6 +44,8 @@ from ..segments import (
 from ..util.logtext import printable
 from ..util.safeio import remove_if
 from ..util.units import format_bytes
+from ..wire.protocol import Acquire, AcquireResult
+from ..wire.runtime import RuntimeLocation
 from ._process import loader_output
 from .access import Peer
 from .config import (

@@ -35,9 +35,9 @@ import numpy as np
 
 from .._daemon_process import DaemonProcess
 from ..errors import ConfigError, H5ServeError
-from ..runtime import resolve_shm_dir
 from ..util.progress import Progress
 from ..util.units import format_bytes
+from ..wire.runtime import resolve_shm_dir
 
 __all__ = ["run_demo", "make_sample_file", "DemoResult", "DEFAULT_ROWS", "IMAGE_SHAPE"]
 
@@ -138,7 +138,7 @@ class _LoadWatch:
     the bar starts once the ranks have asked for the load."""
 
     def __init__(self, runtime_dir: Path, total: int, emit: Callable[[str], None]) -> None:
-        from ..connection import DaemonClient
+        from ..wire.connection import DaemonClient
 
         self.client = DaemonClient(runtime_dir, timeout=2.0)
         self.total, self.emit = total, emit
@@ -204,7 +204,7 @@ class _Demo:
         self.daemon.stop()
 
     def segment_bytes(self) -> int:
-        from ..connection import DaemonClient
+        from ..wire.connection import DaemonClient
 
         with DaemonClient(self.runtime_dir) as client:
             return int(client.status()["memory"]["used"])

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from h5serve.client import DistributedShuffleSampler, SharedH5Dataset, make_loader
-from h5serve.runtime import resolve_shm_dir
+from h5serve.wire.runtime import resolve_shm_dir
 
 from .predecessor import PredecessorLazy, PredecessorPreload
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError, DataError, LengthMismatch, SourceNotFound
 from ..order.sharding import RowRange
-from ..protocol import MAX_FILES, MAX_FILES_FRAME_BYTES, MAX_PATH_CHARS
+from ..wire.protocol import MAX_FILES, MAX_FILES_FRAME_BYTES, MAX_PATH_CHARS
 from .source import DatasetInfo, check_cast
 from .vlen import SEQ
 

@@ -22,7 +22,7 @@ import struct
 from pathlib import Path
 
 from ..errors import AccessDenied, SegmentError
-from ..runtime import HANDOUT_SOCKET_NAME
+from ..wire.runtime import HANDOUT_SOCKET_NAME
 from .attach import UNKNOWN_STAMP, AttachedSegment, PublishStamp, attach_descriptor, attach_segment
 
 __all__ = ["MAX_NAME_BYTES", "MAX_REPLY_BYTES", "REPLY_OK", "REPLY_NO", "HANDOUT_TIMEOUT_S", "peer_uid",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from itertools import product
 
 from ..errors import ConfigError
-from ..protocol import MAX_WORLD_SIZE
+from ..wire.protocol import MAX_WORLD_SIZE
 
 __all__ = ["MAX_HOSTS", "expand_nodelist", "expand_tasks_per_node", "format_ranks", "parse_tasks_per_node"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..protocol import MAX_WORLD_SIZE
 from ..util.checks import is_int
+from ..wire.protocol import MAX_WORLD_SIZE
 from .hostlist import format_ranks
 
 __all__ = ["NodeLayout", "layout_from_hostnames", "uniform_layout", "check_node_ranks"]

@@ -10,8 +10,8 @@ import socket
 from collections.abc import Mapping
 
 from ..errors import ConfigError
-from ..protocol import MAX_WORLD_SIZE
 from ..util.checks import is_int
+from ..wire.protocol import MAX_WORLD_SIZE
 from .hostlist import parse_tasks_per_node
 from .nodeplan import NodePlan, plan_explicit, plan_from_layout
 from .slurm import node_rank_from_env, plan_and_node_count_from_env

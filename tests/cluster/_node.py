@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from h5serve.runtime import LOGFILE_NAME, resolve_runtime
 from h5serve.segments import segment_prefix
+from h5serve.wire.runtime import LOGFILE_NAME, resolve_runtime
 
 __all__ = ["Node", "NodeDaemon", "kill_tree"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset
 from h5serve.client.connection import DaemonClient
-from h5serve.protocol import Acquire
+from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, make_h5, short_workdir, wait_for
 from ..users import root_only, throwaway_user

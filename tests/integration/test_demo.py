@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from h5serve.runtime import resolve_runtime
 from h5serve.segments import segment_prefix
+from h5serve.wire.runtime import resolve_runtime
 
 from ..helpers import alive, h5serve_cli, short_workdir, wait_for
 

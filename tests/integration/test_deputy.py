@@ -20,11 +20,11 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.connection import DaemonClient
 from h5serve.errors import H5ServeError, SourceNotFound
-from h5serve.protocol import Acquire
-from h5serve.runtime import resolve_runtime
 from h5serve.segments.naming import segment_prefix
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire
+from h5serve.wire.runtime import resolve_runtime
 
 from ..helpers import Daemon, kill_daemon_of, make_h5, wait_for
 from ..users import (

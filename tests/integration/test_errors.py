@@ -263,7 +263,7 @@ class ErrorDaemon:
         import fcntl
         import threading
 
-        from h5serve.protocol import decode_request, encode_error
+        from h5serve.wire.protocol import decode_request, encode_error
 
         self.dir = short_tmpdir("h5s-err-")
         self.dir.chmod(0o700)

@@ -35,11 +35,11 @@ import pytest
 import zmq
 
 from h5serve.client import SharedH5Dataset
-from h5serve.connection import DaemonClient
 from h5serve.daemon.config import FAILURE_MEMORY_S
 from h5serve.errors import ConfigError, DaemonUnavailable, SegmentError
-from h5serve.protocol import Acquire
 from h5serve.segments import temporary_owner_pid
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, alive, make_h5, short_tmpdir, start_with_files, wait_for
 from .test_reliability import BIG_CHUNK_ROWS, BIG_ROW_SHAPE, patterned_crc, patterned_rows, write_patterned

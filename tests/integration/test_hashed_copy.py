@@ -18,14 +18,14 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.connection import DaemonClient
 from h5serve.daemon.checksum import RunningCrc
 from h5serve.hdf5.rawcopy import FileCopier
 from h5serve.hdf5.reads import read_shard_into
 from h5serve.hdf5.source import inspect_dataset
 from h5serve.order.sharding import RowRange, Selection
-from h5serve.protocol import Acquire
 from h5serve.util.crc import LOAD_CRC
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, expected_checksum, short_workdir
 

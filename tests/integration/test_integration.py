@@ -226,7 +226,7 @@ def test_daemon_of_another_protocol_version_means_fallback_with_the_reason(share
 
     script = (
         "import json, warnings\n"
-        "import h5serve.protocol as protocol\n"
+        "import h5serve.wire.protocol as protocol\n"
         "protocol.VERSION = 2  # what a newer client speaks\n"
         "from h5serve.client import SharedH5Dataset\n"
         "from h5serve.errors import ProtocolError\n"

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.connection import DaemonClient
 from h5serve.errors import SegmentError
-from h5serve.protocol import Acquire, AcquireResult
 from h5serve.segments import HEADER_SIZE, attach_segment, is_published_as
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire, AcquireResult
 
 from ..helpers import Daemon, expected_checksum, h5serve_cli, kill_daemon_of, wait_for
 from ..users import as_user, portable_python, root_only, run_as, throwaway_user

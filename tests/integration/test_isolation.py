@@ -22,11 +22,11 @@ import pytest
 
 from h5serve._status_cli import verify_segments
 from h5serve.client import SharedH5Dataset
-from h5serve.connection import DaemonClient
 from h5serve.errors import AccessDenied, SegmentError
-from h5serve.protocol import Acquire
-from h5serve.runtime import HANDOUT_SOCKET_NAME
 from h5serve.segments import request_descriptor
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire
+from h5serve.wire.runtime import HANDOUT_SOCKET_NAME
 
 from ..helpers import Daemon, kill_daemon_of, make_h5, wait_for
 from ..users import (

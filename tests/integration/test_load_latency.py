@@ -8,7 +8,7 @@ to notice the segment.
   spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``); a waiting
   spare has taken its own copies of the pages it shared with the forkserver.
 - A client waiting for a load attaches when the segment is published, not at its next poll.
-  ``PublishWatch`` (segments/arrival.py) on a real directory of /dev/shm: a name renamed into
+  ``PublishWatch`` (wire/arrival.py) on a real directory of /dev/shm: a name renamed into
   it ends a wait at once; other names do not; a name already there has arrived.
 - End to end: a real daemon and loader; the loader is stopped mid-load (SIGSTOP) while a client
   waits with a poll pause of a minute, then continued: the client is ready within seconds,
@@ -36,11 +36,11 @@ import pytest
 
 from h5serve import connection
 from h5serve.client import SharedH5Dataset
-from h5serve.connection import DaemonClient
 from h5serve.daemon import store
 from h5serve.errors import ShmFull
-from h5serve.protocol import Acquire, AcquireResult
-from h5serve.segments.arrival import PublishWatch
+from h5serve.wire.arrival import PublishWatch
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire, AcquireResult
 
 from ..helpers import Daemon, alive, make_h5, short_workdir, tmpfs, wait_for, writable_shared_dirty_kib
 from .test_hangs import find_loader, start_load

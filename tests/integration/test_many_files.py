@@ -34,8 +34,8 @@ from h5serve.errors import (
     SourceNotFound,
 )
 from h5serve.hdf5.files import MAX_FILES, expand_paths
-from h5serve.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 from h5serve.segments import HEADER_SIZE, SegmentMeta, attach_segment, create_segment, read_meta
+from h5serve.wire.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 
 from ..helpers import ROW_SHAPE, Daemon, make_h5, short_tmpdir, wait_for
 from ..users import as_user, root_only, throwaway_group, throwaway_user

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.connection import DaemonClient
 from h5serve.daemon.config import MAX_QUEUED_LOADS_PER_UID
 from h5serve.errors import AccessDenied, CapacityError, H5ServeError
-from h5serve.protocol import Acquire, AcquireResult
-from h5serve.runtime import resolve_runtime, signal_daemon
 from h5serve.segments import is_published_as, segment_prefix
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire, AcquireResult
+from h5serve.wire.runtime import resolve_runtime, signal_daemon
 
 from ..helpers import Daemon, make_h5, wait_for
 from ..users import Group, PortablePython, User, as_user, root_only, run_as, throwaway_group, throwaway_user

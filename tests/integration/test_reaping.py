@@ -18,7 +18,7 @@ import pytest
 from h5serve.daemon.entries import Entry
 from h5serve.daemon.loader import LoadError
 from h5serve.daemon.store import SegmentStore
-from h5serve.runtime import RuntimeLocation
+from h5serve.wire.runtime import RuntimeLocation
 
 from ..helpers import make_meta, short_workdir
 

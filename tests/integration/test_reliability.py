@@ -47,8 +47,8 @@ import zmq
 from h5serve.client import SharedH5Dataset
 from h5serve.client.connection import DaemonClient
 from h5serve.errors import BudgetExceeded, ProtocolError
-from h5serve.protocol import MAX_FRAME_BYTES, Acquire, AcquireResult, Status
 from h5serve.segments import attach_segment, read_progress, temporary_owner_pid
+from h5serve.wire.protocol import MAX_FRAME_BYTES, Acquire, AcquireResult, Status
 
 from ..helpers import Daemon, alive, make_h5, short_tmpdir, temporary_prefix, wait_for
 

@@ -1,4 +1,4 @@
-"""Unit tests for h5serve.runtime: runtime dir, socket, pidfile, shm dir, daemon lock."""
+"""Unit tests for h5serve.wire.runtime: runtime dir, socket, pidfile, shm dir, daemon lock."""
 
 import fcntl
 import os
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from h5serve.errors import ConfigError
-from h5serve.runtime import (
+from h5serve.wire.runtime import (
     MAX_IPC_PATH,
     RuntimeLocation,
     daemon_lock_held,

@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader
 
 from h5serve.client import SharedH5Dataset, collate
 from h5serve.daemon.secret import KEY_NAME, load_secret
-from h5serve.runtime import RuntimeLocation
 from h5serve.segments import HEADER_SIZE, SECRET_BYTES, read_meta, segment_name
+from h5serve.wire.runtime import RuntimeLocation
 
 from ..helpers import h5serve_cli, make_h5, short_tmpdir, wait_for
 from ..users import PortablePython, User, as_user, root_only, setpriv, throwaway_user

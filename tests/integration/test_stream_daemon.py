@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.connection import DaemonClient
+from h5serve.wire.connection import DaemonClient
 
 from ..helpers import Daemon, make_h5, running_daemon, torchrun_two_ranks, wait_for
 

@@ -27,7 +27,7 @@ import pytest
 from h5serve.client import SharedH5Dataset
 from h5serve.client.connection import DaemonClient
 from h5serve.errors import AccessDenied, DaemonUnavailable, SourceChanged, SourceNotFound
-from h5serve.protocol import Acquire
+from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, kill_daemon_of, make_h5, wait_for
 from ..users import PortablePython, User, as_user, root_only, run_as, throwaway_group, throwaway_user

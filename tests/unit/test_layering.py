@@ -15,9 +15,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("h5serve.cli", "h5serve._plan_cli", "h5serve._status_cli", "h5serve.inspect", "h5serve.demo", "h5serve.__main__",
      "h5serve.daemon.__main__"),
     ("h5serve.daemon", "h5serve.client"),  # siblings that never import each other (below)
-    ("h5serve.connection", "h5serve._daemon_process"),
+    ("h5serve._daemon_process",),
     ("h5serve.hdf5",),
-    ("h5serve.protocol", "h5serve.segments", "h5serve.runtime", "h5serve.topology"),
+    ("h5serve.segments", "h5serve.topology"),
+    ("h5serve.wire",),
     ("h5serve.order",),
     ("h5serve.util",),
     ("h5serve.errors", "h5serve"),

@@ -1,4 +1,4 @@
-"""Unit tests for h5serve.protocol: encoding, strict decoding, error replies."""
+"""Unit tests for h5serve.wire.protocol: encoding, strict decoding, error replies."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from h5serve import errors
 from h5serve.errors import ERROR_CODES, H5ServeError, ProtocolError, RemoteError
 from h5serve.order.sharding import MODES
-from h5serve.protocol import (
+from h5serve.wire.protocol import (
     MAX_DTYPE_CHARS,
     MAX_FRAME_BYTES,
     MAX_KEY_CHARS,
@@ -631,7 +631,7 @@ def test_acquire_result_is_a_dataclass_with_wire_fields():
     ("runs:2024:energy", "runs:2024:energy"), ("a//b:c", "a/b:c"), (".hidden/x", ".hidden/x"), ("a/...", "a/..."),
 ])
 def test_equivalent_keys_have_one_spelling(key: str, canonical: str) -> None:
-    from h5serve.protocol import normalise_key
+    from h5serve.wire.protocol import normalise_key
 
     assert normalise_key(key) == canonical
     request = Acquire("/data/train.h5", key, 1, 0)

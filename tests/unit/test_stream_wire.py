@@ -12,8 +12,8 @@ from h5serve.client.stream import resolve_stream
 from h5serve.errors import ConfigError, ProtocolError
 from h5serve.hdf5.source import DatasetInfo
 from h5serve.order.sharding import STREAM, RowRange, Selection
-from h5serve.protocol import VERSION, Acquire, decode_request, encode_request
 from h5serve.segments import SegmentMeta
+from h5serve.wire.protocol import VERSION, Acquire, decode_request, encode_request
 
 from ..helpers import make_meta
 

@@ -18,8 +18,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, DaemonUnavailable, UntrustedDaemon, host_error
-from .util.safeio import check_dir_stat, describe_owner, flocks, open_regular, read_small
+from ..errors import ConfigError, DaemonUnavailable, UntrustedDaemon, host_error
+from ..util.safeio import check_dir_stat, describe_owner, flocks, open_regular, read_small
 
 __all__ = [
     "RuntimeLocation",

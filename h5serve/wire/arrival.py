@@ -3,7 +3,7 @@
 A client polls the daemon while a load runs, a tenth of the time waited so far between polls
 (connection.py): cheap for the daemon, but a load that finishes just after a poll waited up to
 that whole pause (~10-25 ms of a 0.2-0.3 s load). A segment is published by a rename into the
-shm dir (lifecycle.py), so the client watches the dir with inotify for that name while it
+shm dir (segments/lifecycle.py), so the client watches the dir with inotify for that name while it
 sleeps between polls, and asks again at once when it lands. The daemon stays the authority:
 the name arriving only shortens the sleep; the client still attaches only once the daemon
 says ``ready``.

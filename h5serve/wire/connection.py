@@ -16,7 +16,8 @@ from typing import Any
 
 import zmq
 
-from .errors import DaemonUnavailable
+from ..errors import DaemonUnavailable
+from .arrival import PublishWatch
 from .protocol import (
     MAX_REPLY_BYTES,
     POLL_INTERVAL_S,
@@ -30,7 +31,6 @@ from .protocol import (
     encode_request,
 )
 from .runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
-from .segments.arrival import PublishWatch
 
 __all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "WATCHED_POLL_S", "poll_pause"]
 

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import ConfigError, H5ServeError, ProtocolError, error_from_code
-from .order.sharding import STREAM, WIRE_MODES
-from .util.checks import is_int
+from ..errors import ConfigError, H5ServeError, ProtocolError, error_from_code
+from ..order.sharding import STREAM, WIRE_MODES
+from ..util.checks import is_int
 
 __all__ = [
     "VERSION",
