@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from h5serve._daemon_process import DaemonProcess
+from h5serve.demo.daemon import DaemonProcess
 from h5serve.util.units import row_nbytes
 
 CHUNK_ROWS = 256

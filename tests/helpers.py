@@ -19,7 +19,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from h5serve._daemon_process import DaemonProcess
+from h5serve.demo.daemon import DaemonProcess
 
 ROWS = 1000
 ROW_SHAPE = (3, 4, 4)

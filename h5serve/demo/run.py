@@ -33,11 +33,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .._daemon_process import DaemonProcess
 from ..errors import ConfigError, H5ServeError
 from ..util.progress import Progress
 from ..util.units import format_bytes
 from ..wire.runtime import resolve_shm_dir
+from .daemon import DaemonProcess
 
 __all__ = ["run_demo", "make_sample_file", "DemoResult", "DEFAULT_ROWS", "IMAGE_SHAPE"]
 

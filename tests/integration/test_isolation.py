@@ -20,7 +20,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from h5serve._status_cli import verify_segments
+from h5serve.cli.status import verify_segments
 from h5serve.client import SharedH5Dataset
 from h5serve.errors import AccessDenied, SegmentError
 from h5serve.segments import request_descriptor

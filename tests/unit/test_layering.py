@@ -12,10 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "h5serve"
 
 # Each layer may import the layers after it, never those before it.
 LAYERS: list[tuple[str, ...]] = [
-    ("h5serve.cli", "h5serve._plan_cli", "h5serve._status_cli", "h5serve.inspect", "h5serve.demo", "h5serve.__main__",
+    ("h5serve.cli", "h5serve.demo", "h5serve.__main__",
      "h5serve.daemon.__main__"),
     ("h5serve.daemon", "h5serve.client"),  # siblings that never import each other (below)
-    ("h5serve._daemon_process",),
     ("h5serve.hdf5",),
     ("h5serve.segments", "h5serve.topology"),
     ("h5serve.wire",),

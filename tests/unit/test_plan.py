@@ -1,4 +1,4 @@
-"""Unit tests for h5serve.topology (hostlist, nodeplan, slurm, plan) and h5serve._plan_cli:
+"""Unit tests for h5serve.topology (hostlist, nodeplan, slurm, plan) and h5serve.cli.plan:
 hostlists, task layouts, node plans, ``h5serve plan`` output.
 
 The environment sets below are recorded from (or modelled exactly on) real SLURM jobs:
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from h5serve._plan_cli import add_plan_arguments, plan_from_args, run_plan
+from h5serve.cli.plan import add_plan_arguments, plan_from_args, run_plan
 from h5serve.errors import ConfigError, H5ServeError
 from h5serve.topology.hostlist import (
     MAX_HOSTS,

@@ -20,18 +20,18 @@ from typing import Any
 
 import h5py
 
-from .daemon.config import DEFAULT_MEMORY_FRACTION, default_load_processes
-from .errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound, UnsupportedDataset
-from .hdf5.compound import split_field
-from .hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
-from .hdf5.identity import open_h5
-from .hdf5.links import dataset_names
-from .hdf5.source import inspect_dataset
-from .order.sharding import ALL_MODES, GLOBAL, NODE, Selection
-from .order.stream_plan import StreamWindow, recommend
-from .segments import HEADER_SIZE
-from .util.units import format_bytes, row_nbytes
-from .wire.runtime import resolve_runtime, resolve_shm_dir
+from ..daemon.config import DEFAULT_MEMORY_FRACTION, default_load_processes
+from ..errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound, UnsupportedDataset
+from ..hdf5.compound import split_field
+from ..hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
+from ..hdf5.identity import open_h5
+from ..hdf5.links import dataset_names
+from ..hdf5.source import inspect_dataset
+from ..order.sharding import ALL_MODES, GLOBAL, NODE, Selection
+from ..order.stream_plan import StreamWindow, recommend
+from ..segments import HEADER_SIZE
+from ..util.units import format_bytes, row_nbytes
+from ..wire.runtime import resolve_runtime, resolve_shm_dir
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
            "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]
@@ -268,7 +268,7 @@ def _same_file(a: str, b: str) -> bool | None:
 
 
 def _daemon_report(runtime_dir: str | os.PathLike[str] | None) -> DaemonReport:
-    from .wire.connection import DaemonClient
+    from ..wire.connection import DaemonClient
 
     location = resolve_runtime(runtime_dir)
     try:

@@ -1,8 +1,10 @@
 """A real daemon on a runtime dir of its own, driven through the ``h5serve`` command line as
 users drive it: the demo, the benchmarks and the tests start and stop theirs with this.
 
-Private: not part of the documented surface (h5serve/__init__.py); the daemon runs in its own
-process, so nothing here imports ``h5serve.daemon``.
+Internal: not part of the documented surface (h5serve/__init__.py). It lives with the demo, its
+first user, below the command line it drives as a subprocess (so h5serve.cli, which runs the
+demo, and this never import each other); the daemon runs in its own process, so nothing here
+imports ``h5serve.daemon``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import H5ServeError
-from .segments import segment_prefix
-from .wire.runtime import resolve_runtime, resolve_shm_dir
+from ..errors import H5ServeError
+from ..segments import segment_prefix
+from ..wire.runtime import resolve_runtime, resolve_shm_dir
 
 __all__ = ["DaemonProcess"]
 

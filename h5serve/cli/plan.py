@@ -9,8 +9,8 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from .topology.nodeplan import NodePlan
-from .topology.plan import resolve_plan, resolve_plan_and_node_count
+from ..topology.nodeplan import NodePlan
+from ..topology.plan import resolve_plan, resolve_plan_and_node_count
 
 __all__ = ["add_plan_arguments", "plan_from_args", "run_plan"]
 

@@ -1,20 +1,23 @@
 """``h5serve status``'s text: the segment table, and ``--verify``'s re-read of every segment
-against the checksum recorded at load time. The CLI's private half (h5serve/cli.py calls it)."""
+against the checksum recorded at load time (``cmd_status`` runs the command)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from .errors import SegmentError
-from .segments import verify_content
-from .segments.handout import opens_by_name, request_descriptor
-from .util.units import format_bytes
-from .wire.runtime import HANDOUT_SOCKET_NAME
+from ..errors import DaemonUnavailable, SegmentError
+from ..segments import verify_content
+from ..segments.handout import opens_by_name, request_descriptor
+from ..util.units import format_bytes
+from ..wire.runtime import HANDOUT_SOCKET_NAME
+from .common import EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_OK, daemon_client
 
-__all__ = ["format_status", "format_verify", "verify_segments"]
+__all__ = ["cmd_status", "format_status", "format_verify", "verify_segments"]
 
 
 def shown_file(segment: dict[str, Any]) -> str:
@@ -124,3 +127,21 @@ def format_verify(report: dict[str, Any], shm_dir: str) -> str:
                  f"them (as the daemon's user or root: rm {names}) so the daemon loads them again at the next "
                  "request, and restart the jobs that use them (they keep the damaged copy they mapped).")
     return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with daemon_client(args.runtime_dir) as client:
+        try:
+            info = client.status()
+        except DaemonUnavailable as exc:
+            stopped = {"running": False, "runtime_dir": str(client.location.directory)}
+            print(json.dumps(stopped) if args.json else str(exc))
+            return EXIT_NOT_RUNNING
+    report = verify_segments(info, client.location.directory, client.daemon_uid) if args.verify else None
+    if args.json:
+        print(json.dumps({"running": True, **info, **({"verify": report} if report is not None else {})}, indent=2))
+    else:
+        print(format_status(info))
+        if report is not None:
+            print(format_verify(report, info["shm_dir"]))
+    return EXIT_ERROR if report is not None and report["damaged"] else EXIT_OK
