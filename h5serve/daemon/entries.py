@@ -10,7 +10,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 
-from ..segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta, is_own_file
+from ..segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta
+from ..util.safeio import is_own_file
 
 __all__ = ["COUNTERS", "Entry", "LoadFailure", "not_ours", "shown_state"]
 

@@ -1,9 +1,9 @@
-"""Many files as one dataset, on the daemon's side: resolving every file of an acquire's
-``files`` list, the segment metadata that names them all, and a loader part's reads, file by file.
+"""Many files as one dataset, on the daemon's side: the segment metadata that names them all,
+and a loader part's reads, file by file.
 
-Every file goes through exactly the checks one file does (resolve.py: opened once, real path
-under ``--allow-root``, readable by the requesting user, metadata from the very file opened),
-and so does every file its rows come from (an external link's target, a virtual dataset's
+Every file of an acquire's ``files`` list is resolved as one file is (resolve.py's
+``resolve_files``: opened once, real path under ``--allow-root``, readable by the requesting
+user, metadata from the very file opened), and so does every file its rows come from (an external link's target, a virtual dataset's
 sources). Every identity is part of the segment name (``SegmentMeta.files`` / ``depends``):
 any file changed, replaced or removed maps to a new segment, and the stale sweep evicts the
 old one once unheld, as for one file.
@@ -12,8 +12,6 @@ old one once unheld, as for one file.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import h5py
 
@@ -28,27 +26,9 @@ from ..order.sharding import RowRange, Selection
 from ..segments import SegmentMeta, SegmentWriter
 from ..util.units import row_nbytes
 from ..wire.protocol import Acquire
+from .resolved import ResolvedFiles
 
-if TYPE_CHECKING:
-    from .access import Peer
-    from .resolve import Resolved, Resolver
-
-__all__ = ["ResolvedFiles", "resolve_files", "files_meta", "read_files_part"]
-
-
-@dataclass(frozen=True)
-class ResolvedFiles:
-    """Every file of a multi-file request, each resolved as one file is, in row order."""
-
-    members: tuple[Resolved, ...]
-
-
-def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Peer) -> ResolvedFiles:
-    """Resolve each file (blocking: a resolver thread runs this).
-
-    Raised for the first file that cannot be served: the H5ServeError saying why, naming it.
-    """
-    return ResolvedFiles(tuple(resolver.resolve(path, key, peer) for path in paths))
+__all__ = ["files_meta", "read_files_part"]
 
 
 def _depends(resolved: ResolvedFiles) -> tuple[tuple, ...]:

@@ -14,9 +14,7 @@ from pathlib import Path
 from ..errors import H5ServeError
 from ..hdf5.identity import identities_unchanged
 from ..segments import (
-    describe_file,
     fresh_name,
-    is_own_file,
     is_published_as,
     read_meta,
     segment_name,
@@ -25,7 +23,7 @@ from ..segments import (
     try_evict,
 )
 from ..util.logtext import printable
-from ..util.safeio import remove_if
+from ..util.safeio import describe_file, is_own_file, remove_if
 from .entries import Entry, not_ours
 
 __all__ = ["adopt_leftovers", "own_files", "publish_name"]

@@ -30,17 +30,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from 3.11 on
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
 from ..hdf5.identity import FileIdentity, open_identified
 from ..hdf5.source import DatasetInfo
 from .access import Peer, check_peer_can_read
-from .fileset import ResolvedFiles, resolve_files
 from .inspector import Credentials, Inspection, inspect_file, virtual_refused
+from .resolved import Resolved, ResolvedFiles
 
-__all__ = ["Resolved", "Resolver", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
+__all__ = ["Resolver", "resolve_files", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 
 log = logging.getLogger("h5serve.daemon")
 RESOLVE_WAIT_S = 0.05  # how long the control loop waits for a resolution before answering "loading"
@@ -104,14 +103,12 @@ def _pending_key(path: str, key: str, peer: Peer, files: tuple[str, ...]) -> tup
     return (files or path, key, peer.uid, peer.gid)
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """A request's file as opened and checked, and its dataset's metadata."""
+def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Peer) -> ResolvedFiles:
+    """Resolve each file (blocking: a resolver thread runs this).
 
-    ident: FileIdentity
-    info: DatasetInfo
-    linked: FileIdentity | None  # the externally linked file holding the rows, if any
-    sources: tuple[FileIdentity, ...] = ()  # a virtual dataset's source files (other than this one)
+    Raised for the first file that cannot be served: the H5ServeError saying why, naming it.
+    """
+    return ResolvedFiles(tuple(resolver.resolve(path, key, peer) for path in paths))
 
 
 class Resolver:
@@ -169,7 +166,7 @@ class Resolver:
              files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
         """The resolution of this request: started now if none is in flight, waited for until
         RESOLVE_WAIT_S after it started; None while it is still running (ask again). ``files``: many files as
-        one dataset, every one resolved (fileset.py).
+        one dataset, every one resolved (resolve_files; their segment: fileset.py).
 
         Raised when the file cannot be served: the H5ServeError saying why.
         """

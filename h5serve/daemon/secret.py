@@ -16,8 +16,8 @@ import stat
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..segments import SECRET_BYTES, describe_file
-from ..util.safeio import NOFOLLOW_FLAGS, open_dir, read_small
+from ..segments import SECRET_BYTES
+from ..util.safeio import NOFOLLOW_FLAGS, describe_file, open_dir, read_small
 
 __all__ = ["KEY_NAME", "load_secret"]
 

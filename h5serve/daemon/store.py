@@ -55,14 +55,15 @@ from .config import (
     STALL_CHECK_INTERVAL_S,
 )
 from .entries import COUNTERS, Entry, LoadFailure, not_ours
-from .fileset import ResolvedFiles, files_meta
+from .fileset import files_meta
 from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
 from .loadqueue import check_queue_of, next_queued, read_again_soon
 from .refusals import over_budget, stalled_load
 from .report import segments_status, visible_to
-from .resolve import RESOLVE_TIMEOUT_S, Resolved, Resolver
+from .resolve import RESOLVE_TIMEOUT_S, Resolver
+from .resolved import Resolved, ResolvedFiles
 from .secret import load_secret
 from .spare import Spare, start_spare
 from .sweep import StaleSweep

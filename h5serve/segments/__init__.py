@@ -6,6 +6,8 @@ mapping one (attach.py: by name or from a descriptor, with a lease) and asking t
 a descriptor (handout.py).
 
 ``from h5serve.segments import X`` is the way in; the header layout names stay in format.py.
+
+May import: h5serve.wire (the runtime dir's descriptor socket), h5serve.order, h5serve.util, h5serve.errors
 """
 
 from .attach import LEASE_WAIT_S, UNKNOWN_STAMP, AttachedSegment, PublishStamp, attach_descriptor, attach_segment
@@ -32,9 +34,7 @@ from .lifecycle import (
 )
 from .naming import (
     SECRET_BYTES,
-    describe_file,
     fresh_name,
-    is_own_file,
     is_published_as,
     segment_name,
     segment_prefix,
@@ -52,8 +52,6 @@ __all__ = [
     "AttachedSegment",
     "segment_prefix",
     "segment_name",
-    "is_own_file",
-    "describe_file",
     "temporary_name",
     "temporary_owner_pid",
     "fresh_name",

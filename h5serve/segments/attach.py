@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SegmentError
-from ..util.safeio import NOFOLLOW_FLAGS
+from ..util.safeio import NOFOLLOW_FLAGS, describe_file
 from .format import SegmentMeta, data_view, parse_header, read_header, values_view
-from .naming import TMP_MARK, describe_file
+from .naming import TMP_MARK
 
 __all__ = ["LEASE_WAIT_S", "PublishStamp", "UNKNOWN_STAMP", "AttachedSegment", "attach_segment", "attach_descriptor",
            "check_segment_name"]

@@ -31,9 +31,8 @@ import numpy as np
 
 from ..errors import ConfigError, SegmentError
 from ..order.sharding import STREAM, RowRange, Selection
-from ..util.safeio import NOFOLLOW_FLAGS
+from ..util.safeio import NOFOLLOW_FLAGS, describe_file, is_own_file
 from ..util.units import SEGMENT_HEADER_BYTES, row_nbytes
-from .naming import describe_file, is_own_file
 
 __all__ = [
     "MAGIC",

@@ -37,7 +37,7 @@ from pathlib import Path
 from ..errors import SegmentError, ShmFull
 from ..util.crc import LOAD_CRC, CrcKind
 from ..util.logtext import printable
-from ..util.safeio import NOFOLLOW_FLAGS, flocks, open_regular
+from ..util.safeio import NOFOLLOW_FLAGS, describe_file, flocks, is_own_file, open_regular
 from ..util.units import format_bytes
 from .attach import UNKNOWN_STAMP, PublishStamp
 from .checksum import checksum_text, data_checksum
@@ -61,7 +61,7 @@ from .format import (
     parse_header,
     read_header,
 )
-from .naming import describe_file, fresh_name, is_own_file
+from .naming import fresh_name
 
 __all__ = [
     "PUBLISHED_MODE",

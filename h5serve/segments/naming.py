@@ -1,6 +1,7 @@
 """Where segments live and whose they are: the published name (keyed by the daemon's secret, so
 nobody can compute it and plant a file first), the prefix every segment of one daemon shares,
-temporary names (with the pid that created them), and which files under a prefix are ours.
+temporary names (with the pid that created them), and which names under a prefix are ours
+(whether a file there is a regular file of ours is util/safeio.py's ``is_own_file``).
 
 Every name is visible to every local user (``ls /dev/shm``). A temporary names only its
 daemon's public prefix, the loader's pid and 128 random bits: nothing of the segment it will be
@@ -15,12 +16,9 @@ import hashlib
 import os
 import re
 import secrets
-import stat
 from typing import TYPE_CHECKING
 
 import msgpack
-
-from ..util.safeio import describe_owner
 
 if TYPE_CHECKING:
     from .format import SegmentMeta
@@ -30,8 +28,6 @@ __all__ = [
     "TMP_MARK",
     "segment_prefix",
     "segment_name",
-    "is_own_file",
-    "describe_file",
     "temporary_name",
     "temporary_owner_pid",
     "fresh_name",
@@ -59,20 +55,6 @@ def segment_name(namespace: str, meta: SegmentMeta, secret: bytes) -> str:
         raise ValueError(f"a segment naming secret has 16..64 bytes, got {len(secret)}")
     digest = hashlib.blake2b(msgpack.packb(list(meta.identity())), digest_size=12, key=secret).hexdigest()
     return segment_prefix(namespace) + digest
-
-
-def is_own_file(st: os.stat_result, owner: int | None = None) -> bool:
-    """True when ``st`` (an lstat or fstat) is a regular file of ``owner`` (default: our euid):
-    the only kind of file under a segment prefix that the daemon reads, evicts or removes."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == (os.geteuid() if owner is None else owner)
-
-
-def describe_file(st: os.stat_result) -> str:
-    """``a FIFO of uid 1001 (mallory)``: what sits at a path, for log and error messages."""
-    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a file"))
-    kind = next((text for test, text in kinds if test(st.st_mode)), "a device")
-    return f"{kind} of {describe_owner(st.st_uid)}"
 
 
 def temporary_name(namespace: str) -> str:

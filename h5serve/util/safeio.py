@@ -22,6 +22,8 @@ from ..errors import H5ServeError, OutOfResources, host_error
 __all__ = [
     "NOFOLLOW_FLAGS",
     "describe_owner",
+    "describe_file",
+    "is_own_file",
     "check_dir_stat",
     "open_dir",
     "open_regular",
@@ -44,6 +46,21 @@ def describe_owner(uid: int) -> str:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except KeyError:
         return f"uid {uid}"
+
+
+def is_own_file(st: os.stat_result, owner: int | None = None) -> bool:
+    """True when ``st`` (an lstat or fstat) is a regular file of ``owner`` (default: our euid):
+    the only kind of file under a segment prefix that the daemon reads, evicts or removes
+    (segments/, daemon/leftovers.py)."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == (os.geteuid() if owner is None else owner)
+
+
+def describe_file(st: os.stat_result) -> str:
+    """``a FIFO of uid 1001 (mallory)``: what sits at a path, for log and error messages."""
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a file"))
+    kind = next((text for test, text in kinds if test(st.st_mode)), "a device")
+    return f"{kind} of {describe_owner(st.st_uid)}"
 
 
 def _owners_text(owners: Collection[int]) -> str:
