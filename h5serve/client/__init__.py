@@ -1,6 +1,9 @@
 """The training side of h5serve: datasets and samplers for each DDP rank.
 
 Light, fork- and spawn-safe; never imports ``h5serve.daemon``.
+
+May import: h5serve.hdf5, h5serve.segments, h5serve.topology, h5serve.wire, h5serve.order, h5serve.util,
+h5serve.errors
 """
 
 from ..order.sharding import balanced_contiguous_shard, interleaved_indices, shard_indices

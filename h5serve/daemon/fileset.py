@@ -3,9 +3,10 @@ and a loader part's reads, file by file.
 
 Every file of an acquire's ``files`` list is resolved as one file is (resolve.py's
 ``resolve_files``: opened once, real path under ``--allow-root``, readable by the requesting
-user, metadata from the very file opened), and so does every file its rows come from (an external link's target, a virtual dataset's
-sources). Every identity is part of the segment name (``SegmentMeta.files`` / ``depends``):
-any file changed, replaced or removed maps to a new segment, and the stale sweep evicts the
+user, metadata from the very file opened), and so does every file its rows come from (an
+external link's target, a virtual dataset's sources). Every identity is part of the segment
+name (``SegmentMeta.files`` / ``depends``): any file changed, replaced or removed maps to a new
+segment, and the stale sweep evicts the
 old one once unheld, as for one file.
 """
 

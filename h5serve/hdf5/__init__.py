@@ -5,6 +5,8 @@ dataset (files), virtual datasets (vds), variable-length rows (vlen) and fields 
 datasets (compound).
 
 Shared by the daemon and the client; torch-free and daemon-free.
+
+May import: h5serve.wire (its limits on files and paths), h5serve.order, h5serve.util, h5serve.errors
 """
 
 __all__: list[str] = []  # import from the modules: h5serve.hdf5.source, .reads, ...

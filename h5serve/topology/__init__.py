@@ -10,6 +10,8 @@
     resolve.py    ``resolve_layout``: explicit > process group > torchrun > SLURM > single node
 
 Nothing here imports torch unless ``resolve_layout`` looks for a process group.
+
+May import: h5serve.wire (its limit on the world size), h5serve.util, h5serve.errors
 """
 
 from __future__ import annotations
