@@ -6,8 +6,7 @@ Every file of an acquire's ``files`` list is resolved as one file is (resolve.py
 user, metadata from the very file opened), and so does every file its rows come from (an
 external link's target, a virtual dataset's sources). Every identity is part of the segment
 name (``SegmentMeta.files`` / ``depends``): any file changed, replaced or removed maps to a new
-segment, and the stale sweep evicts the
-old one once unheld, as for one file.
+segment, and the stale sweep evicts the old one once unheld, as for one file.
 """
 
 from __future__ import annotations
