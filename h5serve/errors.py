@@ -36,7 +36,7 @@ Errors from ZeroMQ, the OS and h5py are translated into these classes where they
 the class by errno and says what to do; the ``h5serve`` command maps whatever reaches it
 through the same function, so an environment problem is never shown as a traceback.
 
-``ERROR_CODES`` maps the wire error codes (protocol.py) to classes and back: the daemon
+``ERROR_CODES`` maps the wire error codes (wire/protocol.py) to classes and back: the daemon
 sends ``code`` + ``message``; the client raises the same class the daemon caught. It is
 built from the tree, so a new class is on the wire as soon as it is defined here.
 """

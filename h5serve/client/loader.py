@@ -219,7 +219,7 @@ def make_loader(
     """A DataLoader over ``dataset`` (a rank's shard) in EpochShuffleSampler order.
 
     - every rank gets the same number of batches per epoch, so DDP never waits for a rank
-      that ran out (h5serve/equalise.py): with ``drop_last=False`` a shard smaller than the
+      that ran out (h5serve/order/equalise.py): with ``drop_last=False`` a shard smaller than the
       largest repeats samples of its own epoch order, from the start, up to the largest shard's
       size, and every rank yields ``ceil(largest / batch_size)`` batches (the last one as short
       on every rank); with ``drop_last=True`` every rank yields ``floor(smallest / batch_size)``

@@ -1,7 +1,7 @@
 """NodeShuffleSampler: node mode's order. Each epoch a node's rows (the union of its ranks'
 contiguous shards, ``SharedH5Dataset(mode="node")``) are permuted from ``(seed, epoch, node)``
 and dealt to the node's local ranks, every rank of every node the same number of samples and
-batches (h5serve/equalise.py over every rank's shard size)."""
+batches (h5serve/order/equalise.py over every rank's shard size)."""
 
 from __future__ import annotations
 

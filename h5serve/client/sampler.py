@@ -1,6 +1,6 @@
 """EpochShuffleSampler: the predecessor's per-epoch shuffling over a rank-local shard, plus
 checkpointable state for resuming mid-epoch; EpochBatchSampler: its order cut into index
-tensors, with the same number of batches on every rank (h5serve/equalise.py);
+tensors, with the same number of batches on every rank (h5serve/order/equalise.py);
 DistributedShuffleSampler: torch's DistributedSampler order over a whole (global-mode)
 dataset, as index tensors, checkpointable."""
 
@@ -313,7 +313,7 @@ class DistributedShuffleSampler(Sampler[torch.Tensor]):
     all rows on every rank: ``SharedH5Dataset(mode="global")``, where make_loader uses it.
 
     Every rank yields the same number of samples (``DistributedSampler``'s ``num_samples``),
-    so the same number of batches (h5serve/equalise.py): ``ceil(num_samples / batch_size)``,
+    so the same number of batches (h5serve/order/equalise.py): ``ceil(num_samples / batch_size)``,
     the last one as short on every rank, or with ``drop_last_batch`` only the full ones, as
     ``DataLoader(..., drop_last=True)`` over DistributedSampler would.
 

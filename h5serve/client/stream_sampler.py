@@ -1,4 +1,4 @@
-"""StreamSampler: stream mode's batches for one rank (h5serve/stream_order.py has the order).
+"""StreamSampler: stream mode's batches for one rank (h5serve/order/stream_order.py has the order).
 
 Each epoch the file's blocks are permuted and dealt to the nodes; a node's rows are drawn
 through a window of ``window`` blocks and dealt to its local ranks, every rank of every node

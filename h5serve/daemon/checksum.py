@@ -1,4 +1,4 @@
-"""The crc of a segment's rows (h5serve/crc.py's LOAD_CRC), computed as the rows are written.
+"""The crc of a segment's rows (h5serve/util/crc.py's LOAD_CRC), computed as the rows are written.
 
 Each loader process hashes the rows of its own part as they pass on their way into the
 segment (``read_shard_into(hashed=...)``): rows copied file to file go through a small buffer

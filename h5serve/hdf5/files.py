@@ -3,7 +3,7 @@ mapping the concatenated rows back to each file.
 
 A multi-file dataset is the files' rows concatenated in the order given (a glob pattern is
 expanded with the user's rights on the client and sorted): global row ``g`` is row
-``g - offsets[i]`` of file ``i``. Every mode's RowRange (sharding.py) is over these global
+``g - offsets[i]`` of file ``i``. Every mode's RowRange (order/sharding.py) is over these global
 rows, so a rank's rows may span several files; ``pieces`` cuts a RowRange into one piece per
 file it touches, with the positions the piece fills in the shard.
 

@@ -1,5 +1,5 @@
 """A segment's content checksum: computing it over large buffers (threads hash blocks, the
-GF(2) combine of h5serve/crc.py joins them), its text form (``crc32c:...``, as ``status``
+GF(2) combine of h5serve/util/crc.py joins them), its text form (``crc32c:...``, as ``status``
 shows it), and ``verify_content``, which re-reads a published segment and tells whether
 anything wrote into it after it was published.
 """
@@ -21,7 +21,7 @@ from .format import CHECKSUM, CHECKSUM_NONE, CHECKSUM_OFFSET, parse_header, read
 
 __all__ = ["data_checksum", "checksum_text", "header_checksum", "verify_content"]
 
-_CHECKSUM_NAMES = {CHECKSUM_NONE: "none", 1: "crc32", 2: "crc32c"}  # h5serve/crc.py: the kinds' codes
+_CHECKSUM_NAMES = {CHECKSUM_NONE: "none", 1: "crc32", 2: "crc32c"}  # h5serve/util/crc.py: the kinds' codes
 _CHECKSUM_BLOCK = 32 * 1024 * 1024  # bytes per hash call: threads hash blocks, CrcKind.combine joins them
 
 

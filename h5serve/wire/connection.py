@@ -188,7 +188,7 @@ class DaemonClient:
         """Ask for a segment and poll until it is loaded. Each poll is bounded by the timeout,
         so a daemon that dies mid-load surfaces as DaemonUnavailable, never a hang. The pause
         between polls (``poll_pause``) is cut short the moment the segment's name is published
-        in the shm dir (inotify: segments/arrival.py), so a finished load is noticed within a
+        in the shm dir (inotify: arrival.py), so a finished load is noticed within a
         round trip or two rather than at the next poll.
 
         ``deadline`` (a ``time.monotonic()`` value) bounds the whole wait, polls included;

@@ -125,7 +125,7 @@ def ensure_runtime_dir(location: RuntimeLocation, group: int | None = None) -> i
     return a descriptor of it. Never follows a symlink at the runtime dir itself; mode and
     group are set through the descriptor. With ``group`` (a gid), the dir is 0750 and belongs
     to that group, so its members can reach the socket. Run as the user who will serve:
-    a root parent starting a daemon for someone else drops privileges first (cli.py).
+    a root parent starting a daemon for someone else drops privileges first (cli/start.py).
 
     Raised when it cannot be created, is a symlink or not a directory, or belongs to another
     user: ConfigError.

@@ -1,4 +1,4 @@
-"""Every rank gets the same number of batches per epoch from make_loader (h5serve/equalise.py):
+"""Every rank gets the same number of batches per epoch from make_loader (h5serve/order/equalise.py):
 the pure function, the samplers, make_loader over real datasets, and a real 2-rank DDP job
 that hung before (513 rows, batch 256: rank 0 had 2 batches, rank 1 one)."""
 

@@ -342,7 +342,7 @@ WAITING_CLIENT = """
     print(json.dumps({"event": "imported", "pid": os.getpid()}), flush=True)
     if args.get("polling"):  # touch this file once the main thread is in the client's polling loop
         import threading
-        main, poller = threading.main_thread().ident, os.path.join("h5serve", "connection.py")
+        main, poller = threading.main_thread().ident, os.path.join("h5serve", "wire", "connection.py")
 
         def watch():
             end = time.monotonic() + 60

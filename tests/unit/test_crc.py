@@ -1,4 +1,4 @@
-"""Checksum kinds (h5serve/crc.py): known check values, joining parts, and segments that
+"""Checksum kinds (h5serve/util/crc.py): known check values, joining parts, and segments that
 record either kind verify with the kind they record."""
 
 from __future__ import annotations

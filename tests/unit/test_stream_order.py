@@ -1,4 +1,4 @@
-"""Stream mode's order (h5serve/stream_order.py): every row once per epoch, equal counts on
+"""Stream mode's order (h5serve/order/stream_order.py): every row once per epoch, equal counts on
 every rank, deterministic, a node reads only its blocks, the window is never exceeded (counted
 at every position and every step), and the shuffle quality against a full permutation."""
 
