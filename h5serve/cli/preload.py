@@ -30,7 +30,6 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
     return sorted(ranks)
 
 
-
 def cmd_preload(args: argparse.Namespace) -> int:
     from ..hdf5.source import resolve_dtype
     from ..util.progress import Progress
