@@ -34,10 +34,10 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve import connection
 from h5serve.client import SharedH5Dataset
 from h5serve.daemon import store
 from h5serve.errors import ShmFull
+from h5serve.wire import connection
 from h5serve.wire.arrival import PublishWatch
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire, AcquireResult
