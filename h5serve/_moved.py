@@ -11,11 +11,14 @@ h5serve.cli.status and h5serve.demo.daemon).
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import importlib.abc
 
 __all__ = ["MOVED", "install"]
 
@@ -38,7 +41,7 @@ MOVED = {
 }
 
 
-class _Alias(importlib.abc.Loader):
+class _Alias:  # an importlib Loader (create_module, exec_module); not importlib.abc's, which imports much more
     """Loads an old path as the module at its new path (the same object, not a copy)."""
 
     def __init__(self, new: str) -> None:
@@ -58,11 +61,13 @@ class _Alias(importlib.abc.Loader):
         module.__spec__ = self._spec
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:  # an importlib MetaPathFinder
     def find_spec(self, fullname: str, path: object = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         new = MOVED.get(fullname)
-        return None if new is None else importlib.machinery.ModuleSpec(fullname, _Alias(new))
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, cast("importlib.abc.Loader", _Alias(new)))
 
 
 def install() -> None:
