@@ -241,7 +241,8 @@ class SharedH5Dataset(Dataset):
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/stream.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
-                                 on_fallback=self._announce_fallback if self.fallback == "lazy" else None)
+                                 on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
+                                 description=None if self.spec.files else self._description())
         backend, error = None, None
         try:
             backend = ShmBackend.connect(self.spec, self.rank)
@@ -249,7 +250,7 @@ class SharedH5Dataset(Dataset):
             error = exc
         if self.auto_stream and self.mode in (GLOBAL, NODE):  # a collective in a process group: every rank
             plan = automatic.decide(self.spec, error, self.world_size,
-                                    self.layout.local_world_size if self.layout else None)
+                                    self.layout.local_world_size if self.layout else None, self._description)
             if plan is not None:
                 if backend is not None:
                     backend.close()
