@@ -1,4 +1,6 @@
-"""Many files as one dataset, read lazily through h5py (no daemon, or fallback="lazy").
+"""Many files as one dataset, read lazily through h5py (no daemon, or fallback="lazy"), from
+the files' DatasetDescription (h5serve/hdf5/description.py: inspected and checked once, by the
+dataset, before this backend is built).
 
 The same rows in the same order as the daemon's segments: the files' rows concatenated
 (h5serve.hdf5.files), the shard a RowRange over them, each file's part of it a ``Piece``. A batch
