@@ -23,18 +23,19 @@ blocks come from a daemon or from h5py.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CapacityError, H5ServeError, ShmFull
-from ..hdf5.identity import open_h5
-from ..hdf5.source import DatasetInfo, inspect_dataset
+from ..hdf5.description import DatasetDescription
+from ..hdf5.source import DatasetInfo
 from ..order.stream_plan import plan_window
 from ..segments import HEADER_SIZE
 from ..util.units import format_bytes, row_nbytes
 from ..wire.connection import DaemonClient
-from .backends import BackendSpec
+from .spec import BackendSpec
 from .stream import resolve_stream
 
 __all__ = ["StreamPlan", "decide", "streamable_infos"]
@@ -56,17 +57,17 @@ class StreamPlan:
     reason: str  # "budget" or "shm"
 
 
-def streamable_infos(spec: BackendSpec) -> list[DatasetInfo] | None:
+def streamable_infos(spec: BackendSpec, describe: Callable[[], DatasetDescription]) -> list[DatasetInfo] | None:
     """The datasets of ``spec`` when stream mode can serve them (one file, fixed-size rows),
-    else None."""
+    else None. ``describe``: the dataset's description of its files (built once, and handed on
+    to whichever backend serves)."""
     if spec.files:
         return None
     try:
-        with open_h5(spec.path) as f:
-            infos = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
+        infos = describe().infos  # the keys' lengths are checked (LengthMismatch: not streamable)
     except H5ServeError:
         return None
-    if any(i.vlen for i in infos) or len({i.rows for i in infos}) != 1:
+    if any(i.vlen for i in infos):
         return None
     return infos
 
@@ -111,11 +112,13 @@ def _agree(want: bool, budget: int | None, limit: int | None, world_size: int) -
     return bool(got[0]), None if got[1] == _UNKNOWN else -got[1], None if got[2] == _UNKNOWN else -got[2]
 
 
-def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks: int | None) -> StreamPlan | None:
+def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks: int | None,
+           describe: Callable[[], DatasetDescription]) -> StreamPlan | None:
     """Whether the global/node dataset ``spec`` (whose daemon acquire ended in ``error``, None:
-    served) is streamed instead, and how; None: serve it as today. A collective when
-    torch.distributed is initialised over more than one rank: call it on every rank."""
-    infos = streamable_infos(spec) if isinstance(error, CapacityError) else None
+    served) is streamed instead, and how; None: serve it as today. ``describe``: as for
+    ``streamable_infos``. A collective when torch.distributed is initialised over more than
+    one rank: call it on every rank."""
+    infos = streamable_infos(spec, describe) if isinstance(error, CapacityError) else None
     want = infos is not None
     if not want and not _grouped(world_size):
         return None
@@ -125,7 +128,7 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
     if not want or budget is None or limit is None:
         return None
     if infos is None:  # this rank was served (or had no daemon) and another was refused
-        infos = streamable_infos(spec)
+        infos = streamable_infos(spec, describe)
         if infos is None:
             return None
     row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)

@@ -15,20 +15,17 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
-import h5py
 import numpy as np
 import torch
 
-from ..errors import AccessDenied, SegmentError, SourceChanged
+from ..errors import AccessDenied, SegmentError, UnsupportedDataset
 from ..hdf5.compound import rows_dataset
-from ..hdf5.files import check_file_lengths
+from ..hdf5.description import DatasetDescription, check_rows
+from ..hdf5.files import pieces
 from ..hdf5.identity import open_h5
-from ..hdf5.rawcopy import StoredRows, stored_rows
 from ..hdf5.reads import read_rows, read_shard_into
-from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
 from ..order.sharding import Selection
 from ..segments import AttachedSegment, PublishStamp, open_segment
 from ..util.progress import Progress
@@ -36,109 +33,19 @@ from ..wire.connection import DaemonClient
 from ..wire.protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 from ..wire.runtime import resolve_runtime
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
+from .files import FilesLazyBackend
 from .gather import RowSource, as_column
+from .handle import H5Handle
 from .ragged import RaggedColumn, RaggedSource, read_ragged
+from .spec import BackendSpec, describe_spec
 from .vlencache import VlenCache
 
-if TYPE_CHECKING:
-    from .files import FilesLazyBackend
-
+# BackendSpec and H5Handle live in client/spec.py and client/handle.py (so that client/files.py
+# needs neither this module nor the reverse); named here too for the modules that import them from here
 __all__ = ["BackendSpec", "ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend",
            "Backend"]
 
 log = logging.getLogger("h5serve.client")
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """Everything needed to build any backend for one rank's shard (picklable)."""
-
-    path: str  # absolute (many files: the first)
-    # one per field, in order (x_key, y_key: the first two); "<dataset>:<field>" for compound fields
-    keys: tuple[str, ...]
-    selection: Selection
-    dtypes: tuple[np.dtype | None, ...]  # requested output dtype of each key (None: the source dtype)
-    runtime_dir: str | None = None
-    timeout: float | None = None
-    daemon_user: str | int | None = None  # a shared daemon's user to trust (else $H5SERVE_DAEMON_USER)
-    h5_options: dict[str, Any] = field(default_factory=dict)
-    cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
-    files: tuple[str, ...] = ()  # many files as one dataset (h5serve.hdf5.files): all, absolute, in row order
-    pattern: str = ""  # the glob pattern they were expanded from ("" for a list or one file)
-
-
-class H5Handle:
-    """An h5py file opened once per process (keyed on pid), never pickled; its dataset
-    objects are kept too (looking one up costs ~40 us, more than gathering a batch), and
-    where their rows sit in the file (rawcopy: read without HDF5 when stored as numpy holds them)."""
-
-    def __init__(self, path: str, options: dict[str, Any]) -> None:
-        self.path = path
-        self.options = options
-        self._pid = -1
-        self._file: h5py.File | None = None
-        self._datasets: dict[str, h5py.Dataset] = {}
-        self._stored: dict[str, StoredRows | None] = {}
-        self._identity: dict[str, tuple[int, int, int]] = {}  # key -> (fd, size, mtime) of the file holding it
-
-    def file(self) -> h5py.File:
-        if self._pid != os.getpid():
-            self._file = None  # inherited across fork: never use or close the parent's handle
-            self._datasets, self._stored, self._identity = {}, {}, {}
-        if self._file is None:
-            self._file = open_h5(self.path, **self.options)
-            self._pid = os.getpid()
-        return self._file
-
-    def dataset(self, key: str) -> h5py.Dataset:
-        """``key`` in this process's open file, ready to read.
-
-        Raised when the file holding it was truncated or rewritten in place since this
-        process opened it (HDF5 would read zeros past a new end of file): SourceChanged.
-        """
-        f = self.file()  # after a fork: reopened, and the parent's dataset objects forgotten
-        if key not in self._datasets:
-            dset = self._datasets[key] = rows_dataset(f, key)
-            if dset.file.driver == "sec2":
-                fd = dset.file.id.get_vfd_handle()
-                st = os.fstat(fd)
-                self._identity[key] = (fd, st.st_size, st.st_mtime_ns)
-        elif key in self._identity:
-            fd, size, mtime = self._identity[key]
-            st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns) != (size, mtime):
-                raise SourceChanged(
-                    f"{self._datasets[key].file.filename} changed while this process was reading it (size "
-                    f"{size} -> {st.st_size} bytes): it was truncated or rewritten in place; restart the job to "
-                    "read the new file, and replace files by writing a new one and renaming it over the old"
-                )
-        return self._datasets[key]
-
-    def located(self, info: DatasetInfo) -> tuple[h5py.Dataset, StoredRows | None]:
-        """``dataset(info.key)`` and where its rows are in this process's open file (None: read
-        them through h5py).
-
-        Raised as ``dataset`` is: SourceChanged.
-        """
-        dset = self.dataset(info.key)
-        if info.key not in self._stored:
-            self._stored[info.key] = stored_rows(dset, info, info.dtype)
-        return dset, self._stored[info.key]
-
-    def drop_inherited(self) -> None:
-        if self._pid != os.getpid():
-            self._file = None
-            self._datasets, self._stored, self._identity = {}, {}, {}
-
-    def close(self) -> None:
-        self._datasets, self._stored, self._identity = {}, {}, {}
-        if self._file is not None and self._pid == os.getpid():
-            self._file.close()
-        self._file = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None, "_datasets": {}, "_stored": {},
-                "_identity": {}}
 
 
 class ArrayBackend:
@@ -171,28 +78,26 @@ class MemoryBackend(ArrayBackend):
     """The predecessor's behaviour: the shard read once into this process's private memory."""
 
     @classmethod
-    def load(cls, spec: BackendSpec) -> MemoryBackend:
-        if spec.files:
-            from .files import FilesLazyBackend
+    def load(cls, spec: BackendSpec, description: DatasetDescription) -> MemoryBackend:
+        """Read ``spec``'s shard of the files ``description`` describes (many files: file by file).
 
-            reader = FilesLazyBackend(spec)
-            return cls(reader.read_all(), reader.out_dtypes, reader.total_rows)
-        arrays, out_dtypes = [], []
-        with open_h5(spec.path, **spec.h5_options) as f:
-            infos = [inspect_dataset(f, key) for key in spec.keys]
-            check_lengths(*infos)
-            for info, requested in zip(infos, spec.dtypes):
-                rows = spec.selection.rows(info.rows)
-                out = np.empty((len(rows), *info.row_shape), dtype=check_cast(info, requested))
-                read_shard_into(rows_dataset(f, info.key), info, rows, out)
-                arrays.append(out)
-                out_dtypes.append(out.dtype)
-        return cls(arrays, out_dtypes, infos[0].rows)
-
-
-def _check_same_length(spec: BackendSpec, rows: list[int]) -> None:
-    """Raised when the keys have different numbers of rows: LengthMismatch."""
-    check_row_counts(spec.keys, rows)
+        Raised for variable-length rows, which this copy does not hold: UnsupportedDataset.
+        """
+        for key in description.keys:
+            if key.vlen:
+                raise UnsupportedDataset(
+                    f"dataset {key.key!r} in {description.files[0]} holds variable-length rows; SharedH5Dataset "
+                    "serves variable-length rows, this reader (the compat preload) does not: use SharedH5Dataset"
+                )
+        rows = spec.selection.rows(description.total_rows)
+        arrays = [np.empty((len(rows), *key.row_shape), dtype=key.out_dtype) for key in description.keys]
+        for piece in pieces(rows, description.file_rows):
+            with open_h5(description.files[piece.index], **spec.h5_options) as f:
+                for key, out in zip(description.keys, arrays):
+                    # a compound field: read through the helper every other path reads with
+                    read_shard_into(rows_dataset(f, key.key), key.infos[piece.index], piece.local,
+                                    out[piece.k0:piece.k1])
+        return cls(arrays, description.out_dtypes, description.total_rows)
 
 
 def _check_same_shm(result: AcquireResult) -> None:
@@ -267,14 +172,14 @@ class ShmBackend(ArrayBackend):
                 first = [r if r.name else AcquireResult.from_wire(client.request_by(q, deadline))
                          for q, r in zip(requests, first)]
             if all(r.name for r in first):  # both resolved already (else: checked once attached)
-                _check_same_length(spec, [r.dataset_rows for r in first])
+                check_rows(spec.keys, [r.dataset_rows for r in first])
             segments: list[AttachedSegment] = []
             try:
                 for request, result in zip(requests, first):
                     segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
-                _check_same_length(spec, [s.meta.total_rows for s in segments])
-                if spec.files:  # equal totals are not enough: rows must pair up file by file
-                    check_file_lengths(spec.files, spec.keys, [s.meta.file_rows for s in segments])
+                # many files: equal totals are not enough, rows must pair up file by file
+                check_rows(spec.keys, [s.meta.total_rows for s in segments], spec.files,
+                           [s.meta.file_rows for s in segments])
             except BaseException:
                 for segment in segments:  # one key attached but another failed: drop x's lease now, not at GC
                     segment.close()
@@ -362,13 +267,17 @@ def _reattach(spec: BackendSpec, where: list[tuple[str, str, int, int, int]],
         return lazy_backend(spec)
 
 
-def lazy_backend(spec: BackendSpec) -> LazyBackend | FilesLazyBackend:
-    """The lazy backend for ``spec``: one file's, or many files' (client/files.py)."""
-    if spec.files:
-        from .files import FilesLazyBackend
+def lazy_backend(spec: BackendSpec, description: DatasetDescription | None = None) -> LazyBackend | FilesLazyBackend:
+    """The lazy backend for ``spec``: one file's, or many files' (client/files.py), given the
+    files' ``description`` (None: described here, each file opened once).
 
-        return FilesLazyBackend(spec)
-    return LazyBackend(spec)
+    Raised as hdf5.description.describe is when ``description`` is None.
+    """
+    if description is None:
+        description = describe_spec(spec)
+    if spec.files:
+        return FilesLazyBackend(spec, description)
+    return LazyBackend(spec, description)
 
 
 class LazyBackend:
@@ -378,14 +287,12 @@ class LazyBackend:
 
     name = "lazy"
 
-    def __init__(self, spec: BackendSpec) -> None:
+    def __init__(self, spec: BackendSpec, description: DatasetDescription) -> None:
         self.spec = spec
-        with open_h5(spec.path) as f:  # metadata only; closed before any fork
-            self.infos: list[DatasetInfo] = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
-        check_lengths(*self.infos)
-        self.out_dtypes = [check_cast(info, requested) for info, requested in zip(self.infos, spec.dtypes)]
-        self.total_rows = self.infos[0].rows
-        self.vlen_kinds = [info.vlen for info in self.infos]
+        self.infos = description.infos
+        self.out_dtypes = description.out_dtypes
+        self.total_rows = description.total_rows
+        self.vlen_kinds = description.vlen_kinds
         self.indices = spec.selection.indices(self.total_rows)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
         self.rows = spec.selection.rows(self.total_rows)
@@ -426,4 +333,4 @@ class LazyBackend:
         return {**self.__dict__, "_caches": None}  # a spawned worker fills its own cache
 
 
-Backend = Union[ArrayBackend, LazyBackend, "FilesLazyBackend"]
+Backend = ArrayBackend | LazyBackend | FilesLazyBackend

@@ -70,7 +70,7 @@ class RankMemCachedH5Dataset(SharedH5Dataset):
         self.log_fn(f"[rank {self.rank}] h5serve daemon not used ({exc}); preloading the shard into process memory")
 
     def _fallback_backend(self) -> Backend:
-        backend = MemoryBackend.load(self.spec)
+        backend = MemoryBackend.load(self.spec, self._description())
         if self.share_memory:
             backend.arrays = [torch.from_numpy(a).share_memory_().numpy() for a in backend.arrays]
         if self.pin_host_memory and torch.cuda.is_available():

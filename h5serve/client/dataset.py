@@ -19,15 +19,17 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError, H5ServeError, falls_back
+from ..hdf5.description import DatasetDescription
 from ..hdf5.files import describe_files, expand_paths
 from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
 from . import automatic, ring
-from .backends import Backend, BackendSpec, ShmBackend, lazy_backend
+from .backends import Backend, ShmBackend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
 from .resharding import check_not_measured_by_distributed_sampler
+from .spec import BackendSpec, describe_spec
 from .stream import StreamBackend, StreamBatch
 
 if TYPE_CHECKING:
@@ -189,6 +191,7 @@ class SharedH5Dataset(Dataset):
         self.fallback = fallback
         self.auto_stream = bool(auto_stream)
         self.auto_streamed: automatic.StreamPlan | None = None  # set when global/node data is streamed instead
+        self._described: DatasetDescription | None = None  # the files as h5py reads them: ``_description()``
         self._stream_args: tuple[object, object] = (window, block_rows)
         self._backend: Backend | StreamBackend = self._open_backend()
         try:
@@ -238,7 +241,8 @@ class SharedH5Dataset(Dataset):
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/stream.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
-                                 on_fallback=self._announce_fallback if self.fallback == "lazy" else None)
+                                 on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
+                                 description=None if self.spec.files else self._description())
         backend, error = None, None
         try:
             backend = ShmBackend.connect(self.spec, self.rank)
@@ -246,7 +250,7 @@ class SharedH5Dataset(Dataset):
             error = exc
         if self.auto_stream and self.mode in (GLOBAL, NODE):  # a collective in a process group: every rank
             plan = automatic.decide(self.spec, error, self.world_size,
-                                    self.layout.local_world_size if self.layout else None)
+                                    self.layout.local_world_size if self.layout else None, self._description)
             if plan is not None:
                 if backend is not None:
                     backend.close()
@@ -277,7 +281,16 @@ class SharedH5Dataset(Dataset):
         )
 
     def _fallback_backend(self) -> Backend:
-        return lazy_backend(self.spec)
+        return lazy_backend(self.spec, self._description())
+
+    def _description(self) -> DatasetDescription:
+        """The files and keys as h5py reads them (hdf5/description.py), described once, when a
+        backend that reads them here needs it (the shm backend does not: the daemon reads them).
+
+        Raised as hdf5.description.describe is: the DataError that says which file or key."""
+        if self._described is None:
+            self._described = describe_spec(self.spec)
+        return self._described
 
     def _shown_path(self) -> str:
         """The path, or for many files the pattern (or list) and what it expanded to."""

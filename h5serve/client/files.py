@@ -1,4 +1,6 @@
-"""Many files as one dataset, read lazily through h5py (no daemon, or fallback="lazy").
+"""Many files as one dataset, read lazily through h5py (no daemon, or fallback="lazy"), from
+the files' DatasetDescription (h5serve/hdf5/description.py: inspected and checked once, by the
+dataset, before this backend is built).
 
 The same rows in the same order as the daemon's segments: the files' rows concatenated
 (h5serve.hdf5.files), the shard a RowRange over them, each file's part of it a ``Piece``. A batch
@@ -13,26 +15,22 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import UnsupportedDataset
-from ..hdf5.compound import rows_dataset
-from ..hdf5.files import check_agreement, check_file_lengths, pieces
-from ..hdf5.identity import open_h5
-from ..hdf5.reads import read_rows, read_shard_into
-from ..hdf5.source import DatasetInfo, check_row_counts, inspect_dataset
+from ..hdf5.description import DatasetDescription
+from ..hdf5.files import pieces
+from ..hdf5.reads import read_rows
 from ..hdf5.vlen import gather as vlen_gather
 from ..hdf5.vlen import offsets_of
 from .chunkcache import ChunkCache, auto_cache_bytes
 from .gather import as_column
+from .handle import H5Handle
 from .ragged import RaggedColumn, read_ragged
+from .spec import BackendSpec
 from .vlencache import VlenCache
-
-if TYPE_CHECKING:
-    from .backends import BackendSpec, H5Handle
 
 __all__ = ["FilesLazyBackend", "MAX_OPEN_FILES"]
 
@@ -49,8 +47,6 @@ class _Handles:
         self._open: OrderedDict[int, H5Handle] = OrderedDict()
 
     def get(self, index: int) -> H5Handle:
-        from .backends import H5Handle
-
         handle = self._open.get(index)
         if handle is None:
             if len(self._open) >= MAX_OPEN_FILES:
@@ -69,39 +65,20 @@ class _Handles:
         return {"paths": self.paths, "options": self.options, "_open": OrderedDict()}
 
 
-def inspect_files(spec: BackendSpec) -> list[list[DatasetInfo]]:
-    """``infos[k][i]``: key ``k`` of file ``i`` (variable-length rows included), each file
-    opened once and closed.
-
-    Raised when a file or key is missing or cannot be served: the DataError naming that file.
-    """
-    infos: list[list[DatasetInfo]] = [[] for _ in spec.keys]
-    for path in spec.files:
-        with open_h5(path) as f:
-            for k, key in enumerate(spec.keys):
-                infos[k].append(inspect_dataset(f, key, vlen=True))
-    return infos
-
-
 class FilesLazyBackend:
     """A multi-file dataset's shard read through h5py (see the module docstring)."""
 
     name = "lazy"
 
-    def __init__(self, spec: BackendSpec) -> None:
+    def __init__(self, spec: BackendSpec, description: DatasetDescription) -> None:
         self.spec = spec
-        self.infos = inspect_files(spec)
-        set_dtypes = [check_agreement(spec.files, infos, requested)
-                      for infos, requested in zip(self.infos, spec.dtypes)]
-        counts = [[info.rows for info in infos] for infos in self.infos]
-        check_row_counts(spec.keys, [sum(c) for c in counts])  # each key's length, as the shm backend says it
-        check_file_lengths(spec.files, spec.keys, counts)
-        self.out_dtypes = [requested or dtype for dtype, requested in zip(set_dtypes, spec.dtypes)]
-        self.total_rows = sum(counts[0])
-        self.vlen_kinds = [infos[0].vlen for infos in self.infos]  # the files agree (files.check_agreement)
+        self.infos = [key.infos for key in description.keys]  # infos[k][i]: key k of file i
+        self.out_dtypes = description.out_dtypes
+        self.total_rows = description.total_rows
+        self.vlen_kinds = description.vlen_kinds  # the files agree (hdf5.files.check_agreement)
         self.rows = spec.selection.rows(self.total_rows)
         self.indices = spec.selection.indices(self.total_rows)
-        self.pieces = pieces(self.rows, counts[0])
+        self.pieces = pieces(self.rows, description.file_rows)
         self._starts = np.array([p.k0 for p in self.pieces], dtype=np.int64)
         budget = auto_cache_bytes() if spec.cache_bytes is None else spec.cache_bytes
         need = sum((VlenCache if infos[0].vlen else ChunkCache).nbytes_for(infos[p.index], p.local)
@@ -173,27 +150,6 @@ class FilesLazyBackend:
         flat, lengths = vlen_gather(offsets_of(np.concatenate([c.lengths for c in columns])),
                                     np.concatenate([c.values for c in columns]), where)
         return RaggedColumn(flat, lengths, kind)
-
-    def read_all(self) -> list[np.ndarray]:
-        """The whole shard of every key, in the output dtypes (the compat dataset's private copy).
-
-        Raised for variable-length rows, which that copy does not hold: UnsupportedDataset.
-        """
-        for k, key in enumerate(self.spec.keys):
-            if self.vlen_kinds[k]:
-                raise UnsupportedDataset(
-                    f"dataset {key!r} in {self.spec.files[0]} holds variable-length rows; SharedH5Dataset serves "
-                    "variable-length rows, this reader (the compat preload) does not: use SharedH5Dataset"
-                )
-        arrays = [np.empty((len(self.rows), *infos[0].row_shape), dtype=d)
-                  for infos, d in zip(self.infos, self.out_dtypes)]
-        for piece in self.pieces:
-            with open_h5(self.spec.files[piece.index], **self.spec.h5_options) as f:
-                for k, key in enumerate(self.spec.keys):
-                    # a compound field: read through the helper every other path reads with
-                    read_shard_into(rows_dataset(f, key), self.infos[k][piece.index], piece.local,
-                                    arrays[k][piece.k0:piece.k1])
-        return arrays
 
     def close(self) -> None:
         self.handles.close()

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..hdf5.identity import open_h5
+from ..hdf5.description import describe
 from ..hdf5.reads import read_rows
-from ..hdf5.source import check_cast, check_lengths, inspect_dataset, resolve_dtype
+from ..hdf5.source import resolve_dtype
 from ..order.sharding import Selection
-from .backends import H5Handle
 from .chunkcache import ChunkCache
 from .gather import as_positions
+from .handle import H5Handle
 
 __all__ = ["H5LazyDataset", "h5_worker_init_fn"]
 
@@ -70,11 +70,10 @@ class H5LazyDataset(Dataset):
         self.path = os.path.abspath(os.fspath(path))
         self.x_key, self.y_key = x_key, y_key
         self.transform, self.target_transform = transform, target_transform
-        with open_h5(self.path) as f:
-            self._infos = [inspect_dataset(f, k) for k in ((x_key,) if y_key is None else (x_key, y_key))]
-        check_lengths(self._infos[0], self._infos[1] if len(self._infos) > 1 else None)
+        keys = (x_key,) if y_key is None else (x_key, y_key)
         requested = (resolve_dtype(x_dtype, "x_dtype"), resolve_dtype(y_dtype, "y_dtype"))
-        self._dtypes = [check_cast(info, r) for info, r in zip(self._infos, requested)]
+        described = describe((self.path,), keys, requested[:len(keys)], vlen=False)
+        self._infos, self._dtypes = described.infos, described.out_dtypes
         self._whole = Selection("contiguous", 1, 0)
         self._cached = sum(ChunkCache.nbytes_for(info, self._whole) for info in self._infos) <= rdcc_nbytes
         rdcc = {} if self._cached else {"rdcc_nbytes": rdcc_nbytes, "rdcc_nslots": rdcc_nslots, "rdcc_w0": rdcc_w0}

@@ -27,15 +27,16 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, H5ServeError, UnsupportedDataset, falls_back
-from ..hdf5.identity import open_h5
-from ..hdf5.source import DatasetInfo, check_cast, check_lengths, inspect_dataset
+from ..hdf5.description import DatasetDescription
+from ..hdf5.source import DatasetInfo
 from ..order.stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..segments import HEADER_SIZE
 from ..util.checks import is_int
 from ..util.units import format_bytes, parse_size, row_nbytes
-from .backends import BackendSpec, H5Handle
 from .blockcache import BlockCache, StreamBatch
 from .chunkcache import auto_cache_bytes
+from .handle import H5Handle
+from .spec import BackendSpec, describe_spec
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
 __all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "resolve_stream", "window_bytes"]
@@ -139,18 +140,19 @@ class StreamBackend:
     UnsupportedDataset. Raised as ``resolve_stream`` is: ConfigError."""
 
     def __init__(self, spec: BackendSpec, window: object, block_rows: object, ranks: int | None = None,
-                 on_fallback: Callable[[H5ServeError], None] | None = None) -> None:
+                 on_fallback: Callable[[H5ServeError], None] | None = None,
+                 description: DatasetDescription | None = None) -> None:
         if spec.files:
             raise UnsupportedDataset("mode='stream' reads one file for now; pass one file (or use mode='global')")
-        with open_h5(spec.path) as f:  # metadata only; closed before any fork
-            infos = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
-        check_lengths(*infos)
+        if description is None:  # the file as h5py reads it (hdf5/description.py), opened once
+            description = describe_spec(spec)
+        infos = description.infos
         vlen = [i.key for i in infos if i.vlen]
         if vlen:
             raise UnsupportedDataset(f"mode='stream' does not serve variable-length rows yet ({', '.join(vlen)}): "
                                      "use mode='global' or 'node' for them")
-        out = [check_cast(info, requested) for info, requested in zip(infos, spec.dtypes)]
-        self.out_dtypes, self.total_rows = out, infos[0].rows
+        out = description.out_dtypes
+        self.out_dtypes, self.total_rows = out, description.total_rows
         self.vlen_kinds = [""] * len(infos)
         self.spec, self.infos = spec, infos
         daemon = self._daemon(on_fallback)

@@ -192,16 +192,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# Circles being broken on another branch (issue 24, "one trip from a path to a dataset"); delete
-# the entry when it lands: the test then fails until it is gone, so none stays forgotten.
-BEING_BROKEN = [["h5serve.client.backends", "h5serve.client.files"]]
-
-
 def test_no_import_circles() -> None:
     found = circles(module_graph(ALL_IMPORTS))
-    assert found == BEING_BROKEN, "modules that import each other (move what both need down into one of " + \
-        "them):\n" + "\n".join(" <-> ".join(c) for c in found if c not in BEING_BROKEN) + \
-        "\nno longer circles (remove them from BEING_BROKEN): " + str([c for c in BEING_BROKEN if c not in found])
+    assert not found, "modules that import each other (move what both need down into one of them):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_a_circle_is_seen() -> None:
