@@ -19,26 +19,33 @@ since the order depends on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..checks import is_int
-from ..errors import ConfigError, H5ServeError, UnsupportedDataset, falls_back
+from ..errors import ConfigError, H5ServeError, falls_back
+from ..hdf5.files import check_agreement, check_file_lengths
 from ..hdf5.identity import open_h5
-from ..hdf5.source import DatasetInfo, check_cast, check_lengths, inspect_dataset
+from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
 from ..segments import HEADER_SIZE
+from ..segments.format import VALUES_ALIGN
 from ..stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..units import format_bytes, parse_size, row_nbytes
-from .backends import BackendSpec, H5Handle
+from .backends import BackendSpec
 from .blockcache import BlockCache, StreamBatch
 from .chunkcache import auto_cache_bytes
+from .files import FileHandles, inspect_files
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "resolve_stream", "window_bytes"]
+__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "resolve_stream", "stream_row_bytes",
+           "stream_source", "window_bytes"]
 
 log = logging.getLogger("h5serve")
 
@@ -85,24 +92,38 @@ def _agreed(capacity: int) -> int:
     return int(value.item())
 
 
+def stream_row_bytes(info: DatasetInfo) -> int:
+    """Bytes one row of ``info`` takes in a block: its values (variable-length rows: an int64
+    offset and the mean length of the first rows, an estimate the window is sized by)."""
+    if info.vlen:
+        return 8 + math.ceil(info.mean_length * info.dtype.itemsize)
+    return row_nbytes(info.row_shape, info.dtype)
+
+
 def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
-                   ranks: int | None = None, budget: int | None = None) -> StreamConfig:
+                   ranks: int | None = None, budget: int | None = None, file_rows: Sequence[int] = (),
+                   chunked: Sequence[DatasetInfo] = ()) -> StreamConfig:
     """The block layout and window of the datasets ``infos`` (equal rows); ``budget``: the
-    daemon's, when a daemon serves the blocks.
+    daemon's, when a daemon serves the blocks. ``file_rows``: the rows of each of many files
+    (blocks are laid out per file); ``chunked``: every key of every file, whose chunks blocks
+    are whole numbers of (default ``infos``).
 
     Raised when ``block_rows`` is not whole chunks of every key, the window is smaller than
     one block, or (with a daemon) larger than its budget: ConfigError naming the numbers."""
     total = infos[0].rows
-    unit = block_unit([i.chunk_rows if i.chunked else 1 for i in infos])
-    row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
+    each = list(chunked) or infos
+    unit = block_unit([i.chunk_rows if i.chunked else 1 for i in each])
+    row_bytes = sum(stream_row_bytes(i) for i in infos)
     if block_rows is None:
-        rows = default_block_rows(unit, row_bytes, total)
+        rows = default_block_rows(unit, row_bytes, max(file_rows, default=total))
     else:
-        chunks = ", ".join(f"{i.key}: {i.chunk_rows} rows a chunk" for i in infos if i.chunked)
+        sizes = sorted({(i.key, i.chunk_rows) for i in each if i.chunked})
+        chunks = ", ".join(f"{key}: {n} rows a chunk" for key, n in sizes[:8])
         rows = check_block_rows(block_rows, unit, chunks)
-    layout = BlockLayout(total, rows)
+    layout = BlockLayout(total, rows, tuple(file_rows))
     block = rows * row_bytes
-    cost = block + len(infos) * HEADER_SIZE  # the daemon's segments: a header page each
+    # the daemon's segments: a header page each (and vlen: one more offset, the values aligned)
+    cost = block + len(infos) * HEADER_SIZE + sum(8 + VALUES_ALIGN for i in infos if i.vlen)
     asked = window_bytes(window)
     if budget is not None and asked is not None and asked > budget:
         raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
@@ -116,8 +137,9 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     if capacity < 1:
         said = ("the default window (half the node's available memory shared by its ranks)" if budget is None
                 else "the daemon's budget") if asked is None else f"window={window!r}"
+        values = " (variable-length rows: their mean length in the first rows)" if any(i.vlen for i in infos) else ""
         raise ConfigError(
-            f"{said} is {format_bytes(size)}, smaller than one block ({rows} rows x {row_bytes} bytes = "
+            f"{said} is {format_bytes(size)}, smaller than one block ({rows} rows x {row_bytes} bytes{values} = "
             f"{format_bytes(block)}{'' if budget is None else f', {format_bytes(cost)} in shared memory'}): pass a "
             f"window of at least {format_bytes(block if budget is None else cost)}, or smaller blocks (block_rows=, a "
             f"multiple of {unit})")
@@ -129,44 +151,79 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     return StreamConfig(layout, block, capacity, size, cost, budget or 0)
 
 
+@dataclass(frozen=True)
+class StreamSource:
+    """What a stream dataset's blocks are read from: ``infos``, one per key (the dtype rows are
+    held in: for many files the set's; ``rows`` every file's), ``file_infos[k][i]`` key ``k`` in
+    file ``i``, and the rows of each of many files (empty: one file)."""
+
+    infos: list[DatasetInfo]
+    file_infos: list[list[DatasetInfo]]
+    out_dtypes: list[np.dtype]
+    file_rows: tuple[int, ...] = ()
+
+
+def stream_source(spec: BackendSpec) -> StreamSource:
+    """The datasets of ``spec``: one file's, or many files' (their agreement checked as the
+    lazy backend checks it: h5serve/hdf5/files.py).
+
+    Raised when a file or key is missing, the keys differ in length (in any file), or the
+    files disagree on kind, shape or dtype: the DataError that says which."""
+    if not spec.files:
+        with open_h5(spec.path) as f:  # metadata only; closed before any fork
+            infos = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
+        check_lengths(*infos)
+        out = [check_cast(info, requested) for info, requested in zip(infos, spec.dtypes)]
+        return StreamSource(infos, [[i] for i in infos], out)
+    file_infos = inspect_files(spec)
+    held_dtypes = [check_agreement(spec.files, infos, requested) for infos, requested in zip(file_infos, spec.dtypes)]
+    counts = [[info.rows for info in infos] for infos in file_infos]
+    check_row_counts(spec.keys, [sum(c) for c in counts])
+    check_file_lengths(spec.files, spec.keys, counts)
+    total = sum(counts[0])
+    held = [dataclasses.replace(infos[0], rows=total, dtype=dtype,
+                                mean_length=sum(i.mean_length * i.rows for i in infos) / max(total, 1))
+            for infos, dtype in zip(file_infos, held_dtypes)]
+    out = [requested or dtype for dtype, requested in zip(held_dtypes, spec.dtypes)]
+    return StreamSource(held, file_infos, out, tuple(counts[0]))
+
+
 class StreamBackend:
     """Rows of whole blocks: daemon segments (``name == "shm"``, ``cache`` a DaemonBlocks)
     when the node's daemon answers, else read through h5py into a BlockCache of
     ``config.capacity`` blocks (``name == "lazy"``). ``on_fallback``: called with the reason
     when no daemon serves them and the blocks are read here (None: raise it instead).
 
-    Raised for variable-length rows or many files (not served in stream mode yet):
-    UnsupportedDataset. Raised as ``resolve_stream`` is: ConfigError."""
+    Raised as ``stream_source`` is (a missing file or key, files that disagree): DataError;
+    as ``resolve_stream`` is: ConfigError."""
 
     def __init__(self, spec: BackendSpec, window: object, block_rows: object, ranks: int | None = None,
                  on_fallback: Callable[[H5ServeError], None] | None = None) -> None:
-        if spec.files:
-            raise UnsupportedDataset("mode='stream' reads one file for now; pass one file (or use mode='global')")
-        with open_h5(spec.path) as f:  # metadata only; closed before any fork
-            infos = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
-        check_lengths(*infos)
-        vlen = [i.key for i in infos if i.vlen]
-        if vlen:
-            raise UnsupportedDataset(f"mode='stream' does not serve variable-length rows yet ({', '.join(vlen)}): "
-                                     "use mode='global' or 'node' for them")
-        out = [check_cast(info, requested) for info, requested in zip(infos, spec.dtypes)]
-        self.out_dtypes, self.total_rows = out, infos[0].rows
-        self.vlen_kinds = [""] * len(infos)
-        self.spec, self.infos = spec, infos
+        source = stream_source(spec)
+        infos = source.infos
+        self.out_dtypes, self.total_rows = source.out_dtypes, infos[0].rows
+        self.vlen_kinds = [i.vlen for i in infos]
+        self.spec, self.infos, self.source = spec, infos, source
         daemon = self._daemon(on_fallback)
-        self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget)
-        self.handle = H5Handle(spec.path, dict(spec.h5_options))
+        self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget,
+                                     source.file_rows, [i for each in source.file_infos for i in each])
+        self.handles = FileHandles(spec.files or (spec.path,), dict(spec.h5_options))
         self.cache: BlockCache | DaemonBlocks
         if daemon is None:
             self.name = "lazy"
-            self.cache = BlockCache(infos, out, self.config.layout, self.config.capacity, self.handle)
+            self.cache = self._block_cache()
         else:
             self.name = "shm"
-            self.cache = DaemonBlocks(spec, infos, out, self.config.layout, self.config.capacity, daemon.budget,
-                                      self.config.block_cost)
-        log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s", spec.path,
-                 self.config.layout.block_rows, format_bytes(self.config.block_bytes), self.config.capacity,
-                 "from the daemon's shared memory" if daemon else "read here through h5py")
+            self.cache = DaemonBlocks(spec, infos, self.out_dtypes, self.config.layout, self.config.capacity,
+                                      daemon.budget, self.config.block_cost, self.config.block_bytes)
+        log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s",
+                 spec.pattern or spec.path, self.config.layout.block_rows, format_bytes(self.config.block_bytes),
+                 self.config.capacity, "from the daemon's shared memory" if daemon else "read here through h5py")
+
+    def _block_cache(self) -> BlockCache:
+        c = self.config
+        return BlockCache(self.infos, self.out_dtypes, c.layout, c.capacity, self.handles, self.source.file_infos,
+                          c.capacity * c.block_bytes)
 
     def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
         try:
@@ -197,11 +254,10 @@ class StreamBackend:
             self.cache.close()
         else:
             self.cache.clear()
-        self.handle.close()
+        self.handles.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if isinstance(self.cache, BlockCache):  # a spawned worker reads its own blocks
-            state["cache"] = BlockCache(self.infos, self.out_dtypes, self.config.layout, self.config.capacity,
-                                        self.handle)
+            state["cache"] = self._block_cache()
         return state

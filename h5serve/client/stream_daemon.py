@@ -46,7 +46,8 @@ from ..sharding import STREAM
 from ..stream_order import BlockLayout
 from ..units import format_bytes
 from .backends import BackendSpec, open_acquired
-from .blockcache import gather_by_block
+from .blockcache import Arrays, gather_by_block
+from .ragged import RaggedColumn
 
 __all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
 
@@ -81,12 +82,11 @@ class DaemonBlocks:
     ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
 
     def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
-                 capacity: int, budget: int, block_cost: int) -> None:
+                 capacity: int, budget: int, block_cost: int, block_bytes: int) -> None:
         self.spec, self.infos, self.layout = spec, infos, layout
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
-        self.block_bytes = layout.block_rows * sum(int(np.prod(i.row_shape, dtype=np.int64)) * i.dtype.itemsize
-                                                   for i in infos)
+        self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
         self._reset()
 
@@ -123,10 +123,16 @@ class DaemonBlocks:
         return self._client
 
     def _requests(self, block: int) -> list[Acquire]:
-        a, b = self.layout.span(block)
+        """One acquire per key for ``block``; of many files, the block's rows of the one file that
+        holds them (a block never spans two): the segment is that file's, shared with any job
+        that reads the file, alone or in another set."""
+        if self.spec.files:
+            index, a, b = self.layout.locate(block)
+            path = self.spec.files[index]
+        else:
+            (a, b), path = self.layout.span(block), self.spec.path
         sel = self.spec.selection
-        return [Acquire(self.spec.path, key, sel.world_size, sel.rank, STREAM,
-                        None if dtype is None else dtype.str, rows=(a, b))
+        return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str, rows=(a, b))
                 for key, dtype in zip(self.spec.keys, self.spec.dtypes)]
 
     # ----- the window -------------------------------------------------------------------------
@@ -244,14 +250,14 @@ class DaemonBlocks:
                 f"(a rank stopped or far behind?). The daemon said: {exc}. Check the other ranks, or give the job a "
                 "smaller window (window=) or the daemon a larger --max-memory; timeout= sets how long to wait")
 
-    def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray]:
+    def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them.
 
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        return gather_by_block(rows, self.layout.block_rows, self.infos, self.out_dtypes,
-                               lambda block, needed: [segment.data for segment in self._block(block, needed)])
+        return gather_by_block(rows, self.layout, self.infos, self.out_dtypes,
+                               lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
 
     def close(self) -> None:
         if self._pid == os.getpid():
@@ -265,6 +271,18 @@ class DaemonBlocks:
         state = dict(self.__dict__)
         state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={})  # a spawned worker maps its own
         return state
+
+
+def _arrays(segment: AttachedSegment) -> Arrays:
+    """A block segment's rows as gather_by_block takes them (variable-length: offsets and values).
+
+    Raised when a variable-length segment has no values part: SegmentError."""
+    if not segment.meta.vlen:
+        return segment.data
+    if segment.values is None:
+        raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: it is damaged; "
+                           "the daemon loads it again once it is removed")
+    return segment.data, segment.values
 
 
 def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:

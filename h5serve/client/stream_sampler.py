@@ -17,7 +17,7 @@ from torch.utils.data import Sampler
 
 from ..equalise import check_batch_size
 from ..errors import ConfigError
-from ..stream_order import BlockLayout, NodeEpoch, node_epoch, node_rows, window_for
+from ..stream_order import BlockLayout, NodeEpoch, max_node_blocks, node_epoch, node_rows, window_for
 from .blockcache import StreamBatch
 from .node_sampler import NodePlace
 from .resharding import check_not_resharded
@@ -75,7 +75,7 @@ class StreamSampler(Sampler[StreamBatch]):
         """The order's window: ``window`` if given, else the largest ``capacity`` allows.
 
         Raised when it does not fit ``capacity``: ConfigError."""
-        blocks = max(-(-self.node_rows[self.place.node_rank] // self.layout.block_rows), 1)
+        blocks = max(max_node_blocks(self.layout, self.place.num_nodes, self.place.node_rank), 1)
         best = window_for(self.capacity, blocks, self.layout.block_rows, self.batch_size,
                           self.place.local_world_size, self.block_bytes)
         if window is None:
@@ -139,7 +139,7 @@ class StreamSampler(Sampler[StreamBatch]):
         """Batch number -> the blocks whose last use on this rank is in that batch."""
         if not len(rows):
             return {}
-        ids = rows // self.layout.block_rows
+        ids = self.layout.block_of(rows)
         blocks, back = np.unique(ids[::-1], return_index=True)
         last_batch = (len(ids) - 1 - back) // self.batch_size
         order = np.argsort(last_batch, kind="stable")
