@@ -200,10 +200,8 @@ class BlockCache:
         size = block_nbytes(arrays)
         # no hint freed room (or the values are longer than estimated): least recently used first
         while self._blocks and (len(self._blocks) >= self.capacity or self.nbytes + size > self.limit):
-            victim = next((b for b in self._blocks if b not in needed), None)
-            if victim is None:
-                break  # one batch spans more than the window: hold what it needs
-            self._drop(victim)
+            # a batch spread over more blocks than the window: one it has gathered from goes
+            self._drop(next((b for b in self._blocks if b not in needed), next(iter(self._blocks))))
         self._blocks[block], self._nbytes[block] = arrays, size
         self.reads += 1
         self.peak = max(self.peak, len(self._blocks))
