@@ -19,10 +19,12 @@ Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
   (``StreamBatch.alive``) is closed too; once every rank and job of the node has closed it,
   the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
   kernel drops its flocks).
-- *budget*: when the daemon refuses a needed block because its budget is full of blocks
-  other ranks or jobs still hold (BudgetExceeded), the rank asks again with backoff until
-  ``wait_s``; then it fails with BudgetExceeded naming the window, the budget and the blocks
-  it holds. Nothing waits forever; the daemon and the other ranks carry on.
+- *room*: when the daemon refuses a needed block because its budget is full of blocks
+  other ranks or jobs still hold (BudgetExceeded), or fails its load because its shm
+  filesystem is full (ShmFull: other files there), the rank asks again with backoff until
+  ``wait_s`` (``timeout=``, default DEFAULT_WAIT_S); then it fails with that class, naming the
+  block, the window, the budget and the blocks it holds. Nothing waits forever; the daemon and
+  the other ranks carry on, and the node serves the next job once there is room.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from ..connection import DaemonClient
-from ..errors import BudgetExceeded, ConfigError, SegmentError
+from ..errors import BudgetExceeded, ConfigError, SegmentError, ShmFull
 from ..hdf5.source import DatasetInfo
 from ..protocol import Acquire, AcquireResult
 from ..segments import AttachedSegment
@@ -97,7 +99,7 @@ class DaemonBlocks:
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
-        self.budget_waits = 0  # needed blocks that waited for room in the daemon's budget
+        self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -171,7 +173,7 @@ class DaemonBlocks:
                 continue
             try:
                 self._asked[block] = [AcquireResult.from_wire(client.request(r)) for r in self._requests(block)]
-            except BudgetExceeded:
+            except (BudgetExceeded, ShmFull):
                 return
 
     # ----- gathering --------------------------------------------------------------------------
@@ -221,34 +223,46 @@ class DaemonBlocks:
         raise AssertionError("unreachable")
 
     def _wait_ready(self, client: DaemonClient, request: Acquire, block: int) -> AcquireResult:
-        """The block's segment, loaded: waits for the load, and for room in the daemon's budget
-        while other ranks or jobs hold it full, up to ``wait_s``.
+        """The block's segment, loaded: waits for the load, and for room while there is none, up
+        to ``wait_s``: in the daemon's budget while other ranks or jobs hold it full
+        (BudgetExceeded), or in its shm filesystem while other files fill it (ShmFull: the
+        daemon keeps a failed load's error for a few seconds, then loads it again when asked).
 
-        Raised when there is no room by then: BudgetExceeded naming the window, the budget and
-        the blocks this process holds."""
+        Raised when there is no room by then: the same class, naming the block, the window, the
+        budget and the blocks this process holds."""
         deadline = time.monotonic() + self.wait_s
         pause = _FIRST_BACKOFF_S
         while True:
             try:
                 return client.acquire(request, None, None if self.spec.timeout is None else deadline)
-            except BudgetExceeded as exc:
+            except (BudgetExceeded, ShmFull) as exc:
                 if time.monotonic() + pause > deadline:
-                    raise BudgetExceeded(self._full_message(request, block, exc)) from exc
+                    raise type(exc)(self._full_message(request, block, exc)) from exc
                 self.budget_waits += 1
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
 
-    def _full_message(self, request: Acquire, block: int, exc: BudgetExceeded) -> str:
+    def _full_message(self, request: Acquire, block: int, exc: BudgetExceeded | ShmFull) -> str:
         held = sorted(self._held)
         shown = ", ".join(map(str, held[:16])) + (", ..." if len(held) > 16 else "")
+        holds = f"{len(held)} ({shown})" if held else "none"
         assert request.rows is not None
         window = format_bytes(self.capacity * self.block_cost)
-        return (f"stream block {block} (rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}) found no room "
-                f"in the daemon's budget of {format_bytes(self.budget)} for {self.wait_s:g}s: the window is "
-                f"{self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank holds {len(held)} "
-                f"({shown}) and the rest is held by other ranks or jobs on the node "
-                f"(a rank stopped or far behind?). The daemon said: {exc}. Check the other ranks, or give the job a "
-                "smaller window (window=) or the daemon a larger --max-memory; timeout= sets how long to wait")
+        what = (f"in the daemon's budget of {format_bytes(self.budget)}" if isinstance(exc, BudgetExceeded)
+                else "in the daemon's shm filesystem (its free space, not the budget, ran out)")
+        where = (f"rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}"
+                 + (f" in {request.path}" if self.spec.files else ""))
+        others = ("the rest is held by other ranks or jobs on the node (a rank stopped or far behind?)"
+                  if isinstance(exc, BudgetExceeded) else
+                  "other files fill the shm filesystem (other jobs, users, or files left there)")
+        fix = ("Check the other ranks, or give the job a smaller window (window=) or the daemon a larger --max-memory"
+               if isinstance(exc, BudgetExceeded) else
+               "Free space in the daemon's shm dir (`df` on it), or give the job a smaller window (window=) or the "
+               "daemon a --max-memory its shm filesystem holds")
+        return (f"stream block {block} ({where}) found no room {what} for {self.wait_s:g}s, asked again with backoff: "
+                f"the window is {self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank "
+                f"holds {holds} and {others}. The daemon said: {exc}. {fix}; timeout= sets how long "
+                "to wait")
 
     def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them.
