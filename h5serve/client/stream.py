@@ -11,10 +11,15 @@ served in the stream sampler's order (client/stream_sampler.py), from one of two
 block bytes`` either way, so one ``window`` gives one order with or without a daemon. With a
 daemon, the window must fit its budget (``ping`` says it) counting a header page per key and
 block; None: as many blocks as the budget holds. Without one, every rank (and every
-DataLoader worker) holds its own window; None: its share of half the node's available memory
-(``auto_cache_bytes``: divided by the job's ranks on the node), rounded down to a power of two
-blocks and agreed (the smallest) across the ranks when torch.distributed is initialised,
-since the order depends on it.
+DataLoader worker) holds its own window; None: its share of a quarter of the node's memory
+(``default_window``: physical memory or the cgroup's limit, divided by the job's ranks on the
+node). The order depends on the window, so a default is made of what every rank of a node
+sees alike (the daemon's budget, the node's memory, the file's layout), never of what is free
+at the moment; with torch.distributed initialised the ranks also take the smallest.
+
+Many files: blocks are laid out per file (a block never spans two) and, with a daemon, each
+is a segment of the one file that holds it. Variable-length rows: a block is their offsets
+and values; the window counts the values by the mean row length of each file's first rows.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,16 +42,17 @@ from ..hdf5.identity import open_h5
 from ..hdf5.source import DatasetInfo, check_cast, check_lengths, check_row_counts, inspect_dataset
 from ..segments import HEADER_SIZE
 from ..segments.format import VALUES_ALIGN
-from ..stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
+from ..stream_order import BlockLayout, block_unit, check_block_rows
+from ..stream_plan import fitted_block_rows
 from ..units import format_bytes, parse_size, row_nbytes
 from .backends import BackendSpec
 from .blockcache import BlockCache, StreamBatch
-from .chunkcache import auto_cache_bytes
+from .chunkcache import local_ranks
 from .files import FileHandles, inspect_files
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "resolve_stream", "stream_row_bytes",
-           "stream_source", "window_bytes"]
+__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "node_memory",
+           "resolve_stream", "stream_row_bytes", "stream_source", "window_bytes"]
 
 log = logging.getLogger("h5serve")
 
@@ -79,13 +86,73 @@ def window_bytes(window: object) -> int | None:
     return size
 
 
-def _agreed(capacity: int) -> int:
-    """The smallest ``capacity`` of every rank when a process group is initialised (a collective)."""
+DEFAULT_WINDOW_FRACTION = 0.25  # of the node's memory (node_memory): the default window of all its ranks together
+
+
+def _meminfo(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"no {field} in /proc/meminfo")
+
+
+def _cgroup_limits() -> list[int]:
+    """The memory limits of this process's cgroup and its ancestors (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``); none when unlimited or not found."""
+    limits: list[int] = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return limits
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open("/".join([base, *parts[:depth], name])) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 1 << 60:
+                limits.append(int(text))
+    return limits
+
+
+def node_memory() -> int:
+    """The node's memory as every process of a job on it sees it alike: its physical memory
+    (``MemTotal``), or its cgroup's memory limit when lower (one job's ranks share their
+    cgroup). Never what is free now, which differs from process to process and moment to
+    moment (the default window, and so the order, must be the same on every rank of a node)."""
+    try:
+        total = _meminfo("MemTotal")
+    except (OSError, ValueError):
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min([total, *_cgroup_limits()])
+
+
+def default_window(ranks: int | None) -> int:
+    """The default window without a daemon: DEFAULT_WINDOW_FRACTION of ``node_memory()`` shared
+    by the job's ``ranks`` on the node (default: ``local_ranks()``, torchrun's ``LOCAL_WORLD_SIZE``);
+    the same on every rank of the node without any collective."""
+    return int(node_memory() * DEFAULT_WINDOW_FRACTION) // (ranks or local_ranks())
+
+
+def _agreed(capacity: int, world_size: int) -> int:
+    """The smallest ``capacity`` of every rank when the dataset spans an initialised process
+    group of more than one rank (a collective: every rank builds the dataset), else ``capacity``."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency
         return capacity
-    if not (dist.is_available() and dist.is_initialized()):
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return capacity
     value = torch.tensor([capacity], dtype=torch.int64)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
@@ -102,11 +169,14 @@ def stream_row_bytes(info: DatasetInfo) -> int:
 
 def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
                    ranks: int | None = None, budget: int | None = None, file_rows: Sequence[int] = (),
-                   chunked: Sequence[DatasetInfo] = ()) -> StreamConfig:
+                   chunked: Sequence[DatasetInfo] = (), world_size: int = 1) -> StreamConfig:
     """The block layout and window of the datasets ``infos`` (equal rows); ``budget``: the
     daemon's, when a daemon serves the blocks. ``file_rows``: the rows of each of many files
     (blocks are laid out per file); ``chunked``: every key of every file, whose chunks blocks
-    are whole numbers of (default ``infos``).
+    are whole numbers of (default ``infos``). The default window (``window=None``) is what the
+    daemon's budget holds, else ``default_window(ranks)``: both the same on every rank of a
+    node; with a process group over ``world_size > 1`` ranks they also take the smallest of
+    every rank's (one all-reduce), so a rank that reached no daemon while others did agrees.
 
     Raised when ``block_rows`` is not whole chunks of every key, the window is smaller than
     one block, or (with a daemon) larger than its budget: ConfigError naming the numbers."""
@@ -114,8 +184,10 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     each = list(chunked) or infos
     unit = block_unit([i.chunk_rows if i.chunked else 1 for i in each])
     row_bytes = sum(stream_row_bytes(i) for i in infos)
-    if block_rows is None:
-        rows = default_block_rows(unit, row_bytes, max(file_rows, default=total))
+    asked = window_bytes(window)
+    if block_rows is None:  # whole chunks, smaller than the default when the window would hold few
+        limit = asked or budget or default_window(ranks)
+        rows = fitted_block_rows(unit, row_bytes, max(file_rows, default=total), limit, len(infos))
     else:
         sizes = sorted({(i.key, i.chunk_rows) for i in each if i.chunked})
         chunks = ", ".join(f"{key}: {n} rows a chunk" for key, n in sizes[:8])
@@ -124,7 +196,6 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     block = rows * row_bytes
     # the daemon's segments: a header page each (and vlen: one more offset, the values aligned)
     cost = block + len(infos) * HEADER_SIZE + sum(8 + VALUES_ALIGN for i in infos if i.vlen)
-    asked = window_bytes(window)
     if budget is not None and asked is not None and asked > budget:
         raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
                           f"{format_bytes(budget)}: pass a window of at most that (window=None: what the budget "
@@ -132,10 +203,10 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     if budget is not None and asked is None:
         size, capacity = budget, budget // cost
     else:
-        size = auto_cache_bytes(ranks) if asked is None else asked
+        size = default_window(ranks) if asked is None else asked
         capacity = size // max(block, 1)
     if capacity < 1:
-        said = ("the default window (half the node's available memory shared by its ranks)" if budget is None
+        said = ("the default window (a quarter of the node's memory shared by its ranks)" if budget is None
                 else "the daemon's budget") if asked is None else f"window={window!r}"
         values = " (variable-length rows: their mean length in the first rows)" if any(i.vlen for i in infos) else ""
         raise ConfigError(
@@ -143,8 +214,8 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
             f"{format_bytes(block)}{'' if budget is None else f', {format_bytes(cost)} in shared memory'}): pass a "
             f"window of at least {format_bytes(block if budget is None else cost)}, or smaller blocks (block_rows=, a "
             f"multiple of {unit})")
-    if asked is None and budget is None:  # ranks must agree on it: a power of two survives small differences
-        capacity = _agreed(1 << (capacity.bit_length() - 1))
+    if asked is None:  # the order depends on it: every rank must have the same
+        capacity = _agreed(capacity, world_size)
     capacity = min(capacity, max(layout.n_blocks, 1))
     if budget is not None:
         check_window(size, capacity, block, cost, budget)
@@ -206,7 +277,8 @@ class StreamBackend:
         self.spec, self.infos, self.source = spec, infos, source
         daemon = self._daemon(on_fallback)
         self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget,
-                                     source.file_rows, [i for each in source.file_infos for i in each])
+                                     source.file_rows, [i for each in source.file_infos for i in each],
+                                     spec.selection.world_size)
         self.handles = FileHandles(spec.files or (spec.path,), dict(spec.h5_options))
         self.cache: BlockCache | DaemonBlocks
         if daemon is None:
