@@ -169,14 +169,15 @@ def stream_row_bytes(info: DatasetInfo) -> int:
 
 def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
                    ranks: int | None = None, budget: int | None = None, file_rows: Sequence[int] = (),
-                   chunked: Sequence[DatasetInfo] = (), world_size: int = 1) -> StreamConfig:
+                   chunked: Sequence[DatasetInfo] = (), world_size: int = 1, chunks_said: str = "") -> StreamConfig:
     """The block layout and window of the datasets ``infos`` (equal rows); ``budget``: the
     daemon's, when a daemon serves the blocks. ``file_rows``: the rows of each of many files
     (blocks are laid out per file); ``chunked``: every key of every file, whose chunks blocks
-    are whole numbers of (default ``infos``). The default window (``window=None``) is what the
-    daemon's budget holds, else ``default_window(ranks)``: both the same on every rank of a
-    node; with a process group over ``world_size > 1`` ranks they also take the smallest of
-    every rank's (one all-reduce), so a rank that reached no daemon while others did agrees.
+    are whole numbers of (default ``infos``; ``chunks_said`` names them for messages). The
+    default window (``window=None``) is what the daemon's budget holds, else
+    ``default_window(ranks)``: both the same on every rank of a node; with a process group
+    over ``world_size > 1`` ranks they also take the smallest of every rank's (one
+    all-reduce), so a rank that reached no daemon while others did agrees.
 
     Raised when ``block_rows`` is not whole chunks of every key, the window is smaller than
     one block, or (with a daemon) larger than its budget: ConfigError naming the numbers."""
@@ -189,8 +190,7 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
         limit = asked or budget or default_window(ranks)
         rows = fitted_block_rows(unit, row_bytes, max(file_rows, default=total), limit, len(infos))
     else:
-        sizes = sorted({(i.key, i.chunk_rows) for i in each if i.chunked})
-        chunks = ", ".join(f"{key}: {n} rows a chunk" for key, n in sizes[:8])
+        chunks = chunks_said or ", ".join(f"{i.key}: {i.chunk_rows} rows a chunk" for i in each if i.chunked)
         rows = check_block_rows(block_rows, unit, chunks)
     layout = BlockLayout(total, rows, tuple(file_rows))
     block = rows * row_bytes
@@ -232,6 +232,7 @@ class StreamSource:
     file_infos: list[list[DatasetInfo]]
     out_dtypes: list[np.dtype]
     file_rows: tuple[int, ...] = ()
+    chunks_said: str = ""  # many files: each key's chunk rows and the first file that has them
 
 
 def stream_source(spec: BackendSpec) -> StreamSource:
@@ -256,7 +257,13 @@ def stream_source(spec: BackendSpec) -> StreamSource:
                                 mean_length=sum(i.mean_length * i.rows for i in infos) / max(total, 1))
             for infos, dtype in zip(file_infos, held_dtypes)]
     out = [requested or dtype for dtype, requested in zip(held_dtypes, spec.dtypes)]
-    return StreamSource(held, file_infos, out, tuple(counts[0]))
+    said: dict[tuple[str, int], str] = {}
+    for infos in file_infos:
+        for path, info in zip(spec.files, infos):
+            if info.chunked:
+                said.setdefault((info.key, info.chunk_rows), path)
+    chunks = ", ".join(f"{key}: {n} rows a chunk in {path}" for (key, n), path in list(said.items())[:8])
+    return StreamSource(held, file_infos, out, tuple(counts[0]), chunks)
 
 
 class StreamBackend:
@@ -278,7 +285,7 @@ class StreamBackend:
         daemon = self._daemon(on_fallback)
         self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget,
                                      source.file_rows, [i for each in source.file_infos for i in each],
-                                     spec.selection.world_size)
+                                     spec.selection.world_size, source.chunks_said)
         self.handles = FileHandles(spec.files or (spec.path,), dict(spec.h5_options))
         self.cache: BlockCache | DaemonBlocks
         if daemon is None:

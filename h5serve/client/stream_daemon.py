@@ -306,8 +306,8 @@ def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, 
     if capacity * block_cost > budget:
         fits = budget // block_cost
         raise ConfigError(
-            f"window={format_bytes(window)} holds {capacity} blocks, which take {capacity} x "
-            f"{format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in the daemon's shared memory "
-            f"(rows and a header page per key), more than its budget of {format_bytes(budget)}: pass a window of at "
-            f"most {format_bytes(fits * block_bytes)} ({fits} blocks), window=None for "
-            "what the budget holds, or start the daemon with a larger --max-memory")
+            f"window={format_bytes(window)} holds {capacity} blocks (those in use and those prefetched ahead of "
+            f"them), which take {capacity} x {format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in "
+            f"the daemon's shared memory (rows and a header page per key), more than its budget of "
+            f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
+            "window=None for what the budget holds, or start the daemon with a larger --max-memory")

@@ -82,7 +82,8 @@ def test_a_full_shm_fails_the_rank_by_its_timeout_and_the_node_stays_usable(h5: 
     ds = stream(h5, d, 3.0)
     try:
         with pytest.raises(ShmFull, match=r"stream block \d+ \(rows \[\d+, \d+\) of 'x'\) found no room in the "
-                                          r"daemon's shm filesystem .* asked again with backoff: the window is 7 blocks"):
+                                          r"daemon's shm filesystem .* asked again with backoff: the window is "
+                                          r"7 blocks"):
             whole_epoch(ds, h5)
         assert ds.stream is not None and ds.stream.cache.budget_waits > 0  # it was asked again, not failed at once
     finally:
