@@ -84,7 +84,9 @@ class SharedH5Dataset(Dataset):
     ``StreamSampler`` that draws each rank's rows across the blocks in the window
     (h5serve/stream_order.py). With a daemon, every block is a segment in the node's shared
     memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
-    one, each process reads its blocks itself (client/stream.py); one file, fixed-size rows.
+    one, each process reads its blocks itself (client/stream.py). Every kind of data: many
+    files (blocks laid out per file, never spanning two), variable-length rows (the window
+    counts their values), strings, compressed chunks, several keys.
 
     ``auto_stream`` (default True): a global or node dataset the daemon refuses for room (its
     ``--max-memory`` budget, or /dev/shm) is served in stream mode instead of read lazily row
@@ -92,8 +94,8 @@ class SharedH5Dataset(Dataset):
     then ``ds.mode == "stream"`` (``ds.requested_mode`` keeps what was asked, ``ds.auto_streamed``
     the plan) and make_loader's batches are block-shuffled (StreamSampler). Every rank decides
     alike (in a torch.distributed process group: one all-reduce, so build the dataset on every
-    rank; client/automatic.py). No daemon, many files or variable-length rows: the lazy
-    fallback as before. ``auto_stream=False``: the lazy fallback always.
+    rank; client/automatic.py). No daemon: the lazy fallback as before.
+    ``auto_stream=False``: the lazy fallback always.
 
     Rank and world size come from the arguments, else an initialized torch.distributed
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served

@@ -178,3 +178,25 @@ def test_ddp_job_streams_many_files_of_every_kind(parts: Path, daemon: Daemon, t
     alone = torchrun_two_ranks(JOB, [*args, "--loaders", "make:0"], tmp_path / "lazy", tmp_path / "no-daemon", 200)
     assert all(r["backend"] == "lazy" for r in alone)
     assert [r["runs"]["make:0"] for r in alone] == [r["runs"]["make:0"] for r in reports]
+
+
+def test_global_mode_over_the_budget_streams_many_files_of_every_kind(parts: Path) -> None:
+    """Automatic stream mode (client/automatic.py) for many files with variable-length rows:
+    the daemon refuses the whole set for room, so it is streamed, with one warning, from
+    shared memory; every row once, h5py's bytes."""
+    files = sources(parts)["list"]
+    want = h5py_rows(files)
+    with running_daemon("--max-memory", "120KiB") as d:
+        with pytest.warns(RuntimeWarning, match=r"needs .* of shared memory, more than the daemon's budget of 120.0 "
+                                                r"KiB: streaming it instead \(mode='stream': blocks of 32 rows"):
+            ds = SharedH5Dataset(files, keys=KEYS, mode="global", rank=0, world_size=1, runtime_dir=d.runtime_dir)
+        try:
+            assert ds.mode == "stream" and ds.requested_mode == "global" and ds.backend == "shm"
+            assert ds.auto_streamed is not None and ds.auto_streamed.need > 120 * 1024
+            rows = [g for batch in epoch(ds, want) for g in batch]
+            assert set(rows) == set(range(TOTAL)) and len(rows) - TOTAL < 32
+            with DaemonClient(d.runtime_dir) as client:
+                memory = client.status()["memory"]
+            assert memory["used"] <= memory["budget"]
+        finally:
+            ds.close()
