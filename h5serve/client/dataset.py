@@ -80,7 +80,8 @@ class SharedH5Dataset(Dataset):
     ``mode="stream"``: data bigger than memory. Rows are addressed by their global number, as
     in global mode, and read in whole blocks (``block_rows``, a multiple of every key's chunk
     rows; default about 8 MiB) into a window of at most ``window`` bytes (``"2GiB"``; None:
-    this rank's share of half the node's available memory); ``make_loader`` picks a
+    what the daemon's budget holds, or without one this rank's share of a quarter of the
+    node's memory, the same on every rank of the node); ``make_loader`` picks a
     ``StreamSampler`` that draws each rank's rows across the blocks in the window
     (h5serve/stream_order.py). With a daemon, every block is a segment in the node's shared
     memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
