@@ -3,12 +3,16 @@ blocks. Pure functions of (seed, epoch, block layout, node count, window): no I/
 so the client's samplers and (later) the daemon's window compute the same order.
 
 A *block* is ``block_rows`` consecutive rows of the file, a whole number of HDF5 chunks of
-every key (the last block may be shorter): the unit read, held and freed. Per epoch:
+every key (the last block may be shorter): the unit read, held and freed. Of many files (one
+dataset of their rows concatenated), each file is cut into blocks of its own, its last one
+short when its rows are not whole blocks: a block never spans two files. Per epoch:
 
 1. The full blocks are permuted from ``(seed, epoch)`` and dealt round-robin to the
-   ``num_nodes`` nodes; the short last block (if any) goes to the first node with the fewest
-   full blocks. A node's row count is therefore the same every epoch and the nodes differ by
-   at most one block (``node_rows``); a node reads only the blocks dealt to it.
+   ``num_nodes`` nodes; the short blocks, in an order permuted per epoch, each go to the
+   first node with the fewest rows so far (one file: its short last block to the first node
+   with the fewest full blocks, the same every epoch). The nodes differ by at most one block
+   (``node_rows``; with short blocks of several sizes a node's count may change from epoch to
+   epoch, and every node computes every node's); a node reads only the blocks dealt to it.
 2. A node's ``m`` blocks, in dealt order ``k = 0..m-1``, are drawn through a window of ``W``
    blocks: every row of block ``k`` gets a random key, uniform over ``[lo_k, hi_k)``, and the
    node's sequence is its rows sorted by key. Steady state ``[k - W + 1, k + 1)``: ``W``
