@@ -77,3 +77,23 @@ def test_without_shuffle_each_node_reads_its_blocks_in_file_order() -> None:
 def test_fewer_blocks_than_nodes_is_refused() -> None:
     with pytest.raises(ConfigError, match="2 blocks of 64 rows cannot be dealt to 3 nodes"):
         node_rows(BlockLayout(70, 64, (60, 10)), 3)
+
+
+def test_a_mid_epoch_resume_needs_the_same_files() -> None:
+    from h5serve.client.node_sampler import NodePlace
+    from h5serve.client.stream_sampler import StreamSampler
+
+    place = NodePlace(0, 1, 0, 1)
+    sampler = StreamSampler(LAYOUT, 16, place, 8, seed=2)
+    sampler.set_epoch(1)
+    it = iter(sampler)
+    want = [next(it).rows for _ in range(30)]
+    state = sampler.state_dict(consumed=10 * 16)
+    again = StreamSampler(LAYOUT, 16, place, 8, seed=0)
+    again.load_state_dict(state)
+    assert all(np.array_equal(a.rows, b) for a, b in zip(again, want[10:]))
+    other = BlockLayout(LAYOUT.total_rows, 64, (301, 76, *FILES[2:]))  # the same rows split otherwise
+    with pytest.raises(ConfigError, match=r"file_rows=8 files of 300, 77, 800, 41, ... rows \(this job: 8 files of "
+                                          r"301, 76, 800, 41, ... rows\)"):
+        StreamSampler(other, 16, place, 8).load_state_dict(state)
+    StreamSampler(other, 16, place, 8).load_state_dict(state, next_epoch=True)
