@@ -390,8 +390,9 @@ class SharedH5Dataset(Dataset):
         return collate(fields.batch(columns))
 
     def _ring_ready(self) -> bool:
-        """Whether batches are plain numeric tensors of x (and y), which a ring slot holds."""
-        return (self.fields.layout == XY and not self.fields.transformed
+        """Whether batches are plain numeric tensors of x (and y), which a ring slot holds
+        (not variable-length rows: their columns are ragged)."""
+        return (self.fields.layout == XY and not self.fields.transformed and not any(self._backend.vlen_kinds)
                 and all(np.dtype(d).kind in "biufc" for d in self._backend.out_dtypes))
 
     def plain_batches(self) -> bool:

@@ -200,3 +200,28 @@ def test_global_mode_over_the_budget_streams_many_files_of_every_kind(parts: Pat
             assert memory["used"] <= memory["budget"]
         finally:
             ds.close()
+
+
+@pytest.mark.parametrize("ragged", ["list", "pad"])
+def test_variable_length_x_through_make_loader_workers(parts: Path, daemon: Daemon, ragged: str) -> None:
+    """x of variable-length rows with y (make_loader's worker ring holds fixed-size columns
+    only: ragged batches cross as they are) from forked workers: what the main process gathers.
+    Before the fix every worker failed ('RaggedColumn' object has no attribute 'numpy')."""
+    files = sources(parts)["list"]
+    want = h5py_rows(files)
+    ds = SharedH5Dataset(files, "v", "y", mode="stream", window=WINDOW, block_rows=BLOCK_ROWS, rank=0, world_size=1,
+                         runtime_dir=daemon.runtime_dir, fallback="error", ragged=ragged)
+    try:
+        def rows(workers: int) -> list[tuple[list[int], list[list[float]]]]:
+            out = []
+            kwargs = {"multiprocessing_context": "fork"} if workers else {}
+            for v, y in make_loader(ds, 32, seed=2, num_workers=workers, **kwargs):
+                values = [r.tolist() for r in v] if ragged == "list" else [
+                    row[:n].tolist() for row, n in zip(v.values, v.lengths.tolist())]
+                assert values == [want["v"][g].tolist() for g in y.tolist()]
+                out.append((y.tolist(), values))
+            return out
+
+        assert rows(2) == rows(0)
+    finally:
+        ds.close()
