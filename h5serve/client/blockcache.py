@@ -1,8 +1,9 @@
 """Stream mode's block cache: whole blocks of the file read through h5py into this process,
-at most ``capacity`` blocks at a time, and batches gathered out of them.
+at most ``capacity`` blocks (and the window's bytes) at a time, and batches gathered out of them.
 
-A block is read whole (one chunk-aligned h5py read per key, h5serve/hdf5/reads.py), never
-row by row. Which blocks to keep: the stream sampler's batches come as ``StreamBatch``es that
+A block is read whole (one chunk-aligned h5py read per key, h5serve/hdf5/reads.py; of many
+files, from the one file that holds it; variable-length rows in one h5py call, as offsets and
+values), never row by row. Which blocks to keep: the stream sampler's batches come as ``StreamBatch``es that
 carry the blocks its node's window holds at that step (``alive``); every other block is
 freed before the batch is gathered, so the cache never holds more than that window, however
 the batches are spread over DataLoader workers and whatever the resume point. Batches

@@ -1,5 +1,6 @@
 """Stream mode served by the node's daemon: every block (h5serve/stream_order.py) of every key
-is one segment, asked for by its global rows (``Acquire(mode="stream", rows=(a, b))``), so
+is one segment, asked for by its global rows (``Acquire(mode="stream", rows=(a, b))``; of many
+files, by its rows in the one file that holds it: a one-file acquire, ``files`` empty), so
 the ranks and jobs of a node that read the same block share one copy in shared memory and
 one load (the daemon's loads are single-flight; its loader processes load blocks side by
 side, ``--loaders``).
