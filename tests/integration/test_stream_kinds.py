@@ -225,3 +225,22 @@ def test_variable_length_x_through_make_loader_workers(parts: Path, daemon: Daem
         assert rows(2) == rows(0)
     finally:
         ds.close()
+
+
+def test_inspect_recommends_stream_for_variable_length_rows(parts: Path, tmp_path: Path) -> None:
+    """``h5serve inspect`` counts variable-length rows (an offset and their mean values a row),
+    once refused as not servable, and recommends the window and block stream mode then uses."""
+    from h5serve.inspect import inspect_file
+
+    path = sources(parts)["one-file"]
+    report = inspect_file(path, ["v", "y"], max_memory=24 * 1024)  # the two keys take ~34 KiB
+    assert all(not d.problem for d in report.datasets)
+    assert report.recommended_mode == "stream" and report.stream is not None
+    w = report.stream
+    ds = SharedH5Dataset(path, "v", "y", mode="stream", window=w.window, block_rows=w.block_rows, rank=0,
+                         world_size=1, runtime_dir=tmp_path / "no-daemon")
+    try:
+        assert ds.stream is not None and ds.stream.config.capacity == w.capacity
+        assert ds.stream.config.block_bytes == w.block_bytes
+    finally:
+        ds.close()
