@@ -11,6 +11,7 @@ CLI only prints.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import resource
 from collections.abc import Mapping
@@ -155,9 +156,9 @@ def _filters(obj: h5py.Dataset) -> tuple[FilterReport, ...]:
 
 def _dataset_report(f: h5py.File, key: str) -> DatasetReport:
     """Raised when ``key`` is not a dataset of ``f``: KeyNotFound."""
-    problem = ""
+    problem, info = "", None
     try:
-        inspect_dataset(f, key)
+        info = inspect_dataset(f, key, vlen=True)
     except (UnsupportedDataset, SourceNotFound) as exc:  # a virtual dataset's source file may be missing
         problem = str(exc)
     dataset_key, field = split_field(f, key)
@@ -167,6 +168,8 @@ def _dataset_report(f: h5py.File, key: str) -> DatasetReport:
     rows = shape[0] if shape else 0
     row_shape = (*shape[1:], *dtype.shape)
     row_bytes = row_nbytes(row_shape, dtype.base)
+    if info is not None and info.vlen:  # an int64 offset and the values (the mean of the first rows): an estimate
+        row_bytes, dtype = 8 + math.ceil(info.mean_length * info.dtype.itemsize), info.dtype
     chunks = obj.chunks
     layout = "virtual" if obj.is_virtual else "chunked" if chunks else (
         "compact" if obj.id.get_create_plist().get_layout() == h5py.h5d.COMPACT else "contiguous")

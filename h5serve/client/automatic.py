@@ -5,8 +5,9 @@ lazily row by row.
 The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sampler exists:
 
 - a rank *wants* stream mode when its daemon refused the full shard for room (CapacityError:
-  BudgetExceeded, ShmFull) and the data can be streamed (one file, fixed-size rows); no
-  daemon (DaemonUnavailable) is not a reason: the lazy fallback stays, bounded by its cache;
+  BudgetExceeded, ShmFull) and the data can be read (one file or many, fixed-size or
+  variable-length rows); no daemon (DaemonUnavailable) is not a reason: the lazy fallback
+  stays, bounded by its cache;
 - every rank whose daemon answered reports its *limit*: the daemon's budget, or the free
   space of its /dev/shm when that is smaller;
 - with torch.distributed initialised over more than one rank, one all-reduce (MAX of
@@ -14,8 +15,9 @@ The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sa
   if any rank wants it, with the smallest limit of any node. Without a process group, ranks
   of one node ask the same daemon with the same budget and decide alike.
 
-The window is the blocks the agreed limit holds (h5serve/stream_plan.py, as ``h5serve
-inspect`` recommends; ``resolve_stream`` with the limit as the budget),
+The window is the blocks the agreed limit holds (``resolve_stream`` with the limit as the
+budget: the default block, smaller when the limit would hold fewer than 8, as ``h5serve
+inspect`` recommends through h5serve/order/stream_plan.py),
 passed to StreamBackend as bytes, so every rank's sampler has the same capacity whether its
 blocks come from a daemon or from h5py.
 """
@@ -28,17 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CapacityError, H5ServeError, ShmFull
-from ..hdf5.description import DatasetDescription
-from ..hdf5.source import DatasetInfo
-from ..order.stream_plan import plan_window
-from ..segments import HEADER_SIZE
-from ..util.units import format_bytes, row_nbytes
 from ..wire.connection import DaemonClient
+from ..errors import CapacityError, ConfigError, H5ServeError, ShmFull
+from ..hdf5.description import DatasetDescription
+from ..segments import HEADER_SIZE
+from ..util.units import format_bytes
 from .spec import BackendSpec
-from .stream import resolve_stream
+from .stream import StreamSource, resolve_stream, stream_row_bytes, stream_source
 
-__all__ = ["StreamPlan", "decide", "streamable_infos"]
+__all__ = ["StreamPlan", "decide", "streamable"]
 
 _UNKNOWN = -(1 << 62)  # an all-reduce MAX of -limit never picks a rank that knows no limit
 
@@ -57,19 +57,15 @@ class StreamPlan:
     reason: str  # "budget" or "shm"
 
 
-def streamable_infos(spec: BackendSpec, describe: Callable[[], DatasetDescription]) -> list[DatasetInfo] | None:
-    """The datasets of ``spec`` when stream mode can serve them (one file, fixed-size rows),
-    else None. ``describe``: the dataset's description of its files (built once, and handed on
-    to whichever backend serves)."""
-    if spec.files:
-        return None
+def streamable(describe: Callable[[], DatasetDescription]) -> StreamSource | None:
+    """The datasets ``describe`` describes (one file or many, fixed-size or variable-length
+    rows) as stream mode reads them, or None when they cannot be read or checked.
+    ``describe``: the dataset's description of its files (built once, and handed on to
+    whichever backend serves)."""
     try:
-        infos = describe().infos  # the keys' lengths are checked (LengthMismatch: not streamable)
+        return stream_source(describe())
     except H5ServeError:
         return None
-    if any(i.vlen for i in infos):
-        return None
-    return infos
 
 
 def _limit(spec: BackendSpec) -> tuple[int, int] | None:
@@ -116,10 +112,10 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
            describe: Callable[[], DatasetDescription]) -> StreamPlan | None:
     """Whether the global/node dataset ``spec`` (whose daemon acquire ended in ``error``, None:
     served) is streamed instead, and how; None: serve it as today. ``describe``: as for
-    ``streamable_infos``. A collective when torch.distributed is initialised over more than
-    one rank: call it on every rank."""
-    infos = streamable_infos(spec, describe) if isinstance(error, CapacityError) else None
-    want = infos is not None
+    ``streamable``. A collective when
+    torch.distributed is initialised over more than one rank: call it on every rank."""
+    source = streamable(describe) if isinstance(error, CapacityError) else None
+    want = source is not None
     if not want and not _grouped(world_size):
         return None
     known = _limit(spec) if want or error is None else None
@@ -127,17 +123,18 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
     want, budget, limit = _agree(want and known is not None, budget, limit, world_size)
     if not want or budget is None or limit is None:
         return None
-    if infos is None:  # this rank was served (or had no daemon) and another was refused
-        infos = streamable_infos(spec, describe)
-        if infos is None:
+    if source is None:  # this rank was served (or had no daemon) and another was refused
+        source = streamable(describe)
+        if source is None:
             return None
-    row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
-    window = plan_window([i.chunk_rows if i.chunked else 1 for i in infos], row_bytes, infos[0].rows, limit)
-    if window is None:  # not even one block fits: the lazy fallback
+    infos = source.infos
+    try:  # the blocks and window the limit holds, as inspect recommends them (stream_plan.fitted_block_rows)
+        config = resolve_stream(infos, None, None, ranks, limit, source.file_rows,
+                                [i for each in source.file_infos for i in each], 1, source.chunks_said)
+    except ConfigError:  # not even one block fits: the lazy fallback
         return None
-    config = resolve_stream(infos, None, window.block_rows, ranks, limit)
     rows = len(spec.selection.rows(infos[0].rows))
-    need = sum(rows * row_nbytes(i.row_shape, i.dtype) + HEADER_SIZE for i in infos)
+    need = sum(rows * stream_row_bytes(i) + HEADER_SIZE for i in infos)
     reason = "shm" if isinstance(error, ShmFull) or limit < budget else "budget"
     return StreamPlan(need, budget, limit, config.capacity * config.block_bytes, config.layout.block_rows,
                       config.block_bytes, config.capacity, reason)

@@ -40,10 +40,7 @@ from .ragged import RaggedColumn, RaggedSource, read_ragged
 from .spec import BackendSpec, describe_spec
 from .vlencache import VlenCache
 
-# BackendSpec and H5Handle live in client/spec.py and client/handle.py (so that client/files.py
-# needs neither this module nor the reverse); named here too for the modules that import them from here
-__all__ = ["BackendSpec", "ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "H5Handle", "lazy_backend",
-           "Backend"]
+__all__ = ["ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "lazy_backend", "Backend"]
 
 log = logging.getLogger("h5serve.client")
 

@@ -82,11 +82,14 @@ class SharedH5Dataset(Dataset):
     ``mode="stream"``: data bigger than memory. Rows are addressed by their global number, as
     in global mode, and read in whole blocks (``block_rows``, a multiple of every key's chunk
     rows; default about 8 MiB) into a window of at most ``window`` bytes (``"2GiB"``; None:
-    this rank's share of half the node's available memory); ``make_loader`` picks a
+    what the daemon's budget holds, or without one this rank's share of a quarter of the
+    node's memory, the same on every rank of the node); ``make_loader`` picks a
     ``StreamSampler`` that draws each rank's rows across the blocks in the window
-    (h5serve/stream_order.py). With a daemon, every block is a segment in the node's shared
+    (h5serve/order/stream_order.py). With a daemon, every block is a segment in the node's shared
     memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
-    one, each process reads its blocks itself (client/stream.py); one file, fixed-size rows.
+    one, each process reads its blocks itself (client/stream.py). Every kind of data: many
+    files (blocks laid out per file, never spanning two), variable-length rows (the window
+    counts their values), strings, compressed chunks, several keys.
 
     ``auto_stream`` (default True): a global or node dataset the daemon refuses for room (its
     ``--max-memory`` budget, or /dev/shm) is served in stream mode instead of read lazily row
@@ -94,8 +97,8 @@ class SharedH5Dataset(Dataset):
     then ``ds.mode == "stream"`` (``ds.requested_mode`` keeps what was asked, ``ds.auto_streamed``
     the plan) and make_loader's batches are block-shuffled (StreamSampler). Every rank decides
     alike (in a torch.distributed process group: one all-reduce, so build the dataset on every
-    rank; client/automatic.py). No daemon, many files or variable-length rows: the lazy
-    fallback as before. ``auto_stream=False``: the lazy fallback always.
+    rank; client/automatic.py). No daemon: the lazy fallback as before.
+    ``auto_stream=False``: the lazy fallback always.
 
     Rank and world size come from the arguments, else an initialized torch.distributed
     process group, else RANK / WORLD_SIZE, else 0 / 1. ``backend`` is ``"shm"`` when served
@@ -242,7 +245,7 @@ class SharedH5Dataset(Dataset):
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
-                                 description=None if self.spec.files else self._description())
+                                 description=self._description())
         backend, error = None, None
         try:
             backend = ShmBackend.connect(self.spec, self.rank)
@@ -400,8 +403,9 @@ class SharedH5Dataset(Dataset):
         return collate(fields.batch(columns))
 
     def _ring_ready(self) -> bool:
-        """Whether batches are plain numeric tensors of x (and y), which a ring slot holds."""
-        return (self.fields.layout == XY and not self.fields.transformed
+        """Whether batches are plain numeric tensors of x (and y), which a ring slot holds
+        (not variable-length rows: their columns are ragged)."""
+        return (self.fields.layout == XY and not self.fields.transformed and not any(self._backend.vlen_kinds)
                 and all(np.dtype(d).kind in "biufc" for d in self._backend.out_dtypes))
 
     def plain_batches(self) -> bool:

@@ -32,13 +32,13 @@ from .ragged import RaggedColumn, read_ragged
 from .spec import BackendSpec
 from .vlencache import VlenCache
 
-__all__ = ["FilesLazyBackend", "MAX_OPEN_FILES"]
+__all__ = ["FilesLazyBackend", "FileHandles", "MAX_OPEN_FILES"]
 
 log = logging.getLogger("h5serve.client")
 MAX_OPEN_FILES = 64  # h5py handles one process keeps open at once (each is a descriptor and HDF5 caches)
 
 
-class _Handles:
+class FileHandles:
     """One H5Handle per file, opened on first use, at most MAX_OPEN_FILES open at once."""
 
     def __init__(self, paths: tuple[str, ...], options: dict[str, Any]) -> None:
@@ -87,7 +87,7 @@ class FilesLazyBackend:
         if not self.cached:
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
-        self.handles = _Handles(spec.files, dict(spec.h5_options))
+        self.handles = FileHandles(spec.files, dict(spec.h5_options))
         self._caches: dict[tuple[int, int], ChunkCache | VlenCache] = {}
 
     def _cache(self, k: int, j: int) -> ChunkCache | VlenCache:

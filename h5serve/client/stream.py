@@ -1,4 +1,4 @@
-"""Stream mode (``SharedH5Dataset(mode="stream")``): the file's blocks (h5serve/stream_order.py)
+"""Stream mode (``SharedH5Dataset(mode="stream")``): the file's blocks (h5serve/order/stream_order.py)
 served in the stream sampler's order (client/stream_sampler.py), from one of two sources:
 
 - the node's daemon, when one answers: every block a segment in shared memory, one copy per
@@ -11,35 +11,47 @@ served in the stream sampler's order (client/stream_sampler.py), from one of two
 block bytes`` either way, so one ``window`` gives one order with or without a daemon. With a
 daemon, the window must fit its budget (``ping`` says it) counting a header page per key and
 block; None: as many blocks as the budget holds. Without one, every rank (and every
-DataLoader worker) holds its own window; None: its share of half the node's available memory
-(``auto_cache_bytes``: divided by the job's ranks on the node), rounded down to a power of two
-blocks and agreed (the smallest) across the ranks when torch.distributed is initialised,
-since the order depends on it.
+DataLoader worker) holds its own window; None: its share of a quarter of the node's memory
+(``default_window``: physical memory or the cgroup's limit, divided by the job's ranks on the
+node). The order depends on the window, so a default is made of what every rank of a node
+sees alike (the daemon's budget, the node's memory, the file's layout), never of what is free
+at the moment; with torch.distributed initialised the ranks also take the smallest.
+
+Many files: blocks are laid out per file (a block never spans two) and, with a daemon, each
+is a segment of the one file that holds it. Variable-length rows: a block is their offsets
+and values; the window counts the values by the mean row length of each file's first rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+import math
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..errors import ConfigError, H5ServeError, UnsupportedDataset, falls_back
+from ..util.checks import is_int
+from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.description import DatasetDescription
 from ..hdf5.source import DatasetInfo
-from ..order.stream_order import BlockLayout, block_unit, check_block_rows, default_block_rows
 from ..segments import HEADER_SIZE
-from ..util.checks import is_int
+from ..segments.format import VALUES_ALIGN
+from ..order.stream_order import BlockLayout, block_unit, check_block_rows
+from ..order.stream_plan import fitted_block_rows
 from ..util.units import format_bytes, parse_size, row_nbytes
 from .blockcache import BlockCache, StreamBatch
-from .chunkcache import auto_cache_bytes
-from .handle import H5Handle
+from .chunkcache import local_ranks
+from .files import FileHandles
 from .spec import BackendSpec, describe_spec
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "resolve_stream", "window_bytes"]
+__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "node_memory",
+           "resolve_stream", "stream_row_bytes", "stream_source", "window_bytes"]
 
 log = logging.getLogger("h5serve")
 
@@ -73,38 +85,116 @@ def window_bytes(window: object) -> int | None:
     return size
 
 
-def _agreed(capacity: int) -> int:
-    """The smallest ``capacity`` of every rank when a process group is initialised (a collective)."""
+DEFAULT_WINDOW_FRACTION = 0.25  # of the node's memory (node_memory): the default window of all its ranks together
+
+
+def _meminfo(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"no {field} in /proc/meminfo")
+
+
+def _cgroup_limits() -> list[int]:
+    """The memory limits of this process's cgroup and its ancestors (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``); none when unlimited or not found."""
+    limits: list[int] = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return limits
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open("/".join([base, *parts[:depth], name])) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 1 << 60:
+                limits.append(int(text))
+    return limits
+
+
+def node_memory() -> int:
+    """The node's memory as every process of a job on it sees it alike: its physical memory
+    (``MemTotal``), or its cgroup's memory limit when lower (one job's ranks share their
+    cgroup). Never what is free now, which differs from process to process and moment to
+    moment (the default window, and so the order, must be the same on every rank of a node)."""
+    try:
+        total = _meminfo("MemTotal")
+    except (OSError, ValueError):
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min([total, *_cgroup_limits()])
+
+
+def default_window(ranks: int | None) -> int:
+    """The default window without a daemon: DEFAULT_WINDOW_FRACTION of ``node_memory()`` shared
+    by the job's ``ranks`` on the node (default: ``local_ranks()``, torchrun's ``LOCAL_WORLD_SIZE``);
+    the same on every rank of the node without any collective."""
+    return int(node_memory() * DEFAULT_WINDOW_FRACTION) // (ranks or local_ranks())
+
+
+def _agreed(capacity: int, world_size: int) -> int:
+    """The smallest ``capacity`` of every rank when the dataset spans an initialised process
+    group of more than one rank (a collective: every rank builds the dataset), else ``capacity``."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency
         return capacity
-    if not (dist.is_available() and dist.is_initialized()):
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return capacity
     value = torch.tensor([capacity], dtype=torch.int64)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return int(value.item())
 
 
+def stream_row_bytes(info: DatasetInfo) -> int:
+    """Bytes one row of ``info`` takes in a block: its values (variable-length rows: an int64
+    offset and the mean length of the first rows, an estimate the window is sized by)."""
+    if info.vlen:
+        return 8 + math.ceil(info.mean_length * info.dtype.itemsize)
+    return row_nbytes(info.row_shape, info.dtype)
+
+
 def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
-                   ranks: int | None = None, budget: int | None = None) -> StreamConfig:
+                   ranks: int | None = None, budget: int | None = None, file_rows: Sequence[int] = (),
+                   chunked: Sequence[DatasetInfo] = (), world_size: int = 1, chunks_said: str = "") -> StreamConfig:
     """The block layout and window of the datasets ``infos`` (equal rows); ``budget``: the
-    daemon's, when a daemon serves the blocks.
+    daemon's, when a daemon serves the blocks. ``file_rows``: the rows of each of many files
+    (blocks are laid out per file); ``chunked``: every key of every file, whose chunks blocks
+    are whole numbers of (default ``infos``; ``chunks_said`` names them for messages). The
+    default window (``window=None``) is what the daemon's budget holds, else
+    ``default_window(ranks)``: both the same on every rank of a node; with a process group
+    over ``world_size > 1`` ranks they also take the smallest of every rank's (one
+    all-reduce), so a rank that reached no daemon while others did agrees.
 
     Raised when ``block_rows`` is not whole chunks of every key, the window is smaller than
     one block, or (with a daemon) larger than its budget: ConfigError naming the numbers."""
     total = infos[0].rows
-    unit = block_unit([i.chunk_rows if i.chunked else 1 for i in infos])
-    row_bytes = sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
-    if block_rows is None:
-        rows = default_block_rows(unit, row_bytes, total)
-    else:
-        chunks = ", ".join(f"{i.key}: {i.chunk_rows} rows a chunk" for i in infos if i.chunked)
-        rows = check_block_rows(block_rows, unit, chunks)
-    layout = BlockLayout(total, rows)
-    block = rows * row_bytes
-    cost = block + len(infos) * HEADER_SIZE  # the daemon's segments: a header page each
+    each = list(chunked) or infos
+    unit = block_unit([i.chunk_rows if i.chunked else 1 for i in each])
+    row_bytes = sum(stream_row_bytes(i) for i in infos)
     asked = window_bytes(window)
+    if block_rows is None:  # whole chunks, smaller than the default when the window would hold few
+        limit = asked or budget or default_window(ranks)
+        rows = fitted_block_rows(unit, row_bytes, max(file_rows, default=total), limit, len(infos))
+    else:
+        chunks = chunks_said or ", ".join(f"{i.key}: {i.chunk_rows} rows a chunk" for i in each if i.chunked)
+        rows = check_block_rows(block_rows, unit, chunks)
+    layout = BlockLayout(total, rows, tuple(file_rows))
+    block = rows * row_bytes
+    # the daemon's segments: a header page each (and vlen: one more offset, the values aligned)
+    cost = block + len(infos) * HEADER_SIZE + sum(8 + VALUES_ALIGN for i in infos if i.vlen)
     if budget is not None and asked is not None and asked > budget:
         raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
                           f"{format_bytes(budget)}: pass a window of at most that (window=None: what the budget "
@@ -112,22 +202,57 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     if budget is not None and asked is None:
         size, capacity = budget, budget // cost
     else:
-        size = auto_cache_bytes(ranks) if asked is None else asked
+        size = default_window(ranks) if asked is None else asked
         capacity = size // max(block, 1)
     if capacity < 1:
-        said = ("the default window (half the node's available memory shared by its ranks)" if budget is None
+        said = ("the default window (a quarter of the node's memory shared by its ranks)" if budget is None
                 else "the daemon's budget") if asked is None else f"window={window!r}"
+        values = " (variable-length rows: their mean length in the first rows)" if any(i.vlen for i in infos) else ""
         raise ConfigError(
-            f"{said} is {format_bytes(size)}, smaller than one block ({rows} rows x {row_bytes} bytes = "
+            f"{said} is {format_bytes(size)}, smaller than one block ({rows} rows x {row_bytes} bytes{values} = "
             f"{format_bytes(block)}{'' if budget is None else f', {format_bytes(cost)} in shared memory'}): pass a "
             f"window of at least {format_bytes(block if budget is None else cost)}, or smaller blocks (block_rows=, a "
             f"multiple of {unit})")
-    if asked is None and budget is None:  # ranks must agree on it: a power of two survives small differences
-        capacity = _agreed(1 << (capacity.bit_length() - 1))
+    if asked is None:  # the order depends on it: every rank must have the same
+        capacity = _agreed(capacity, world_size)
     capacity = min(capacity, max(layout.n_blocks, 1))
     if budget is not None:
         check_window(size, capacity, block, cost, budget)
     return StreamConfig(layout, block, capacity, size, cost, budget or 0)
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """What a stream dataset's blocks are read from: ``infos``, one per key (the dtype rows are
+    held in: for many files the set's; ``rows`` every file's), ``file_infos[k][i]`` key ``k`` in
+    file ``i``, and the rows of each of many files (empty: one file)."""
+
+    infos: list[DatasetInfo]
+    file_infos: list[list[DatasetInfo]]
+    out_dtypes: list[np.dtype]
+    file_rows: tuple[int, ...] = ()
+    chunks_said: str = ""  # many files: each key's chunk rows and the first file that has them
+
+
+def stream_source(description: DatasetDescription) -> StreamSource:
+    """What the blocks of the dataset ``description`` holds are read from (one file's, or many
+    files', checked as every reader's are: hdf5/description.py)."""
+    keys = description.keys
+    if len(description.files) == 1:
+        infos = [k.first for k in keys]
+        return StreamSource(infos, [[i] for i in infos], description.out_dtypes)
+    file_infos = [list(k.infos) for k in keys]
+    total = description.total_rows
+    held = [dataclasses.replace(k.first, rows=total, dtype=k.dtype,
+                                mean_length=sum(i.mean_length * i.rows for i in k.infos) / max(total, 1))
+            for k in keys]
+    said: dict[tuple[str, int], str] = {}
+    for infos in file_infos:
+        for path, info in zip(description.files, infos):
+            if info.chunked:
+                said.setdefault((info.key, info.chunk_rows), path)
+    chunks = ", ".join(f"{key}: {n} rows a chunk in {path}" for (key, n), path in list(said.items())[:8])
+    return StreamSource(held, file_infos, description.out_dtypes, description.file_rows, chunks)
 
 
 class StreamBackend:
@@ -136,39 +261,40 @@ class StreamBackend:
     ``config.capacity`` blocks (``name == "lazy"``). ``on_fallback``: called with the reason
     when no daemon serves them and the blocks are read here (None: raise it instead).
 
-    Raised for variable-length rows or many files (not served in stream mode yet):
-    UnsupportedDataset. Raised as ``resolve_stream`` is: ConfigError."""
+    ``description``: the files as h5py reads them (hdf5/description.py; None: described here).
+
+    Raised as ``describe`` is (a missing file or key, files that disagree): DataError; as
+    ``resolve_stream`` is: ConfigError."""
 
     def __init__(self, spec: BackendSpec, window: object, block_rows: object, ranks: int | None = None,
                  on_fallback: Callable[[H5ServeError], None] | None = None,
                  description: DatasetDescription | None = None) -> None:
-        if spec.files:
-            raise UnsupportedDataset("mode='stream' reads one file for now; pass one file (or use mode='global')")
-        if description is None:  # the file as h5py reads it (hdf5/description.py), opened once
-            description = describe_spec(spec)
-        infos = description.infos
-        vlen = [i.key for i in infos if i.vlen]
-        if vlen:
-            raise UnsupportedDataset(f"mode='stream' does not serve variable-length rows yet ({', '.join(vlen)}): "
-                                     "use mode='global' or 'node' for them")
-        out = description.out_dtypes
-        self.out_dtypes, self.total_rows = out, description.total_rows
-        self.vlen_kinds = [""] * len(infos)
-        self.spec, self.infos = spec, infos
+        source = stream_source(describe_spec(spec) if description is None else description)
+        infos = source.infos
+        self.out_dtypes, self.total_rows = source.out_dtypes, infos[0].rows
+        self.vlen_kinds = [i.vlen for i in infos]
+        self.spec, self.infos, self.source = spec, infos, source
         daemon = self._daemon(on_fallback)
-        self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget)
-        self.handle = H5Handle(spec.path, dict(spec.h5_options))
+        self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget,
+                                     source.file_rows, [i for each in source.file_infos for i in each],
+                                     spec.selection.world_size, source.chunks_said)
+        self.handles = FileHandles(spec.files or (spec.path,), dict(spec.h5_options))
         self.cache: BlockCache | DaemonBlocks
         if daemon is None:
             self.name = "lazy"
-            self.cache = BlockCache(infos, out, self.config.layout, self.config.capacity, self.handle)
+            self.cache = self._block_cache()
         else:
             self.name = "shm"
-            self.cache = DaemonBlocks(spec, infos, out, self.config.layout, self.config.capacity, daemon.budget,
-                                      self.config.block_cost)
-        log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s", spec.path,
-                 self.config.layout.block_rows, format_bytes(self.config.block_bytes), self.config.capacity,
-                 "from the daemon's shared memory" if daemon else "read here through h5py")
+            self.cache = DaemonBlocks(spec, infos, self.out_dtypes, self.config.layout, self.config.capacity,
+                                      daemon.budget, self.config.block_cost, self.config.block_bytes)
+        log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s",
+                 spec.pattern or spec.path, self.config.layout.block_rows, format_bytes(self.config.block_bytes),
+                 self.config.capacity, "from the daemon's shared memory" if daemon else "read here through h5py")
+
+    def _block_cache(self) -> BlockCache:
+        c = self.config
+        return BlockCache(self.infos, self.out_dtypes, c.layout, c.capacity, self.handles, self.source.file_infos,
+                          c.capacity * c.block_bytes)
 
     def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
         try:
@@ -199,11 +325,10 @@ class StreamBackend:
             self.cache.close()
         else:
             self.cache.clear()
-        self.handle.close()
+        self.handles.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if isinstance(self.cache, BlockCache):  # a spawned worker reads its own blocks
-            state["cache"] = BlockCache(self.infos, self.out_dtypes, self.config.layout, self.config.capacity,
-                                        self.handle)
+            state["cache"] = self._block_cache()
         return state

@@ -1,5 +1,6 @@
-"""Stream mode served by the node's daemon: every block (h5serve/stream_order.py) of every key
-is one segment, asked for by its global rows (``Acquire(mode="stream", rows=(a, b))``), so
+"""Stream mode served by the node's daemon: every block (h5serve/order/stream_order.py) of every key
+is one segment, asked for by its global rows (``Acquire(mode="stream", rows=(a, b))``; of many
+files, by its rows in the one file that holds it: a one-file acquire, ``files`` empty), so
 the ranks and jobs of a node that read the same block share one copy in shared memory and
 one load (the daemon's loads are single-flight; its loader processes load blocks side by
 side, ``--loaders``).
@@ -19,10 +20,12 @@ Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
   (``StreamBatch.alive``) is closed too; once every rank and job of the node has closed it,
   the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
   kernel drops its flocks).
-- *budget*: when the daemon refuses a needed block because its budget is full of blocks
-  other ranks or jobs still hold (BudgetExceeded), the rank asks again with backoff until
-  ``wait_s``; then it fails with BudgetExceeded naming the window, the budget and the blocks
-  it holds. Nothing waits forever; the daemon and the other ranks carry on.
+- *room*: when the daemon refuses a needed block because its budget is full of blocks
+  other ranks or jobs still hold (BudgetExceeded), or fails its load because its shm
+  filesystem is full (ShmFull: other files there), the rank asks again with backoff until
+  ``wait_s`` (``timeout=``, default DEFAULT_WAIT_S); then it fails with that class, naming the
+  block, the window, the budget and the blocks it holds. Nothing waits forever; the daemon and
+  the other ranks carry on, and the node serves the next job once there is room.
 """
 
 from __future__ import annotations
@@ -37,16 +40,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import BudgetExceeded, ConfigError, SegmentError
+from ..wire.connection import DaemonClient
+from ..errors import BudgetExceeded, ConfigError, SegmentError, ShmFull
 from ..hdf5.source import DatasetInfo
+from ..wire.protocol import Acquire, AcquireResult
+from ..segments import AttachedSegment
 from ..order.sharding import STREAM
 from ..order.stream_order import BlockLayout
-from ..segments import AttachedSegment
 from ..util.units import format_bytes
-from ..wire.connection import DaemonClient
-from ..wire.protocol import Acquire, AcquireResult
-from .backends import BackendSpec, open_acquired
-from .blockcache import gather_by_block
+from .backends import open_acquired
+from .blockcache import Arrays, gather_by_block
+from .ragged import RaggedColumn
+from .spec import BackendSpec
 
 __all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
 
@@ -81,12 +86,11 @@ class DaemonBlocks:
     ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
 
     def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
-                 capacity: int, budget: int, block_cost: int) -> None:
+                 capacity: int, budget: int, block_cost: int, block_bytes: int) -> None:
         self.spec, self.infos, self.layout = spec, infos, layout
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
-        self.block_bytes = layout.block_rows * sum(int(np.prod(i.row_shape, dtype=np.int64)) * i.dtype.itemsize
-                                                   for i in infos)
+        self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
         self._reset()
 
@@ -97,7 +101,7 @@ class DaemonBlocks:
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
-        self.budget_waits = 0  # needed blocks that waited for room in the daemon's budget
+        self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -123,10 +127,16 @@ class DaemonBlocks:
         return self._client
 
     def _requests(self, block: int) -> list[Acquire]:
-        a, b = self.layout.span(block)
+        """One acquire per key for ``block``; of many files, the block's rows of the one file that
+        holds them (a block never spans two): the segment is that file's, shared with any job
+        that reads the file, alone or in another set."""
+        if self.spec.files:
+            index, a, b = self.layout.locate(block)
+            path = self.spec.files[index]
+        else:
+            (a, b), path = self.layout.span(block), self.spec.path
         sel = self.spec.selection
-        return [Acquire(self.spec.path, key, sel.world_size, sel.rank, STREAM,
-                        None if dtype is None else dtype.str, rows=(a, b))
+        return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str, rows=(a, b))
                 for key, dtype in zip(self.spec.keys, self.spec.dtypes)]
 
     # ----- the window -------------------------------------------------------------------------
@@ -165,7 +175,7 @@ class DaemonBlocks:
                 continue
             try:
                 self._asked[block] = [AcquireResult.from_wire(client.request(r)) for r in self._requests(block)]
-            except BudgetExceeded:
+            except (BudgetExceeded, ShmFull):
                 return
 
     # ----- gathering --------------------------------------------------------------------------
@@ -215,43 +225,55 @@ class DaemonBlocks:
         raise AssertionError("unreachable")
 
     def _wait_ready(self, client: DaemonClient, request: Acquire, block: int) -> AcquireResult:
-        """The block's segment, loaded: waits for the load, and for room in the daemon's budget
-        while other ranks or jobs hold it full, up to ``wait_s``.
+        """The block's segment, loaded: waits for the load, and for room while there is none, up
+        to ``wait_s``: in the daemon's budget while other ranks or jobs hold it full
+        (BudgetExceeded), or in its shm filesystem while other files fill it (ShmFull: the
+        daemon keeps a failed load's error for a few seconds, then loads it again when asked).
 
-        Raised when there is no room by then: BudgetExceeded naming the window, the budget and
-        the blocks this process holds."""
+        Raised when there is no room by then: the same class, naming the block, the window, the
+        budget and the blocks this process holds."""
         deadline = time.monotonic() + self.wait_s
         pause = _FIRST_BACKOFF_S
         while True:
             try:
                 return client.acquire(request, None, None if self.spec.timeout is None else deadline)
-            except BudgetExceeded as exc:
+            except (BudgetExceeded, ShmFull) as exc:
                 if time.monotonic() + pause > deadline:
-                    raise BudgetExceeded(self._full_message(request, block, exc)) from exc
+                    raise type(exc)(self._full_message(request, block, exc)) from exc
                 self.budget_waits += 1
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
 
-    def _full_message(self, request: Acquire, block: int, exc: BudgetExceeded) -> str:
+    def _full_message(self, request: Acquire, block: int, exc: BudgetExceeded | ShmFull) -> str:
         held = sorted(self._held)
         shown = ", ".join(map(str, held[:16])) + (", ..." if len(held) > 16 else "")
+        holds = f"{len(held)} ({shown})" if held else "none"
         assert request.rows is not None
         window = format_bytes(self.capacity * self.block_cost)
-        return (f"stream block {block} (rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}) found no room "
-                f"in the daemon's budget of {format_bytes(self.budget)} for {self.wait_s:g}s: the window is "
-                f"{self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank holds {len(held)} "
-                f"({shown}) and the rest is held by other ranks or jobs on the node "
-                f"(a rank stopped or far behind?). The daemon said: {exc}. Check the other ranks, or give the job a "
-                "smaller window (window=) or the daemon a larger --max-memory; timeout= sets how long to wait")
+        what = (f"in the daemon's budget of {format_bytes(self.budget)}" if isinstance(exc, BudgetExceeded)
+                else "in the daemon's shm filesystem (its free space, not the budget, ran out)")
+        where = (f"rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}"
+                 + (f" in {request.path}" if self.spec.files else ""))
+        others = ("the rest is held by other ranks or jobs on the node (a rank stopped or far behind?)"
+                  if isinstance(exc, BudgetExceeded) else
+                  "other files fill the shm filesystem (other jobs, users, or files left there)")
+        fix = ("Check the other ranks, or give the job a smaller window (window=) or the daemon a larger --max-memory"
+               if isinstance(exc, BudgetExceeded) else
+               "Free space in the daemon's shm dir (`df` on it), or give the job a smaller window (window=) or the "
+               "daemon a --max-memory its shm filesystem holds")
+        return (f"stream block {block} ({where}) found no room {what} for {self.wait_s:g}s, asked again with backoff: "
+                f"the window is {self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank "
+                f"holds {holds} and {others}. The daemon said: {exc}. {fix}; timeout= sets how long "
+                "to wait")
 
-    def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray]:
+    def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them.
 
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        return gather_by_block(rows, self.layout.block_rows, self.infos, self.out_dtypes,
-                               lambda block, needed: [segment.data for segment in self._block(block, needed)])
+        return gather_by_block(rows, self.layout, self.infos, self.out_dtypes,
+                               lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
 
     def close(self) -> None:
         if self._pid == os.getpid():
@@ -267,6 +289,18 @@ class DaemonBlocks:
         return state
 
 
+def _arrays(segment: AttachedSegment) -> Arrays:
+    """A block segment's rows as gather_by_block takes them (variable-length: offsets and values).
+
+    Raised when a variable-length segment has no values part: SegmentError."""
+    if not segment.meta.vlen:
+        return segment.data
+    if segment.values is None:
+        raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: it is damaged; "
+                           "the daemon loads it again once it is removed")
+    return segment.data, segment.values
+
+
 def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:
     """Raised when a window of ``capacity`` blocks costing ``block_cost`` each in shared memory
     (``block_bytes`` of rows and a header page per key) does not fit the daemon's ``budget``:
@@ -274,8 +308,8 @@ def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, 
     if capacity * block_cost > budget:
         fits = budget // block_cost
         raise ConfigError(
-            f"window={format_bytes(window)} holds {capacity} blocks, which take {capacity} x "
-            f"{format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in the daemon's shared memory "
-            f"(rows and a header page per key), more than its budget of {format_bytes(budget)}: pass a window of at "
-            f"most {format_bytes(fits * block_bytes)} ({fits} blocks), window=None for "
-            "what the budget holds, or start the daemon with a larger --max-memory")
+            f"window={format_bytes(window)} holds {capacity} blocks (those in use and those prefetched ahead of "
+            f"them), which take {capacity} x {format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in "
+            f"the daemon's shared memory (rows and a header page per key), more than its budget of "
+            f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
+            "window=None for what the budget holds, or start the daemon with a larger --max-memory")

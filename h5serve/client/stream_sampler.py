@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from ..errors import ConfigError
 from ..order.equalise import check_batch_size
-from ..order.stream_order import BlockLayout, NodeEpoch, node_epoch, node_rows, window_for
+from ..errors import ConfigError
+from ..order.stream_order import BlockLayout, NodeEpoch, max_node_blocks, node_epoch, node_rows, window_for
 from .blockcache import StreamBatch
 from .node_sampler import NodePlace
 from .resharding import check_not_resharded
@@ -75,7 +75,7 @@ class StreamSampler(Sampler[StreamBatch]):
         """The order's window: ``window`` if given, else the largest ``capacity`` allows.
 
         Raised when it does not fit ``capacity``: ConfigError."""
-        blocks = max(-(-self.node_rows[self.place.node_rank] // self.layout.block_rows), 1)
+        blocks = max(max_node_blocks(self.layout, self.place.num_nodes, self.place.node_rank), 1)
         best = window_for(self.capacity, blocks, self.layout.block_rows, self.batch_size,
                           self.place.local_world_size, self.block_bytes)
         if window is None:
@@ -139,7 +139,7 @@ class StreamSampler(Sampler[StreamBatch]):
         """Batch number -> the blocks whose last use on this rank is in that batch."""
         if not len(rows):
             return {}
-        ids = rows // self.layout.block_rows
+        ids = self.layout.block_of(rows)
         blocks, back = np.unique(ids[::-1], return_index=True)
         last_batch = (len(ids) - 1 - back) // self.batch_size
         order = np.argsort(last_batch, kind="stable")
@@ -184,7 +184,8 @@ class StreamSampler(Sampler[StreamBatch]):
                 "shuffle": self.shuffle, "drop_last": self.drop_last, "epoch": self.epoch,
                 "num_nodes": p.num_nodes, "node_rank": p.node_rank, "local_rank": p.local_rank,
                 "local_world_size": p.local_world_size, "offset": self._offset, "consumed": consumed,
-                "consumed_node": self._offset + consumed * p.local_world_size}
+                "consumed_node": self._offset + consumed * p.local_world_size,
+                "file_rows": list(self.layout.file_rows)}
 
     def load_state_dict(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
         """Resume from ``state_dict()`` (see the class). ``next_epoch=True``: start at the
@@ -198,9 +199,13 @@ class StreamSampler(Sampler[StreamBatch]):
         if next_epoch:
             self.epoch, self._offset, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0, 0
             return
-        differ = {k: (state[k], here) for k, here in (("block_rows", self.layout.block_rows),
-                                                     ("num_nodes", self.place.num_nodes),
-                                                     ("node_rank", self.place.node_rank)) if state[k] != here}
+        here: tuple[tuple[str, object], ...] = (("block_rows", self.layout.block_rows),
+                                                ("num_nodes", self.place.num_nodes),
+                                                ("node_rank", self.place.node_rank))
+        differ = {k: (state[k], v) for k, v in here if state[k] != v}
+        files = [int(n) for n in state.get("file_rows", ())]  # many files: the blocks are laid out per file
+        if files != list(self.layout.file_rows):
+            differ["file_rows"] = (_files_said(files), _files_said(list(self.layout.file_rows)))
         if differ:
             said = ", ".join(f"{k}={a} (this job: {b})" for k, (a, b) in differ.items())
             raise ConfigError(
@@ -219,3 +224,11 @@ class StreamSampler(Sampler[StreamBatch]):
             raise ConfigError(f"sampler state has consumed={state['consumed']!r} outside [0, {plan.samples}] "
                               "(samples per rank): resume with the batch size it was saved with")
         self._yielded = self._start
+
+
+def _files_said(file_rows: list[int]) -> str:
+    """Many files' rows for a message: ``3 files of 300, 77, 800 rows``; one file: ``one file``."""
+    if not file_rows:
+        return "one file"
+    shown = ", ".join(map(str, file_rows[:4])) + (", ..." if len(file_rows) > 4 else "")
+    return f"{len(file_rows)} files of {shown} rows"

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DatasetInfo",
     "inspect_dataset",
-    "check_lengths",
     "check_row_counts",
     "check_cast",
     "resolve_dtype",
@@ -219,12 +218,6 @@ def _unservable(dtype: np.dtype) -> str:
     if dtype.kind not in SOURCE_KINDS:
         return {"M": "datetimes", "m": "timedeltas", "V": "opaque bytes"}.get(dtype.kind, "not numeric")
     return ""
-
-
-def check_lengths(*infos: DatasetInfo | None) -> None:
-    """Raised when the datasets (None: left out) have different row counts: LengthMismatch."""
-    given = [info for info in infos if info is not None]
-    check_row_counts([info.key for info in given], [info.rows for info in given])
 
 
 def check_row_counts(keys: list[str] | tuple[str, ...], rows: list[int]) -> None:

@@ -8,7 +8,7 @@ contiguous shard is ``range(a, b)``, an interleaved one ``range(r, total, W)``, 
 (``mode="global"``) ``range(0, total)``, a node's block (``mode="node"``: the union of the
 contiguous shards of the consecutive ranks ``rank .. rank + span - 1`` on one node)
 ``range(a, b)``, one block of stream mode (``mode="stream"``, ``block=(a, b)``: explicit global
-rows, h5serve/stream_order.py) ``range(a, b)``. The range, not the mode, is what a segment
+rows, h5serve/order/stream_order.py) ``range(a, b)``. The range, not the mode, is what a segment
 holds, so selections with the same rows (world size 1 in any mode, and global; a stream block
 asked by any rank of any job) share one segment.
 """

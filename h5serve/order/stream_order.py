@@ -3,12 +3,16 @@ blocks. Pure functions of (seed, epoch, block layout, node count, window): no I/
 so the client's samplers and (later) the daemon's window compute the same order.
 
 A *block* is ``block_rows`` consecutive rows of the file, a whole number of HDF5 chunks of
-every key (the last block may be shorter): the unit read, held and freed. Per epoch:
+every key (the last block may be shorter): the unit read, held and freed. Of many files (one
+dataset of their rows concatenated), each file is cut into blocks of its own, its last one
+short when its rows are not whole blocks: a block never spans two files. Per epoch:
 
 1. The full blocks are permuted from ``(seed, epoch)`` and dealt round-robin to the
-   ``num_nodes`` nodes; the short last block (if any) goes to the first node with the fewest
-   full blocks. A node's row count is therefore the same every epoch and the nodes differ by
-   at most one block (``node_rows``); a node reads only the blocks dealt to it.
+   ``num_nodes`` nodes; the short blocks, in an order permuted per epoch, each go to the
+   first node with the fewest rows so far (one file: its short last block to the first node
+   with the fewest full blocks, the same every epoch). The nodes differ by at most one block
+   (``node_rows``; with short blocks of several sizes a node's count may change from epoch to
+   epoch, and every node computes every node's); a node reads only the blocks dealt to it.
 2. A node's ``m`` blocks, in dealt order ``k = 0..m-1``, are drawn through a window of ``W``
    blocks: every row of block ``k`` gets a random key, uniform over ``[lo_k, hi_k)``, and the
    node's sequence is its rows sorted by key. Steady state ``[k - W + 1, k + 1)``: ``W``
@@ -21,7 +25,7 @@ every key (the last block may be shorter): the unit read, held and freed. Per ep
    it at every position). Vectorised: one sort of the node's rows, O(n log n).
 3. The node's sequence is dealt to its ``L`` local ranks (position ``p`` to local rank
    ``p % L``) with equal sample and batch counts on every rank of every node
-   (h5serve/equalise.py over every rank's share): padded by repeating the sequence's last
+   (h5serve/order/equalise.py over every rank's share): padded by repeating the sequence's last
    rows (which come from the last ``W`` blocks, still held), or cut.
 
 ``first_use``/``last_use`` of every block in the dealt sequence say when a window must hold
@@ -36,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -53,6 +58,7 @@ __all__ = [
     "block_unit",
     "check_block_rows",
     "default_block_rows",
+    "max_node_blocks",
     "node_blocks",
     "node_rows",
     "node_sequence",
@@ -64,7 +70,7 @@ __all__ = [
 
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024  # the block the layout picks: whole chunks, about this large
 MAX_BLOCK_BYTES = 16 * 1024 * 1024  # ... and more only when one chunk (of every key) is larger
-_TAG_BLOCKS, _TAG_KEYS, _TAG_SHORT = 0x5B10C, 0x5EED, 0x5407  # separate random streams per purpose
+_TAG_BLOCKS, _TAG_KEYS, _TAG_SHORT, _TAG_DEAL = 0x5B10C, 0x5EED, 0x5407, 0xDEA1  # a random stream per purpose
 
 
 def _positive(name: str, value: object) -> int:
@@ -77,39 +83,86 @@ def _positive(name: str, value: object) -> int:
 class BlockLayout:
     """``total_rows`` rows cut into blocks of ``block_rows`` (the last may be shorter).
 
-    Raised for a negative total or a block size below 1: ConfigError.
+    ``file_rows``: the rows of each of many files whose rows are concatenated (one dataset of
+    several files, h5serve/hdf5/files.py): each file is cut into blocks on its own, its last
+    block shorter when its rows are not a multiple of ``block_rows``, so a block never spans
+    two files. Blocks are numbered across the files in order (file 0's first). Empty: one file.
+
+    Raised for a negative total, a block size below 1, or ``file_rows`` that do not add up to
+    ``total_rows``: ConfigError.
     """
 
     total_rows: int
     block_rows: int
+    file_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not is_int(self.total_rows, numpy=True) or self.total_rows < 0:
             raise ConfigError(f"total_rows must be a non-negative integer, got {self.total_rows!r}")
         _positive("block_rows", self.block_rows)
+        if self.file_rows:
+            rows = tuple(int(n) for n in self.file_rows)
+            if any(n < 0 for n in rows) or sum(rows) != self.total_rows:
+                raise ConfigError(f"file_rows {rows[:8]!r}{'...' if len(rows) > 8 else ''} must be non-negative and "
+                                  f"add up to total_rows={self.total_rows}")
+            object.__setattr__(self, "file_rows", rows if len(rows) > 1 else ())
+
+    @cached_property
+    def bounds(self) -> np.ndarray:
+        """Every block's first global row, then ``total_rows`` (int64, ``n_blocks + 1`` of them)."""
+        if not self.file_rows:
+            return np.append(np.arange(0, self.total_rows, self.block_rows, dtype=np.int64), self.total_rows)
+        starts = [off + np.arange(0, n, self.block_rows, dtype=np.int64)
+                  for off, n in zip(self.file_starts[:-1].tolist(), self.file_rows)]
+        return np.append(np.concatenate(starts), self.total_rows).astype(np.int64)
+
+    @cached_property
+    def file_starts(self) -> np.ndarray:
+        """Each file's first global row, then ``total_rows`` (one file: ``[0, total_rows]``)."""
+        counts = self.file_rows or (self.total_rows,)
+        return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
 
     @property
     def n_blocks(self) -> int:
-        return -(-self.total_rows // self.block_rows)
+        return len(self.bounds) - 1
 
     @property
     def full_blocks(self) -> int:
-        return self.total_rows // self.block_rows
+        """Blocks of ``block_rows`` rows."""
+        return int((np.diff(self.bounds) == self.block_rows).sum())
 
-    @property
-    def short_rows(self) -> int:
-        """Rows of the short last block (0: every block is full)."""
-        return self.total_rows % self.block_rows
+    @cached_property
+    def short_ids(self) -> np.ndarray:
+        """The blocks shorter than ``block_rows`` (one file: at most its last), in order."""
+        return np.flatnonzero(np.diff(self.bounds) != self.block_rows).astype(np.int64)
+
+    @cached_property
+    def full_ids(self) -> np.ndarray:
+        """The blocks of ``block_rows`` rows, in order."""
+        return np.flatnonzero(np.diff(self.bounds) == self.block_rows).astype(np.int64)
 
     def span(self, block: int) -> tuple[int, int]:
         """Global rows ``[a, b)`` of ``block``."""
-        a = int(block) * self.block_rows
-        return a, min(a + self.block_rows, self.total_rows)
+        return int(self.bounds[block]), int(self.bounds[int(block) + 1])
+
+    def locate(self, block: int) -> tuple[int, int, int]:
+        """``(file, a, b)``: the file holding ``block`` and its rows ``[a, b)`` in that file."""
+        a, b = self.span(block)
+        i = int(np.searchsorted(self.file_starts, a, "right")) - 1
+        start = int(self.file_starts[i])
+        return i, a - start, b - start
 
     def sizes(self, blocks: np.ndarray) -> np.ndarray:
         """Rows of each of ``blocks``."""
         blocks = np.asarray(blocks, dtype=np.int64)
-        return np.minimum((blocks + 1) * self.block_rows, self.total_rows) - blocks * self.block_rows
+        return self.bounds[blocks + 1] - self.bounds[blocks]
+
+    def block_of(self, rows: np.ndarray) -> np.ndarray:
+        """The block holding each of the global ``rows``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not self.file_rows:
+            return rows // self.block_rows
+        return np.searchsorted(self.bounds, rows, "right") - 1
 
 
 def block_unit(chunk_rows: Sequence[int]) -> int:
@@ -156,20 +209,62 @@ def _check_nodes(layout: BlockLayout, num_nodes: int) -> int:
     return nodes
 
 
-def _short_node(layout: BlockLayout, num_nodes: int) -> int:
-    """The node that gets the short last block: the first with the fewest full blocks."""
-    return layout.full_blocks % num_nodes
+def _deal(layout: BlockLayout, nodes: int, seed: int, epoch: int, shuffle: bool) -> list[np.ndarray]:
+    """Every node's blocks this epoch, in the order its window takes them (module docstring,
+    step 1). The short blocks (a file's last, when its rows are not whole blocks) are dealt
+    one at a time, in an order permuted per epoch, each to the first node with the fewest
+    rows; each is put anywhere in its node's order but last when the node has a full block
+    (the tail that pads the epoch stays full-sized). ``shuffle=False``: each node's blocks in
+    file order."""
+    full = layout.full_ids
+    if shuffle:
+        full = _rng(seed, epoch, _TAG_BLOCKS).permutation(full)
+    mine = [full[j::nodes] for j in range(nodes)]
+    rows = [len(m) * layout.block_rows for m in mine]
+    shorts: list[list[int]] = [[] for _ in range(nodes)]
+    order = layout.short_ids
+    if shuffle and len(order) > 1:
+        order = _rng(seed, epoch, _TAG_DEAL).permutation(order)
+    for block, size in zip(order.tolist(), layout.sizes(order).tolist()):
+        j = rows.index(min(rows))
+        shorts[j].append(block)
+        rows[j] += size
+    for j in range(nodes):
+        if not shuffle:
+            mine[j] = np.sort(np.concatenate([mine[j], np.asarray(shorts[j], dtype=np.int64)]))
+            continue
+        rng = _rng(seed, epoch, _TAG_SHORT, j) if shorts[j] else None
+        for block in shorts[j]:
+            assert rng is not None
+            where = int(rng.integers(0, len(mine[j]))) if len(mine[j]) else 0
+            mine[j] = np.insert(mine[j], where, block)
+    return mine
 
 
-def node_rows(layout: BlockLayout, num_nodes: int) -> list[int]:
-    """Rows every node reads per epoch, node 0 first (the same every epoch).
+def node_rows(layout: BlockLayout, num_nodes: int, *, seed: int = 0, epoch: int = 0,
+              shuffle: bool = True) -> list[int]:
+    """Rows every node reads in ``epoch``, node 0 first: the same every epoch unless many
+    files leave short blocks of several sizes (they are dealt per epoch); the nodes differ by
+    at most one block.
 
     Raised when there are fewer blocks than nodes: ConfigError."""
     nodes = _check_nodes(layout, num_nodes)
-    rows = [len(range(j, layout.full_blocks, nodes)) * layout.block_rows for j in range(nodes)]
-    if layout.short_rows:
-        rows[_short_node(layout, nodes)] += layout.short_rows
-    return rows
+    if len(layout.short_ids) <= 1:  # no dealing needed: full blocks round-robin, the short one to the fewest
+        rows = [len(range(j, layout.full_blocks, nodes)) * layout.block_rows for j in range(nodes)]
+        if len(layout.short_ids):
+            rows[rows.index(min(rows))] += int(layout.sizes(layout.short_ids)[0])
+        return rows
+    return [int(layout.sizes(m).sum()) for m in _deal(layout, nodes, seed, epoch, shuffle)]
+
+
+def max_node_blocks(layout: BlockLayout, num_nodes: int, node: int) -> int:
+    """The most blocks ``node`` reads in any epoch (what its window must hold to hold them all)."""
+    nodes = _check_nodes(layout, num_nodes)
+    full = len(range(node, layout.full_blocks, nodes))
+    shorts = len(layout.short_ids)
+    if shorts <= 1:
+        return full + (1 if shorts and layout.full_blocks % nodes == node else 0)
+    return full + shorts if nodes > 1 else layout.n_blocks
 
 
 def node_blocks(layout: BlockLayout, num_nodes: int, node: int, *, seed: int, epoch: int,
@@ -178,17 +273,7 @@ def node_blocks(layout: BlockLayout, num_nodes: int, node: int, *, seed: int, ep
     nodes = _check_nodes(layout, num_nodes)
     if not 0 <= node < nodes:
         raise ConfigError(f"node must be in [0, {nodes - 1}], got {node}")
-    full = np.arange(layout.full_blocks, dtype=np.int64)
-    if shuffle:
-        full = _rng(seed, epoch, _TAG_BLOCKS).permutation(full)
-    mine = full[node::nodes]
-    if layout.short_rows and node == _short_node(layout, nodes):
-        # anywhere but last when there is a full block: the tail that pads the epoch stays full-sized
-        where = len(mine)
-        if shuffle and len(mine):
-            where = int(_rng(seed, epoch, _TAG_SHORT, node).integers(0, len(mine)))
-        mine = np.insert(mine, where, layout.full_blocks)
-    return mine
+    return _deal(layout, nodes, seed, epoch, shuffle)[node]
 
 
 def _key_ranges(m: int, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -208,7 +293,7 @@ def node_sequence(layout: BlockLayout, blocks: np.ndarray, window: int, *, seed:
     window = _positive("window", window)
     blocks = np.asarray(blocks, dtype=np.int64)
     sizes = layout.sizes(blocks)
-    starts = blocks * layout.block_rows
+    starts = layout.bounds[blocks]
     owner = np.repeat(np.arange(len(blocks)), sizes)  # block position k of each row
     rows = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + starts[owner]
     if not shuffle or not len(rows):
@@ -279,7 +364,7 @@ def _uses(layout: BlockLayout, sequence: np.ndarray) -> tuple[np.ndarray, np.nda
     if not len(sequence):
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    ids = sequence // layout.block_rows
+    ids = layout.block_of(sequence)
     blocks, first = np.unique(ids, return_index=True)
     last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
     return blocks, first.astype(np.int64), last.astype(np.int64)
@@ -299,7 +384,7 @@ def node_epoch(layout: BlockLayout, *, seed: int, epoch: int, num_nodes: int, no
     check_batch_size(batch_size)
     if not is_int(offset, numpy=True) or offset < 0:
         raise ConfigError(f"offset must be a non-negative integer, got {offset!r}")
-    left = [max(n - int(offset), 0) for n in node_rows(layout, num_nodes)]
+    left = [max(n - int(offset), 0) for n in node_rows(layout, num_nodes, seed=seed, epoch=epoch, shuffle=shuffle)]
     sizes = [len(range(rank, n, local)) for n in left for rank in range(local)]
     size = equal_epoch_size(sizes, batch_size, drop_last)
     blocks = node_blocks(layout, num_nodes, node, seed=seed, epoch=epoch, shuffle=shuffle)

@@ -17,7 +17,7 @@ from ..util.units import SEGMENT_HEADER_BYTES as HEADER_SIZE
 from .sharding import GLOBAL, NODE, STREAM
 from .stream_order import BlockLayout, block_unit, default_block_rows
 
-__all__ = ["MIN_BLOCKS", "StreamWindow", "plan_window", "recommend"]
+__all__ = ["MIN_BLOCKS", "StreamWindow", "fitted_block_rows", "plan_window", "recommend"]
 
 MIN_BLOCKS = 8
 
@@ -35,16 +35,23 @@ class StreamWindow:
     window: int
 
 
+def fitted_block_rows(unit: int, row_bytes: int, total_rows: int, limit: int, keys: int) -> int:
+    """The default block (stream_order.default_block_rows: whole ``unit``s, about 8 MiB), or
+    smaller whole units when ``limit`` bytes would hold fewer than MIN_BLOCKS of them, each
+    costing its rows and a header page per key of ``keys`` (at least one unit)."""
+    rows = default_block_rows(unit, row_bytes, total_rows)
+    if limit // (rows * row_bytes + keys * HEADER_SIZE) < MIN_BLOCKS:
+        small = (limit // MIN_BLOCKS - keys * HEADER_SIZE) // max(row_bytes, 1)
+        rows = min(rows, unit * max(small // unit, 1))
+    return rows
+
+
 def plan_window(chunk_rows: Sequence[int], row_bytes: int, total_rows: int, limit: int) -> StreamWindow | None:
     """The window of at most ``limit`` bytes of shared memory for keys chunked by ``chunk_rows``
     rows (1 for a contiguous key) whose rows take ``row_bytes`` together; None when not even
     one block (one chunk of every key) fits."""
     keys = len(chunk_rows)
-    unit = block_unit(chunk_rows)
-    rows = default_block_rows(unit, row_bytes, total_rows)
-    if limit // (rows * row_bytes + keys * HEADER_SIZE) < MIN_BLOCKS:
-        small = (limit // MIN_BLOCKS - keys * HEADER_SIZE) // max(row_bytes, 1)
-        rows = min(rows, unit * max(small // unit, 1))
+    rows = fitted_block_rows(block_unit(chunk_rows), row_bytes, total_rows, limit, keys)
     block, cost = rows * row_bytes, rows * row_bytes + keys * HEADER_SIZE
     capacity = min(limit // cost, BlockLayout(total_rows, rows).n_blocks)
     if capacity < 1:

@@ -249,13 +249,18 @@ def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Pa
                 f"{meta.key!r} rank {meta.rank} needs a {format_bytes(size)} segment, over this "
                 "process's file size limit; raise it (ulimit -f) for the daemon"
             ) from exc
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ShmFull(
-                f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
-                f"{format_bytes(size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
-                "free space (h5serve stop, or remove other files there), or enlarge the mount"
-            ) from exc
+        _raise_if_full(exc, meta, shm_dir, size)
         raise
+
+
+def _raise_if_full(exc: OSError, meta: SegmentMeta, shm_dir: Path, size: int) -> None:
+    """Raised when ``exc`` says the shm filesystem is full: ShmFull naming needed and free bytes."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise ShmFull(
+            f"not enough room in {shm_dir} for {meta.key!r} rank {meta.rank}: needs "
+            f"{format_bytes(size)}, {format_bytes(_free_bytes(Path(shm_dir)))} free; "
+            "free space (h5serve stop, or remove other files there), or enlarge the mount"
+        ) from exc
 
 
 def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, reserve: bool = True) -> SegmentWriter:
@@ -274,7 +279,11 @@ def create_segment(shm_dir: Path, tmp_name: str, meta: SegmentMeta, reserve: boo
         _fallocate(fd, 0, meta.file_size, meta, Path(shm_dir), size_only=not reserve)
         blob = meta_blob(meta)
         header = FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, meta.rows, len(blob), CHECKSUM_NONE, b"", 0)
-        os.pwrite(fd, header.ljust(META_OFFSET, b"\0") + blob, 0)
+        try:  # reserve=False: the header's page is allocated here, and a full tmpfs refuses it
+            os.pwrite(fd, header.ljust(META_OFFSET, b"\0") + blob, 0)
+        except OSError as exc:
+            _raise_if_full(exc, meta, Path(shm_dir), meta.file_size)
+            raise
         return SegmentWriter(path, fd, meta)
     except BaseException:
         os.close(fd)

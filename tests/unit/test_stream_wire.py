@@ -92,7 +92,8 @@ def test_the_window_fits_the_daemons_budget_or_says_by_how_much() -> None:
     assert resolve_stream(_info(), None, 128, budget=2 << 20).capacity == (2 << 20) // cost
     with pytest.raises(ConfigError, match=r"window='3MiB' \(3.0 MiB\) is larger than the daemon's budget of 2.0 MiB"):
         resolve_stream(_info(), "3MiB", 128, budget=2 << 20)
-    with pytest.raises(ConfigError, match=r"holds 7 blocks, which take 7 x 137.0 KiB = 959.0 KiB .* budget of "
+    with pytest.raises(ConfigError, match=r"holds 7 blocks \(those in use and those prefetched ahead of them\), "
+                                          r"which take 7 x 137.0 KiB = 959.0 KiB .* budget of "
                                           r"950.0 KiB: pass a window of at most 774.0 KiB \(6 blocks\)"):
         resolve_stream(_info(), 7 * block, 128, budget=950 * 1024)
     with pytest.raises(ConfigError, match="the daemon's budget is 100.0 KiB, smaller than one block"):
