@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.connection import DaemonClient
 from ..errors import CapacityError, ConfigError, H5ServeError, ShmFull
 from ..hdf5.description import DatasetDescription
 from ..segments import HEADER_SIZE
 from ..util.units import format_bytes
+from ..wire.connection import DaemonClient
 from .spec import BackendSpec
 from .stream import StreamSource, resolve_stream, stream_row_bytes, stream_source
 

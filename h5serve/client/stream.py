@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..util.checks import is_int
 from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.description import DatasetDescription
 from ..hdf5.source import DatasetInfo
-from ..segments import HEADER_SIZE
-from ..segments.format import VALUES_ALIGN
 from ..order.stream_order import BlockLayout, block_unit, check_block_rows
 from ..order.stream_plan import fitted_block_rows
+from ..segments import HEADER_SIZE
+from ..segments.format import VALUES_ALIGN
+from ..util.checks import is_int
 from ..util.units import format_bytes, parse_size, row_nbytes
 from .blockcache import BlockCache, StreamBatch
 from .chunkcache import local_ranks

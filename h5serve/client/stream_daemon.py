@@ -40,14 +40,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..wire.connection import DaemonClient
 from ..errors import BudgetExceeded, ConfigError, SegmentError, ShmFull
 from ..hdf5.source import DatasetInfo
-from ..wire.protocol import Acquire, AcquireResult
-from ..segments import AttachedSegment
 from ..order.sharding import STREAM
 from ..order.stream_order import BlockLayout
+from ..segments import AttachedSegment
 from ..util.units import format_bytes
+from ..wire.connection import DaemonClient
+from ..wire.protocol import Acquire, AcquireResult
 from .backends import open_acquired
 from .blockcache import Arrays, gather_by_block
 from .ragged import RaggedColumn

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from ..order.equalise import check_batch_size
 from ..errors import ConfigError
+from ..order.equalise import check_batch_size
 from ..order.stream_order import BlockLayout, NodeEpoch, max_node_blocks, node_epoch, node_rows, window_for
 from .blockcache import StreamBatch
 from .node_sampler import NodePlace

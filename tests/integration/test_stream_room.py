@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.wire.connection import DaemonClient
 from h5serve.errors import BudgetExceeded, ShmFull
+from h5serve.wire.connection import DaemonClient
 
 from ..helpers import Daemon, make_h5, running_daemon, tmpfs, wait_for
 
