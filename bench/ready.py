@@ -79,10 +79,10 @@ def first_batch(data_dir: Path, sizes: list[int], systems: tuple[str, ...] = SYS
 def markdown(report: dict) -> str:
     lines = ["| file | global, waits for the load (s) | global, ready at once (s) | on shm after (s, batches "
              "from h5py before) | stream (s) |", "|---|---:|---:|---:|---:|"]
-    for row in report["sizes"].values():
+    for name, row in report["sizes"].items():
         wait, ready, stream = (row.get(s, {}) for s in SYSTEMS)
         shm = f"{ready['shm_s']:.2f} ({ready['lazy_batches']})" if "shm_s" in ready else "—"
-        lines.append(f"| {row['bytes'] / 2**30:.2f} GiB | {wait.get('first_s', float('nan')):.2f} | "
+        lines.append(f"| {name} ({row['bytes'] / 1e9:.2f} GB) | {wait.get('first_s', float('nan')):.2f} | "
                      f"{ready.get('first_s', float('nan')):.2f} | {shm} | {stream.get('first_s', float('nan')):.2f} |")
     return "\n".join(lines)
 

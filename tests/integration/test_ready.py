@@ -204,3 +204,14 @@ def test_two_torchrun_ranks_in_global_mode_switch_mid_epoch(tmp_path: Path) -> N
         assert r["equal"], "a batch differed from h5py's rows"
         labels += r["labels"]
     assert sorted(labels) == list(range(ROWS))  # every row once in the epoch across the two ranks
+
+
+def test_bench_first_batch_against_size_runs_end_to_end(tmp_path: Path) -> None:
+    """bench/ready.py on a small file: every system gives its first batch, and the table renders."""
+    from bench.ready import SYSTEMS, first_batch, markdown
+
+    report = first_batch(tmp_path, [4])
+    row = report["4 MiB"]
+    assert all(row[s]["first_s"] > 0 for s in SYSTEMS)
+    assert row["global-wait"]["backend"] == "shm" and row["stream"]["backend"] == "shm"
+    assert "| 4 MiB (0.00 GB) |" in markdown({"sizes": report})
