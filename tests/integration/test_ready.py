@@ -215,3 +215,17 @@ def test_bench_first_batch_against_size_runs_end_to_end(tmp_path: Path) -> None:
     assert all(row[s]["first_s"] > 0 for s in SYSTEMS)
     assert row["global-wait"]["backend"] == "shm" and row["stream"]["backend"] == "shm"
     assert "| 4 MiB (0.00 GB) |" in markdown({"sizes": report})
+
+
+def test_a_load_not_done_within_timeout_leaves_h5py_serving_with_the_warning(tmp_path: Path) -> None:
+    path = make_h5(tmp_path / "data.h5", rows=ROWS)
+    with stopped_loads(tmp_path) as load:
+        ds = _open(path, load.daemon, timeout=1.0)
+        try:
+            assert ds.backend == LOADING
+            _check(ds, np.arange(ROWS // 2), path)
+            with pytest.warns(RuntimeWarning, match="did not finish within timeout=1s"):
+                assert wait_for(lambda: ds.backend == "lazy", 30)
+            _check(ds, np.arange(ROWS // 2, ROWS), path)
+        finally:
+            ds.close()
