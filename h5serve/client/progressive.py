@@ -35,21 +35,20 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..connection import DaemonClient
 from ..errors import DaemonUnavailable, H5ServeError, SegmentError
+from ..hdf5.identity import open_h5
+from ..hdf5.source import inspect_dataset
 from ..protocol import Acquire, AcquireResult
 from ..units import format_bytes, row_nbytes
-from .backends import Acquires, Backend, BackendSpec, LazyBackend, ShmBackend, lazy_backend
+from .backends import Acquires, Backend, BackendSpec, ShmBackend, lazy_backend
 from .chunkcache import auto_cache_bytes
 from .ragged import RaggedColumn
-
-if TYPE_CHECKING:
-    from .files import FilesLazyBackend
 
 __all__ = ["ProgressiveBackend", "connect", "LOADING", "WAIT_BYTES", "LOADING_CACHE_BYTES"]
 
@@ -85,11 +84,10 @@ def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5Serv
                 return ShmBackend.attach_ready(started)
             except SegmentError:  # evicted since the answer: ask again, waiting
                 return ShmBackend.connect(spec, rank_for_logs)
-        lazy = lazy_backend(dataclasses.replace(spec, cache_bytes=_loading_cache(spec)))
-        need = _shard_bytes(lazy, started.results)
+        need = _shard_bytes(spec, started.results)
         if wait is None and (need < WAIT_BYTES or not _room(started.results[0].shm_dir, need)):
-            lazy.close()
             return ShmBackend.connect(spec, rank_for_logs)
+        lazy = lazy_backend(dataclasses.replace(spec, cache_bytes=_loading_cache(spec)))
         log.info("h5serve: rank %d reads %s through h5py while the daemon loads it into shared memory (%s); "
                  "it switches to shared memory once loaded", rank_for_logs, spec.path, format_bytes(need))
         handed = True
@@ -104,17 +102,20 @@ def _loading_cache(spec: BackendSpec) -> int:
     return min(asked, LOADING_CACHE_BYTES)
 
 
-def _shard_bytes(lazy: LazyBackend | FilesLazyBackend, results: list[AcquireResult]) -> int:
-    """The shard's rows in bytes, as the lazy backend reads them (variable-length rows: their
-    mean length)."""
+def _shard_bytes(spec: BackendSpec, results: list[AcquireResult]) -> int:
+    """The shard's rows in bytes, from the daemon's row counts and the first file's datasets
+    (many files agree on row shape and dtype; variable-length rows: the first file's mean
+    length), one h5py open.
+
+    Raised when the file or a key cannot be read: the DataError that says which."""
+    with open_h5(spec.path) as f:
+        infos = [inspect_dataset(f, key, vlen=True) for key in spec.keys]
     total = 0
-    for k, result in enumerate(results):
-        info = lazy.infos[k]
-        if isinstance(info, list):  # many files: one info per file, agreeing on row shape and dtype
-            info = info[0]
-        per_row = row_nbytes(info.row_shape, info.dtype)
+    for info, result in zip(infos, results):
         if info.vlen:
-            per_row = int(info.mean_length * np.dtype(info.dtype).itemsize) + 8
+            per_row = round(info.mean_length * np.dtype(info.dtype).itemsize) + 8  # values and an offset
+        else:
+            per_row = row_nbytes(info.row_shape, info.dtype)
         total += result.rows_total * per_row
     return total
 
