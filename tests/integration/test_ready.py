@@ -145,6 +145,8 @@ def test_a_daemon_killed_mid_load_leaves_h5py_serving(tmp_path: Path) -> None:
             assert ds.backend == "lazy"
         finally:
             ds.close()
+            for name in load.daemon.segment_files():  # what the killed daemon published stays in /dev/shm
+                (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
 def batch_and_backend(batch: Any) -> tuple[Any, str, int]:
