@@ -58,7 +58,7 @@ LOADING = "lazy (loading)"  # ProgressiveBackend.name until it switches
 WAIT_BYTES = 64 << 20  # shards smaller than this are waited for (a cold 64 MiB loads in ~0.2 s)
 LOADING_CACHE_BYTES = 64 << 20  # the lazy backend's chunk cache while the daemon loads
 PROGRESS_POLL_S = 0.5  # ask the daemon at least this often while it loads (a failed load, a dead daemon)
-PUBLISHED_POLL_S = 0.002  # once the names are published, ask at most this often until the daemon says ready
+PUBLISHED_POLL_S = 0.002  # once the names are published, ask after this, then twice as long, ... until ready
 POLL_TIMEOUT_S = 0.05  # how long one ask waits for the daemon's answer (a training step waits for it)
 ATTACH_TRIES = 3  # a segment evicted between the answer and the mapping is asked for again, this often
 
@@ -84,10 +84,14 @@ def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5Serv
                 return ShmBackend.attach_ready(started)
             except SegmentError:  # evicted since the answer: ask again, waiting
                 return ShmBackend.connect(spec, rank_for_logs)
-        need = _shard_bytes(spec, started.results)
-        if wait is None and (need < WAIT_BYTES or not _room(started.results[0].shm_dir, need)):
+        try:
+            need = _shard_bytes(spec, started.results)
+            small = wait is None and (need < WAIT_BYTES or not _room(started.results[0].shm_dir, need))
+            lazy = None if small else lazy_backend(dataclasses.replace(spec, cache_bytes=_loading_cache(spec)))
+        except H5ServeError:  # h5py here cannot read what the daemon's loaders can: wait for them
+            lazy = None
+        if lazy is None:
             return ShmBackend.connect(spec, rank_for_logs)
-        lazy = lazy_backend(dataclasses.replace(spec, cache_bytes=_loading_cache(spec)))
         log.info("h5serve: rank %d reads %s through h5py while the daemon loads it into shared memory (%s); "
                  "it switches to shared memory once loaded", rank_for_logs, spec.path, format_bytes(need))
         handed = True
@@ -145,6 +149,7 @@ class ProgressiveBackend:
         self._next_poll = self._since + PROGRESS_POLL_S
         self._attach_tries = 0
         self._published: set[str] = set()
+        self._published_pause = PUBLISHED_POLL_S
         self.spec = started.spec
 
     # ----- what the dataset reads of a backend: the current one's --------------------------------
@@ -189,15 +194,17 @@ class ProgressiveBackend:
     # ----- the switch ----------------------------------------------------------------------------
     def check(self) -> None:
         """Switch to the segments if the daemon has them ready, without waiting for the load:
-        ask it when every name was published (at most every PUBLISHED_POLL_S), else every
-        PROGRESS_POLL_S."""
+        ask it when every name was published (PUBLISHED_POLL_S after the last ask, then twice
+        that, ...: a name someone planted never makes every batch ask), else every PROGRESS_POLL_S."""
         started = self._started
         if started is None:
             return
         now = time.monotonic()
-        if now < self._next_poll and not (now - self._last_poll >= PUBLISHED_POLL_S
+        if now < self._next_poll and not (now - self._last_poll >= self._published_pause
                                           and self._names_published(started)):
             return
+        if now < self._next_poll:  # asked for a published name: the daemon is told within moments,
+            self._published_pause = min(2 * self._published_pause, PROGRESS_POLL_S)  # else ask less often
         self._last_poll = now
         self._next_poll = now + PROGRESS_POLL_S
         try:
