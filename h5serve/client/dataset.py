@@ -254,7 +254,7 @@ class SharedH5Dataset(Dataset):
         error = None
         try:  # ready at once: h5py serves while the daemon loads (client/progressive.py)
             backend = progressive.connect(self.spec, self.rank, self._announce_fallback,
-                                          True if self.fallback == "error" else self._wait_ready)
+                                          True if self.fallback == "error" else self._wait_ready, self._settled)
         except H5ServeError as exc:
             error = exc
         if self.auto_stream and self.mode in (GLOBAL, NODE):  # a collective in a process group: every rank
@@ -281,6 +281,10 @@ class SharedH5Dataset(Dataset):
         self.spec = dataclasses.replace(self.spec, selection=Selection(GLOBAL, self.world_size, self.rank))
         self.mode, self.auto_streamed, self._stream_args = STREAM, plan, (plan.window, plan.block_rows)
         return self._open_backend()
+
+    def _settled(self, backend: Backend) -> None:
+        """The daemon's load is over (client/progressive.py): serve from ``backend`` directly."""
+        self._backend = backend
 
     def _announce_fallback(self, exc: H5ServeError) -> None:
         warnings.warn(

@@ -64,11 +64,14 @@ ATTACH_TRIES = 3  # a segment evicted between the answer and the mapping is aske
 
 
 def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5ServeError], None],
-            wait: bool | None = None) -> Backend | ProgressiveBackend:
+            wait: bool | None = None, on_settled: Callable[[Backend], None] | None = None,
+            ) -> Backend | ProgressiveBackend:
     """The shard from the node's daemon: its segments when they are ready (or, when the shard is
     small, ``wait`` is True or /dev/shm has no room for it, once loaded: ``ShmBackend.connect``);
     else a ProgressiveBackend serving through h5py until they are. ``wait=False``: never wait.
-    ``on_fallback`` is called when the load fails after this returned (then h5py serves on).
+    ``on_fallback`` is called when the load fails after this returned (then h5py serves on);
+    ``on_settled`` with the backend that serves from then on, once switched or fallen back (the
+    dataset holds that one instead, so nothing stands between it and its gathers).
 
     Raised as ``ShmBackend.connect`` is for what the daemon answers at once (no daemon,
     BudgetExceeded, a bad key)."""
@@ -95,7 +98,7 @@ def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5Serv
         log.info("h5serve: rank %d reads %s through h5py while the daemon loads it into shared memory (%s); "
                  "it switches to shared memory once loaded", rank_for_logs, spec.path, format_bytes(need))
         handed = True
-        return ProgressiveBackend(started, lazy, on_fallback, deadline)
+        return ProgressiveBackend(started, lazy, on_fallback, deadline, on_settled)
     finally:
         if not handed:
             client.close()
@@ -138,10 +141,11 @@ class ProgressiveBackend:
     """A shard served by ``lazy`` while the daemon loads ``started``'s segments, then from them."""
 
     def __init__(self, started: Acquires, lazy: Backend, on_fallback: Callable[[H5ServeError], None] | None,
-                 deadline: float | None) -> None:
+                 deadline: float | None, on_settled: Callable[[Backend], None] | None = None) -> None:
         self._started: Acquires | None = started
         self._current: Backend = lazy
         self._on_fallback = on_fallback
+        self._on_settled = on_settled
         self._deadline = deadline  # spec.timeout's end: a load not ready by then is given up, as connect does
         self._since = time.monotonic()
         self._answered = self._since  # the daemon's last answer
@@ -272,6 +276,8 @@ class ProgressiveBackend:
         started.client.close()
         log.info("h5serve: pid %d switched %s to shared memory after %.2f s", os.getpid(), self.spec.path,
                  time.monotonic() - self._since)
+        if self._on_settled is not None:
+            self._on_settled(shm)
 
     def _give_up(self, exc: H5ServeError) -> None:
         """h5py serves on for good: with the cache the user asked for, and the fallback warning."""
@@ -284,6 +290,8 @@ class ProgressiveBackend:
             log.warning("h5serve: %s; reading %s through h5py instead", exc, self.spec.path)
         self._current.close()
         self._current = lazy_backend(self.spec)
+        if self._on_settled is not None:
+            self._on_settled(self._current)
 
     # ----- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -296,11 +304,13 @@ class ProgressiveBackend:
         if self._started is None:  # switched (ShmBackend: re-attached in the worker) or fallen back
             return self._current.__reduce_ex__(protocol)
         s = self._started
-        return (_resume, (s.spec, s.requests, s.results, self._current, self._on_fallback, self._deadline))
+        return (_resume, (s.spec, s.requests, s.results, self._current, self._on_fallback, self._deadline,
+                          self._on_settled))
 
 
 def _resume(spec: BackendSpec, requests: list[Acquire], results: list[AcquireResult], lazy: Backend,
-            on_fallback: Callable[[H5ServeError], None] | None, deadline: float | None) -> ProgressiveBackend:
+            on_fallback: Callable[[H5ServeError], None] | None, deadline: float | None,
+            on_settled: Callable[[Backend], None] | None) -> ProgressiveBackend:
     """Unpickling in a spawned worker: the same loads, asked about over this process's own connection."""
     client = DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user)
-    return ProgressiveBackend(Acquires(spec, client, requests, results), lazy, on_fallback, deadline)
+    return ProgressiveBackend(Acquires(spec, client, requests, results), lazy, on_fallback, deadline, on_settled)
