@@ -16,7 +16,9 @@ returns a ``ProgressiveBackend``:
   reply's publish stamp, the descriptor hand-out for ``--group`` members), closes the lazy
   backend and serves from shared memory (``name`` turns from ``"lazy (loading)"`` to ``"shm"``);
 - a failed or refused load, or a daemon that is gone (or silent longer than its timeout),
-  leaves h5py serving for good, with the dataset's fallback warning (``name == "lazy"``).
+  leaves h5py serving for good, with the dataset's fallback warning (``name == "lazy"``);
+- either way the dataset is handed the backend that serves from then on (``on_settled``), so
+  nothing stands between it and its gathers once the load is over.
 
 Every process decides for itself: a forked DataLoader worker inherits the state and polls with
 its own connection (DaemonClient is fork-safe); a spawned or forkserver worker unpickles a
