@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from .ragged import RaggedColumn, RaggedSource, read_ragged
 from .spec import BackendSpec, describe_spec
 from .vlencache import VlenCache
 
-__all__ = ["ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "lazy_backend", "Backend"]
+__all__ = ["Acquires", "ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "lazy_backend", "Backend"]
 
 log = logging.getLogger("h5serve.client")
 
@@ -124,6 +125,32 @@ def open_acquired(client: DaemonClient, result: AcquireResult) -> AttachedSegmen
                         PublishStamp(result.ino, result.ctime_ns))
 
 
+@dataclass
+class Acquires:
+    """One shard's acquires, sent (``ShmBackend.start``: their loads started), and the daemon's
+    latest answer to each; ``ShmBackend.attach_ready`` maps them once every one is ready."""
+
+    spec: BackendSpec
+    client: DaemonClient
+    requests: list[Acquire]
+    results: list[AcquireResult]
+
+    @property
+    def ready(self) -> bool:
+        return all(r.state == "ready" for r in self.results)
+
+    def poll(self, timeout: float) -> bool:
+        """Ask once more about every segment not ready yet, waiting at most ``timeout`` for each
+        answer (no retry); True once every one is ready.
+
+        Raised when the daemon does not answer in time or is gone: DaemonUnavailable. Raised
+        when a load failed: the daemon's error class."""
+        self.results = [r if r.state == "ready" else
+                        AcquireResult.from_wire(self.client.request(q, timeout=timeout, retries=0))
+                        for q, r in zip(self.requests, self.results)]
+        return self.ready
+
+
 class ShmBackend(ArrayBackend):
     """Segments loaded by the daemon, mapped read-only; the lease is held while attached.
     ``runtime_dir``: the daemon's, where a spawned worker asks again for the descriptors
@@ -155,33 +182,67 @@ class ShmBackend(ArrayBackend):
         daemon errors arrive as their own classes.
         """
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
+            started = cls.start(spec, client, deadline)
+            segments: list[AttachedSegment] = []
+            try:
+                for request, result in zip(started.requests, started.results):
+                    segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
+                return cls._checked(spec, segments, client)
+            except BaseException:
+                for segment in segments:  # one key attached but another failed: drop x's lease now, not at GC
+                    segment.close()
+                raise
+
+    @staticmethod
+    def start(spec: BackendSpec, client: DaemonClient, deadline: float | None = None,
+              resolved: bool = False) -> Acquires:
+        """Send the shard's acquires, which starts every load, without waiting for them;
+        ``resolved``: ask again until the daemon has resolved every key (a refusal for room,
+        BudgetExceeded, comes then), as it always does for many files.
+
+        Raised as ``connect`` is, for what the daemon answers at once.
+        """
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
                     None if dtype is None else dtype.str, spec.selection.span, spec.files)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
-        with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
-            first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
-            while spec.files and not all(r.name for r in first):
-                # many files take the daemon a while to resolve: ask for every key until each has
-                # its load started, so that they resolve and load side by side, not one after another
-                time.sleep(POLL_INTERVAL_S)
-                first = [r if r.name else AcquireResult.from_wire(client.request_by(q, deadline))
-                         for q, r in zip(requests, first)]
-            if all(r.name for r in first):  # both resolved already (else: checked once attached)
-                check_rows(spec.keys, [r.dataset_rows for r in first])
-            segments: list[AttachedSegment] = []
-            try:
-                for request, result in zip(requests, first):
-                    segments.append(cls._attach(client, request, result, rank_for_logs, deadline))
-                # many files: equal totals are not enough, rows must pair up file by file
-                check_rows(spec.keys, [s.meta.total_rows for s in segments], spec.files,
-                           [s.meta.file_rows for s in segments])
-            except BaseException:
-                for segment in segments:  # one key attached but another failed: drop x's lease now, not at GC
-                    segment.close()
-                raise
-            return cls(spec, segments, str(client.location.directory))
+        first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
+        while (spec.files or resolved) and not all(r.name for r in first):
+            # many files take the daemon a while to resolve: ask for every key until each has
+            # its load started, so that they resolve and load side by side, not one after another
+            time.sleep(POLL_INTERVAL_S)
+            first = [r if r.name else AcquireResult.from_wire(client.request_by(q, deadline))
+                     for q, r in zip(requests, first)]
+        if all(r.name for r in first):  # both resolved already (else: checked once attached)
+            check_rows(spec.keys, [r.dataset_rows for r in first])
+        return Acquires(spec, client, requests, first)
+
+    @classmethod
+    def attach_ready(cls, started: Acquires) -> ShmBackend:
+        """The segments of acquires the daemon answered ``ready`` (``started.ready``), mapped
+        now, never waiting for a load.
+
+        Raised when one cannot be mapped (evicted or changed since the answer): SegmentError;
+        as ``connect`` for the rest.
+        """
+        segments: list[AttachedSegment] = []
+        try:
+            for request, result in zip(started.requests, started.results):
+                _check_same_shm(result)
+                segments.append(cls._holds(open_acquired(started.client, result), request, result))
+            return cls._checked(started.spec, segments, started.client)
+        except BaseException:
+            for segment in segments:
+                segment.close()
+            raise
+
+    @classmethod
+    def _checked(cls, spec: BackendSpec, segments: list[AttachedSegment], client: DaemonClient) -> ShmBackend:
+        # many files: equal totals are not enough, rows must pair up file by file
+        check_rows(spec.keys, [s.meta.total_rows for s in segments], spec.files, [s.meta.file_rows for s in segments])
+        return cls(spec, segments, str(client.location.directory))
 
     @staticmethod
     def _attach(client: DaemonClient, request: Acquire, result: AcquireResult, rank_for_logs: int,
@@ -218,15 +279,20 @@ class ShmBackend(ArrayBackend):
                     raise
                 result = AcquireResult("loading", result.name, result.shm_dir)  # evicted meanwhile: ask again
                 continue
-            m = segment.meta
-            wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
-            if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files):
-                # rows, not labels: selections share segments
-                segment.close()
-                raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "
-                                   f"({request.mode} rank {request.rank}/{request.world_size})")
-            return segment
+            return ShmBackend._holds(segment, request, result)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _holds(segment: AttachedSegment, request: Acquire, result: AcquireResult) -> AttachedSegment:
+        """``segment``, checked to hold the rows ``request`` asked for (else closed: SegmentError)."""
+        m = segment.meta
+        wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
+        if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files):
+            # rows, not labels: selections share segments
+            segment.close()
+            raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "
+                               f"({request.mode} rank {request.rank}/{request.world_size})")
+        return segment
 
     def close(self) -> None:
         super().close()

@@ -55,7 +55,7 @@ class RankMemCachedH5Dataset(SharedH5Dataset):
         self.log_fn = log_fn
         super().__init__(
             path, x_key, y_key, mode=mode, dtype_x=dtype_x, dtype_y=dtype_y,
-            transform=transform, target_transform=target_transform, fallback="lazy",
+            transform=transform, target_transform=target_transform, fallback="lazy", wait_ready=True,
         )
         self.log_fn(
             f"[rank {self.rank}/{self.world_size}] cached {len(self)} of {self.total_rows} rows of "

@@ -24,8 +24,8 @@ from ..hdf5.files import describe_files, expand_paths
 from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
-from . import automatic, ring
-from .backends import Backend, ShmBackend, lazy_backend
+from . import automatic, progressive, ring
+from .backends import Backend, lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
 from .resharding import check_not_measured_by_distributed_sampler
@@ -105,6 +105,15 @@ class SharedH5Dataset(Dataset):
     by the daemon, ``"lazy"`` when read through h5py (``fallback="lazy"``, the default, when
     no daemon answers; ``fallback="error"`` raises DaemonUnavailable instead).
 
+    Ready at once: when the daemon has not loaded the shard yet, the dataset does not wait for
+    the load (``wait_ready=None``, the default, for shards of 64 MiB and more): it serves
+    batches through h5py meanwhile (``backend == "lazy (loading)"``; same rows, order and bytes)
+    and switches to shared memory between two batches once the daemon has them (each
+    DataLoader worker on its own); a load that fails leaves h5py serving, with the fallback
+    warning. ``wait_ready=True`` (and ``fallback="error"``) waits for the load in the
+    constructor, as benchmarks want; ``wait_ready=False`` never waits, whatever the size;
+    ``ds.wait_until_ready()`` waits later. h5serve/client/progressive.py.
+
     The fast path: ``make_loader(ds, batch_size)``, or a DataLoader with
     ``collate_fn=h5serve.client.collate`` (one gather per batch, no per-sample tensors).
     ``cache_bytes``: the lazy backend keeps the chunks it has read in this process, up to
@@ -152,6 +161,7 @@ class SharedH5Dataset(Dataset):
         window: int | str | None = None,
         block_rows: int | None = None,
         auto_stream: bool = True,
+        wait_ready: bool | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -193,10 +203,11 @@ class SharedH5Dataset(Dataset):
         self.mode = self.requested_mode = mode
         self.fallback = fallback
         self.auto_stream = bool(auto_stream)
+        self._wait_ready = None if wait_ready is None else bool(wait_ready)
         self.auto_streamed: automatic.StreamPlan | None = None  # set when global/node data is streamed instead
         self._described: DatasetDescription | None = None  # the files as h5py reads them: ``_description()``
         self._stream_args: tuple[object, object] = (window, block_rows)
-        self._backend: Backend | StreamBackend = self._open_backend()
+        self._backend: Backend | StreamBackend | progressive.ProgressiveBackend = self._open_backend()
         try:
             self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
             self.fields.check_ragged(self._backend.vlen_kinds, self._backend.out_dtypes)
@@ -240,15 +251,17 @@ class SharedH5Dataset(Dataset):
     def _h5_options(self) -> dict[str, Any]:
         return {}
 
-    def _open_backend(self) -> Backend | StreamBackend:
+    def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/stream.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
                                  description=self._description())
-        backend, error = None, None
-        try:
-            backend = ShmBackend.connect(self.spec, self.rank)
+        backend: Backend | progressive.ProgressiveBackend | None = None
+        error = None
+        try:  # ready at once: h5py serves while the daemon loads (client/progressive.py)
+            backend = progressive.connect(self.spec, self.rank, self._announce_fallback, self._description,
+                                          True if self.fallback == "error" else self._wait_ready, self._settled)
         except H5ServeError as exc:
             error = exc
         if self.auto_stream and self.mode in (GLOBAL, NODE):  # a collective in a process group: every rank
@@ -266,7 +279,8 @@ class SharedH5Dataset(Dataset):
         self._announce_fallback(error)
         return self._fallback_backend()
 
-    def _stream_instead(self, plan: automatic.StreamPlan) -> Backend | StreamBackend:
+    def _stream_instead(self, plan: automatic.StreamPlan,
+                        ) -> Backend | StreamBackend | progressive.ProgressiveBackend:
         """Serve a global/node dataset that does not fit shared memory in stream mode (client/automatic.py)."""
         warnings.warn(automatic.warning_text(plan, self.mode, self._shown_path()), RuntimeWarning, stacklevel=4)
         if self.layout is None:
@@ -274,6 +288,10 @@ class SharedH5Dataset(Dataset):
         self.spec = dataclasses.replace(self.spec, selection=Selection(GLOBAL, self.world_size, self.rank))
         self.mode, self.auto_streamed, self._stream_args = STREAM, plan, (plan.window, plan.block_rows)
         return self._open_backend()
+
+    def _settled(self, backend: Backend) -> None:
+        """The daemon's load is over (client/progressive.py): serve from ``backend`` directly."""
+        self._backend = backend
 
     def _announce_fallback(self, exc: H5ServeError) -> None:
         warnings.warn(
@@ -303,8 +321,20 @@ class SharedH5Dataset(Dataset):
 
     @property
     def backend(self) -> str:
-        """``"shm"`` (daemon), ``"lazy"`` (h5py) or ``"memory"`` (compat preload)."""
+        """``"shm"`` (daemon), ``"lazy"`` (h5py), ``"lazy (loading)"`` (h5py while the daemon
+        loads the shard; asking checks, without waiting, whether it is done) or ``"memory"``
+        (compat preload)."""
+        if isinstance(self._backend, progressive.ProgressiveBackend):
+            self._backend.check()
         return self._backend.name
+
+    def wait_until_ready(self, timeout: float | None = None) -> str:
+        """Wait until the daemon has loaded the shard and this process serves it from shared
+        memory (or the load failed and h5py serves on), at most ``timeout`` seconds; the
+        backend then. Returns at once when nothing is loading."""
+        if isinstance(self._backend, progressive.ProgressiveBackend):
+            return self._backend.wait(timeout)
+        return self.backend
 
     @property
     def files(self) -> tuple[str, ...]:

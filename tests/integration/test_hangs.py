@@ -144,7 +144,7 @@ def test_client_timeout_bounds_the_whole_acquire_of_a_stopped_load(big: Path, wo
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 ds = SharedH5Dataset(big, "x", rank=0, world_size=1, runtime_dir=d.runtime_dir, timeout=2.0,
-                                     fallback="lazy")
+                                     fallback="lazy", wait_ready=True)  # ready at once: test_ready.py
             waited = time.monotonic() - started
             print(f"\n[h5serve hangs] stopped loader, timeout=2.0, fallback='lazy': lazy after {waited:.2f}s")
             assert ds.backend == "lazy" and 1.9 < waited < 3.5, (ds.backend, waited)

@@ -364,7 +364,7 @@ WAITING_CLIENT = """
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ds = SharedH5Dataset(args["path"], "x", rank=0, world_size=1, fallback=args["fallback"],
-                                 timeout=args["timeout"], runtime_dir=args["runtime_dir"])
+                                 timeout=args["timeout"], runtime_dir=args["runtime_dir"], wait_ready=True)
         out = {"outcome": "dataset", "backend": ds.backend, "t0": t0, "t": time.time(), "len": len(ds),
                "warnings": [str(w.message)[:300] for w in caught]}
         batch = ds.__getitems__(args["rows"])
