@@ -28,7 +28,7 @@ from ._process import loader_output
 from .loader import LoadJob, start_load
 from .spare import Spare, start_spare
 
-__all__ = ["LoaderPool", "KEPT_IDLE_S"]
+__all__ = ["LoaderPool", "KEPT_IDLE_S", "SPARE_AFTER_LOAD_S"]
 
 log = logging.getLogger("h5serve.daemon")
 SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
