@@ -142,7 +142,8 @@ def figures(r: dict, size: int) -> dict:
     return {"epoch0_s": t0, "samples_s": len(labels[0]) / t0, "first_s": r["first_batch"] - r["launch"],
             "wait_share": r["waited"][0] / max(1, r["steps"][0]), "wait_time_share": r["wait"][0] / t0,
             "read_x": r["read_bytes"] / size, "peak_cache": r["peak_cache"], "entropy": neighbour_entropy(labels[0]),
-            "overlap": overlap, "samples": len(labels[0])}
+            "overlap": overlap, "samples": len(labels[0]), "blocks": r.get("blocks", {}),
+            "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9)}
 
 
 def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],

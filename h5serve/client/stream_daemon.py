@@ -98,6 +98,8 @@ class DaemonBlocks:
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # needed blocks that waited for room in the daemon's budget
+        self.ready_waits = 0  # needed blocks that were not loaded yet when a batch needed them
+        self.waited_s = 0.0  # seconds spent waiting for needed blocks (loads and room)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -122,11 +124,11 @@ class DaemonBlocks:
             self._client = DaemonClient(self.spec.runtime_dir, self.spec.timeout, self.spec.daemon_user)
         return self._client
 
-    def _requests(self, block: int) -> list[Acquire]:
+    def _requests(self, block: int, prefetch: bool = False) -> list[Acquire]:
         a, b = self.layout.span(block)
         sel = self.spec.selection
         return [Acquire(self.spec.path, key, sel.world_size, sel.rank, STREAM,
-                        None if dtype is None else dtype.str, rows=(a, b))
+                        None if dtype is None else dtype.str, rows=(a, b), prefetch=prefetch)
                 for key, dtype in zip(self.spec.keys, self.spec.dtypes)]
 
     # ----- the window -------------------------------------------------------------------------
@@ -159,14 +161,18 @@ class DaemonBlocks:
             del self._asked[block]
         client = self.client()
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
-        # for yet, and the daemon starts loads in the order asked
-        for block in [*np.asarray(alive).tolist(), *ahead_list]:
-            if block in self._held or block in self._asked:
-                continue
-            try:
-                self._asked[block] = [AcquireResult.from_wire(client.request(r)) for r in self._requests(block)]
-            except BudgetExceeded:
-                return
+        # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
+        # prefetches, which the daemon refuses rather than evict another rank's next block for
+        alive_list = np.asarray(alive).tolist()
+        for prefetch, blocks in ((False, alive_list), (True, ahead_list)):
+            for block in blocks:
+                if block in self._held or block in self._asked:
+                    continue
+                try:
+                    self._asked[block] = [AcquireResult.from_wire(client.request(r))
+                                          for r in self._requests(block, prefetch)]
+                except BudgetExceeded:
+                    return
 
     # ----- gathering --------------------------------------------------------------------------
     def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
@@ -220,11 +226,15 @@ class DaemonBlocks:
 
         Raised when there is no room by then: BudgetExceeded naming the window, the budget and
         the blocks this process holds."""
-        deadline = time.monotonic() + self.wait_s
+        started = time.monotonic()
+        deadline = started + self.wait_s
         pause = _FIRST_BACKOFF_S
+        self.ready_waits += 1
         while True:
             try:
-                return client.acquire(request, None, None if self.spec.timeout is None else deadline)
+                result = client.acquire(request, None, None if self.spec.timeout is None else deadline)
+                self.waited_s += time.monotonic() - started
+                return result
             except BudgetExceeded as exc:
                 if time.monotonic() + pause > deadline:
                     raise BudgetExceeded(self._full_message(request, block, exc)) from exc

@@ -61,6 +61,7 @@ from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, load_spans, loader_context
 from .loaderpool import LoaderPool
 from .loadqueue import check_queue_of, next_queued, read_again_soon
+from .prefetch import Prefetched
 from .refusals import over_budget, stalled_load
 from .report import segments_status, visible_to
 from .resolve import RESOLVE_TIMEOUT_S, Resolved, Resolver
@@ -104,6 +105,7 @@ class SegmentStore:
         self._stale = StaleSweep()
         # the spare loader, and loaders kept between stream blocks (loaderpool.py)
         self.pool = LoaderPool(loader_context(), loaders)
+        self.prefetched = Prefetched()  # stream blocks loaded ahead of need, not needed yet (prefetch.py)
         # who may have which ready segment's descriptor: read by the hand-out thread, so never
         # changed in place, only replaced (``_grant``)
         self.grants: Mapping[str, Grant] = MappingProxyType({})
@@ -225,9 +227,12 @@ class SegmentStore:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
             check_queue_of(self.entries.values(), uid, meta, self.counters)
-            entry = self._start(name, meta, uid, None if spans is None else spans())
-        elif entry.state == "loading" and entry.process is None:
-            entry.waiting.add(uid)  # its start comes with this uid's turn too
+            entry = self._start(name, meta, uid, None if spans is None else spans(), req.prefetch)
+            self.prefetched.asked(name, req.prefetch, True)
+        else:
+            self.prefetched.asked(name, req.prefetch, False)
+            if entry.state == "loading" and entry.process is None:
+                entry.waiting.add(uid)  # its start comes with this uid's turn too
         entry.last_used = time.monotonic()
         entry.asked_as = (req.mode, req.world_size, req.rank)
         entry.modes.add(req.mode)
@@ -267,8 +272,8 @@ class SegmentStore:
                              st.st_dev, st.st_ino, stamp.ino, stamp.ctime_ns)
 
     def _start(self, name: str, meta: SegmentMeta, uid: int,
-               spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
-        self._make_room(meta.file_size, meta)
+               spans: tuple[tuple[int, int], ...] | None = None, prefetch: bool = False) -> Entry:
+        self._make_room(meta.file_size, meta, prefetch)
         entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
@@ -318,14 +323,16 @@ class SegmentStore:
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())
 
-    def _make_room(self, needed: int, meta: SegmentMeta) -> None:
-        """Evict least-recently-used segments no client holds until ``needed`` fits the budget.
+    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False) -> None:
+        """Evict least-recently-used segments no client holds until ``needed`` fits the budget
+        (for a ``prefetch``, never a stream block prefetched and not needed yet: prefetch.py).
 
         Raised when it cannot fit even then: BudgetExceeded.
         """
         if self.used_bytes() + needed <= self.max_memory:
             return
-        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+        self.prefetched.forget(self.entries)
+        for entry in self.prefetched.eviction_order(self.entries.values(), prefetch):
             if self.used_bytes() + needed <= self.max_memory:
                 return
             if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.file):
@@ -334,7 +341,7 @@ class SegmentStore:
                 log.info("evicted %s to make room", entry.file)
         used = self.used_bytes()
         if used + needed > self.max_memory:
-            self.counters["refusals"] += 1
+            self.counters["refusals"] += not prefetch  # a prefetch refused is asked again when needed
             raise over_budget(meta, needed, used, self.max_memory, self.budget_rule)
 
     def sweep(self) -> None:
