@@ -1,8 +1,9 @@
-"""Loaders kept between stream blocks (daemon/loaderpool.py, streamloader.py), with a real
-daemon: successive blocks are loaded by one loader process that stays (shown as
-``h5serve-kept`` while it waits), it exits once idle for KEPT_IDLE_S, and a file replaced at
-its path between two blocks is read anew (the loader never serves rows of the file it kept
-open for a new identity), nor goes on with the old one."""
+"""Stream blocks from a real daemon, fast: loaders kept between blocks (daemon/loaderpool.py,
+streamloader.py) and prefetches that never evict (daemon/prefetch.py). Successive blocks are
+loaded by one loader process that stays (shown as ``h5serve-kept`` while it waits) and exits
+once idle for KEPT_IDLE_S; a file replaced at its path between two blocks is read anew (the
+loader never serves rows of the file it kept open for a new identity); a prefetch is refused
+rather than evict a block prefetched for another rank and not needed yet."""
 
 from __future__ import annotations
 
@@ -94,3 +95,30 @@ def test_a_file_replaced_between_blocks_is_read_anew(tmp_path: Path) -> None:
         assert wait_for(lambda: bool((_block(client, h5, "x", 1) == 7).all()), 30), "block 1 of the old file served"
         assert (_block(client, h5, "x", 2) == 7).all()
         assert not (first == 7).all()
+
+
+def test_a_prefetch_is_refused_rather_than_evict_another_ranks_next_block(tmp_path: Path) -> None:
+    """A budget of 3 blocks: blocks 0-1 needed (then let go), blocks 2-3 prefetched. A prefetch
+    of block 4 may evict the needed blocks but not the prefetched ones nobody needed yet: it is
+    refused once only they are left; a request that needs block 5 still gets it."""
+    from h5serve.errors import BudgetExceeded
+
+    h5 = make_h5(tmp_path / "data.h5", rows=ROWS, row_shape=(64,))
+    cost = 4096 + BLOCK * 64  # a header page and the rows
+    with running_daemon("--max-memory", str(3 * cost), "--loaders", "1") as d, \
+            DaemonClient(d.runtime_dir, timeout=30) as client:
+        def ask(block: int, prefetch: bool) -> None:
+            client.acquire(Acquire(str(h5), "x", 1, 0, "stream", rows=(block * BLOCK, (block + 1) * BLOCK),
+                                   prefetch=prefetch))
+
+        _block(client, h5, "x", 0)
+        _block(client, h5, "x", 1)
+        ask(2, prefetch=True)  # evicts nothing: room for a third
+        ask(3, prefetch=True)  # evicts block 0 (needed, let go)
+        ask(4, prefetch=True)  # evicts block 1
+        with pytest.raises(BudgetExceeded):
+            ask(5, prefetch=True)  # only blocks 2-4 are left, prefetched and not needed yet
+        counters = client.status()["counters"]
+        assert counters["evictions"] == 2 and counters["loads"] == 5, counters
+        ask(5, prefetch=False)  # needed: evicts a prefetched block (the least recently asked)
+        assert client.status()["counters"]["evictions"] == 3
