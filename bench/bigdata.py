@@ -21,6 +21,11 @@ Also: shuffle quality (Streaming's neighbour-difference entropy of rank 0's epoc
 and rank 0's overlap between its two epochs), a training check (scikit-learn's digits repeated
 and sorted by label, a logistic regression in torch: stream mode at a 10% window vs global mode
 vs file order, 3 seeds) and the first batch against file size, cold (stream and global mode).
+
+Stream blocks: what ``h5serve inspect`` recommends for each budget (``recommended_block``: the
+default ~8 MiB block, or smaller whole chunks so that the window holds 8), or ``--block-rows``
+at every budget. Rank 0 also reports its block waits (DaemonBlocks' counters) and its
+samples/s after the first batch (the stream's pace without the job's start-up).
 """
 
 from __future__ import annotations
