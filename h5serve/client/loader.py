@@ -147,7 +147,7 @@ def stream_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop
     layout, config = dataset.layout, dataset.stream.config
     place = NodePlace(layout.local_rank, layout.local_world_size, layout.node_rank, layout.num_nodes)
     return StreamSampler(config.layout, batch_size, place, config.capacity, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last, block_bytes=config.block_bytes, prefetch=True)
+                         drop_last=drop_last, block_bytes=config.block_bytes)
 
 
 def _check_not_distributed(dataset: Any, sampler: Any) -> None:

@@ -23,17 +23,7 @@ from .node_sampler import NodePlace
 from .resharding import check_not_resharded
 from .sampler import check_state_origin
 
-__all__ = ["StreamSampler", "PREFETCH_SHARE", "prefetch_room"]
-
-PREFETCH_SHARE = 4  # 1/4 of the blocks a node holds is room for the next blocks, loaded ahead of need
-
-
-def prefetch_room(capacity: int, blocks: int) -> int:
-    """Blocks of a node's ``capacity`` kept for prefetching its next blocks (``StreamBatch.ahead``:
-    a daemon loads them before their first use) when its ``blocks`` do not all fit: the order's
-    window is that much smaller. Without it the window takes every block but those one step can
-    start, and a block is asked for a step or two before a batch needs it: less than a load takes."""
-    return capacity // PREFETCH_SHARE if blocks > capacity else 0
+__all__ = ["StreamSampler"]
 
 _STATE_KEYS = ("sampler", "mode", "total_rows", "block_rows", "window", "seed", "shuffle", "drop_last", "epoch",
                "num_nodes", "node_rank", "local_rank", "local_world_size", "offset", "consumed", "consumed_node")
@@ -45,9 +35,8 @@ class StreamSampler(Sampler[StreamBatch]):
 
     ``capacity``: blocks the node's window holds (``SharedH5Dataset.window_blocks``); the
     order's window is ``stream_order.window_for`` of it (every block of the node when they
-    fit; else ``capacity`` less the blocks one step of batches can start, and with
-    ``prefetch`` less ``prefetch_room`` for the blocks loaded ahead), or ``window`` when given
-    (it must fit ``capacity`` the same way, room or not).
+    fit; else ``capacity`` less the blocks one step of batches can start), or ``window``
+    when given (it must fit ``capacity`` the same way).
 
     ``set_epoch(epoch)`` before each epoch. ``state_dict(consumed=n)`` records seed, epoch,
     window, layout and the samples this rank has consumed; ``load_state_dict`` resumes that
@@ -65,14 +54,13 @@ class StreamSampler(Sampler[StreamBatch]):
 
     def __init__(self, layout: BlockLayout, batch_size: int, place: NodePlace, capacity: int, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, window: int | None = None,
-                 block_bytes: int = 0, prefetch: bool = False) -> None:
+                 block_bytes: int = 0) -> None:
         if not isinstance(place, NodePlace):
             raise ConfigError(f"place must be a NodePlace, got {type(place).__name__}")
         check_batch_size(batch_size)
         self.layout, self.batch_size, self.place, self.capacity = layout, batch_size, place, int(capacity)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.block_bytes = int(block_bytes)
-        self.prefetch = bool(prefetch)
         self.node_rows = node_rows(layout, place.num_nodes)
         self.window = self._fit(window)
         self.epoch = 0
@@ -90,13 +78,9 @@ class StreamSampler(Sampler[StreamBatch]):
         blocks = max(-(-self.node_rows[self.place.node_rank] // self.layout.block_rows), 1)
         best = window_for(self.capacity, blocks, self.layout.block_rows, self.batch_size,
                           self.place.local_world_size, self.block_bytes)
-        full = best
-        room = prefetch_room(self.capacity, blocks) if self.prefetch else 0
-        if room and best - room >= 1:  # blocks loaded ahead of their first use, beside the window's own
-            best -= room
         if window is None:
             return best
-        if int(window) > full and int(window) < blocks:  # a saved window without the room still fits
+        if int(window) > best and int(window) < blocks:
             raise ConfigError(
                 f"the saved order reads through a window of {window} blocks, but this job's window holds "
                 f"{self.capacity} blocks, room for a window of {best} with batches of {self.batch_size} on "

@@ -7,7 +7,7 @@ next block, loaded for them and not yet mapped, and evicting it for a block need
 would only make them load it again (two jobs sharing a budget evicted each other's prefetched
 blocks this way). A prefetch that finds no such room is refused (BudgetExceeded) and the
 client asks again when it needs the block. A request that needs a block may evict anything
-no client holds, claimed blocks first, least recently used first.
+no client holds, least recently used first, exactly as before.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class Prefetched:
             self.unclaimed.add(name)
 
     def eviction_order(self, entries: Iterable[Entry], prefetch: bool) -> list[Entry]:
-        """Who may be evicted, in order, to make room for a request (``prefetch``: a prefetch,
-        which evicts no unclaimed block): claimed before unclaimed, least recently used first."""
-        found = sorted(entries, key=lambda e: (e.name in self.unclaimed, e.last_used))
+        """Who may be evicted, in order, to make room for a request, least recently used first
+        (``prefetch``: a prefetch, which evicts no unclaimed block)."""
+        found = sorted(entries, key=lambda e: e.last_used)
         return [e for e in found if e.name not in self.unclaimed] if prefetch else found
 
     def forget(self, live: Iterable[str]) -> None:
