@@ -76,8 +76,8 @@ if TYPE_CHECKING:
     from .streamloader import OpenFiles
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
-           "loader_context", "start_forkserver", "plan_parts", "load_spans", "open_source",
-           "MIN_PART_BYTES", "MIN_PART_ENV"]
+           "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES",
+           "MIN_PART_ENV"]
 
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).

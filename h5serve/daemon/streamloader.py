@@ -16,9 +16,10 @@ from multiprocessing.connection import Connection
 
 import h5py
 
+from ..hdf5.identity import open_h5_verified
 from ..segments import SegmentMeta
 from ._process import KEPT_NAME, LOADER_NAME, set_process_name
-from .loader import LoadJob, open_source, run_load
+from .loader import LoadJob, run_load
 
 __all__ = ["OpenFiles", "serve_jobs"]
 
@@ -31,11 +32,16 @@ class OpenFiles:
         self._identity: tuple = ()
 
     def open(self, meta: SegmentMeta) -> h5py.File:
-        """``meta``'s source, opened (and checked) once per identity. Raised as
-        ``loader.open_source`` is."""
+        """``meta``'s source, opened and checked as ``loader.open_source`` does, once per
+        identity. Raised as it is."""
         if self._file is None or self._identity != meta.source:
             self.close()
-            self._file = open_source(meta)
+            # without HDF5's shared flock (HDF5 >= 1.10 takes one on every file it opens): the
+            # file kept open between blocks would make every writer of it fail ("unable to lock
+            # file") until this loader exits, where a one-load loader held it for one load. The
+            # rows read are checked against the file's identity after every load (a write
+            # changes its mtime), as in any loader, so the lock guards nothing here.
+            self._file = open_h5_verified((meta.source_path, meta.source_dev, meta.source_ino), locking=False)
             self._identity = meta.source
         return self._file
 

@@ -80,6 +80,19 @@ def test_successive_stream_blocks_are_loaded_by_one_kept_loader(tmp_path: Path) 
         np.testing.assert_array_equal(_block(client, h5, "x", 0), x[:BLOCK])
 
 
+def test_a_kept_loader_never_locks_writers_out(tmp_path: Path) -> None:
+    """HDF5 locks the files it opens: the file a kept loader holds open must not make a writer
+    of it fail (a one-load loader held it for one load only)."""
+    h5 = make_h5(tmp_path / "data.h5", rows=ROWS, row_shape=(64,))
+    with running_daemon("--loaders", "1") as d, DaemonClient(d.runtime_dir, timeout=30) as client:
+        _block(client, h5, "x", 0)
+        assert wait_for(lambda: len(_named(d.pid, "h5serve-kept")) == 1, 10)
+        with h5py.File(h5, "r+") as f:  # raised "unable to lock file" with HDF5's lock held
+            f["x"][0] = 1
+        with h5py.File(h5, "w") as f:
+            f.create_dataset("x", data=np.zeros((ROWS, 64), np.uint8), chunks=(64, 64))
+
+
 def test_a_file_replaced_between_blocks_is_read_anew(tmp_path: Path) -> None:
     """The kept loader holds the first file open; after the path is replaced by another file
     (another inode), the next block's rows are the new file's, never the kept one's."""
