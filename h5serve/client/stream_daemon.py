@@ -20,9 +20,10 @@ Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
   the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
   kernel drops its flocks).
 - *budget*: when the daemon refuses a needed block because its budget is full of blocks
-  other ranks or jobs still hold (BudgetExceeded), the rank asks again with backoff until
-  ``wait_s``; then it fails with BudgetExceeded naming the window, the budget and the blocks
-  it holds. Nothing waits forever; the daemon and the other ranks carry on.
+  other ranks or jobs still hold (BudgetExceeded), the rank closes the blocks it maps (so that
+  two ranks apart by a few steps never each wait for the other's blocks) and asks again with
+  backoff until ``wait_s``; then it fails with BudgetExceeded naming the window, the budget and
+  the blocks it holds. Nothing waits forever; the daemon and the other ranks carry on.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class DaemonBlocks:
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # needed blocks that waited for room in the daemon's budget
         self.ready_waits = 0  # needed blocks that were not loaded yet when a batch needed them
+        self.yields = 0  # times this process let its mapped blocks go while it waited for room
         self.waited_s = 0.0  # seconds spent waiting for needed blocks (loads and room)
 
     def _check_pid(self) -> None:
@@ -238,6 +240,15 @@ class DaemonBlocks:
             except BudgetExceeded as exc:
                 if time.monotonic() + pause > deadline:
                     raise BudgetExceeded(self._full_message(request, block, exc)) from exc
+                if self._held:
+                    # a rank that waits for room holds nothing meanwhile: ranks apart by a few
+                    # steps each held their own window's blocks, together the whole budget, and
+                    # each waited for the other's (a job without a collective per step, or
+                    # workers running ahead). Its blocks stay loaded unless another rank needs
+                    # the room; a later batch maps them again.
+                    self.yields += 1
+                    for held in list(self._held):
+                        self._close(held)
                 self.budget_waits += 1
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
