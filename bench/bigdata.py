@@ -21,6 +21,11 @@ Also: shuffle quality (Streaming's neighbour-difference entropy of rank 0's epoc
 and rank 0's overlap between its two epochs), a training check (scikit-learn's digits repeated
 and sorted by label, a logistic regression in torch: stream mode at a 10% window vs global mode
 vs file order, 3 seeds) and the first batch against file size, cold (stream and global mode).
+
+Stream blocks: what ``h5serve inspect`` recommends for each budget (``recommended_block``: the
+default ~8 MiB block, or smaller whole chunks so that the window holds 8), or ``--block-rows``
+at every budget. Rank 0 also reports its block waits (DaemonBlocks' counters) and its
+samples/s after the first batch (the stream's pace without the job's start-up).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from .peers import NAMES, data_files, peer_dir, source_file, versions
 from .stream import memory_peak, stream_file
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK_ROWS = 512  # 1.5 MiB blocks: a 5% window of 256 MiB still holds 8 of them
+BLOCK_ROWS = 512  # 1.5 MiB blocks: a 5% window of 256 MiB still holds 8 of them (the first-batch figure)
 JOB_TIMEOUT = 240
 EPOCHS = 2
 
@@ -142,11 +147,27 @@ def figures(r: dict, size: int) -> dict:
     return {"epoch0_s": t0, "samples_s": len(labels[0]) / t0, "first_s": r["first_batch"] - r["launch"],
             "wait_share": r["waited"][0] / max(1, r["steps"][0]), "wait_time_share": r["wait"][0] / t0,
             "read_x": r["read_bytes"] / size, "peak_cache": r["peak_cache"], "entropy": neighbour_entropy(labels[0]),
-            "overlap": overlap, "samples": len(labels[0])}
+            "overlap": overlap, "samples": len(labels[0]), "blocks": r.get("blocks", {}),
+            "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9)}
+
+
+def recommended_block(path: Path, budget: int) -> int:
+    """The block ``h5serve inspect`` recommends for ``path``'s x and y under ``budget``
+    (stream_plan.plan_window: the default block, or smaller whole chunks for 8 in the window)."""
+    from h5serve.order.stream_plan import plan_window
+
+    with h5py.File(path) as f:
+        keys = [f[k] for k in ("x", "y")]
+        chunks = [d.chunks[0] if d.chunks else 1 for d in keys]
+        row_bytes = sum(int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize for d in keys)
+        rows = keys[0].shape[0]
+    window = plan_window(chunks, row_bytes, rows, budget)
+    assert window is not None, budget
+    return window.block_rows
 
 
 def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],
-        block_rows: int = BLOCK_ROWS) -> tuple[list[Row], dict]:
+        block_rows: int | None = None) -> tuple[list[Row], dict]:
     plain = stream_file(data_dir, mib)
     source = source_file(plain)
     size = os.path.getsize(source)
@@ -159,10 +180,12 @@ def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],
     for share in shares:
         budget = size * share // 100
         res: dict = {}
+        block = block_rows or recommended_block(source, budget)
         with BenchDaemon("--max-memory", str(budget)) as daemon:
             with memory_peak(daemon.runtime_dir) as mem:
                 res["stream"] = figures(job("stream", source, runtime_dir=daemon.runtime_dir,
-                                            daemon_pid=daemon.pid, block_rows=block_rows), size)
+                                            daemon_pid=daemon.pid, block_rows=block), size)
+            res["stream"]["block_rows"] = block
             if "failed" not in res["stream"]:
                 res["stream"]["peak_cache"] = mem["max"]
                 res["stream"]["budget_seen"] = mem["budget"]
@@ -263,13 +286,13 @@ def first_batch(data_dir: Path, sizes: list[int]) -> dict:
 
 
 def bigdata(data_dir: Path, mib: int = 256, shares: tuple[int, ...] = (5, 10, 25), sizes: tuple[int, ...] = (256, 1024),
-            report: dict | None = None) -> list[Row]:
+            report: dict | None = None, block_rows: int | None = None) -> list[Row]:
     report = {} if report is None else report
     report["load"] = [os.getloadavg()[0]]
     found = versions()
     peers = [s for s, v in found.items() if not v.startswith("unavailable")]
     report["versions"] = found
-    rows, report["big"] = big(data_dir, mib, list(shares), peers)
+    rows, report["big"] = big(data_dir, mib, list(shares), peers, block_rows)
     report["training"] = training(data_dir)
     report["first_batch"] = first_batch(data_dir, list(sizes))
     report["load"].append(os.getloadavg()[0])
@@ -279,18 +302,20 @@ def bigdata(data_dir: Path, mib: int = 256, shares: tuple[int, ...] = (5, 10, 25
 def markdown(report: dict) -> str:
     """The docs tables of one run's report (``--json``): per budget and system, then the rest."""
     b = report["big"]
-    lines = ["| budget | system | epoch 0 incl. start-up (s) | vs bare read | samples/s (rank 0) "
-             "| steps waiting > 1 ms | time in next() | first batch (s) | disk reads / data "
-             "| peak memory (MiB) | entropy (bits) | rank-0 overlap e0/e1 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| budget | system | block | epoch 0 incl. start-up (s) | vs bare read | samples/s (rank 0) "
+             "| samples/s after the first batch | steps waiting > 1 ms | time in next() | first batch (s) "
+             "| disk reads / data | peak memory (MiB) | entropy (bits) | rank-0 overlap e0/e1 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def line(budget: str, name: str, f: dict) -> None:
         if "failed" in f:
-            lines.append(f"| {budget} | {name} | failed: {f['failed'][:160]} |" + " |" * 10)
+            lines.append(f"| {budget} | {name} | failed: {f['failed'][:160]} |" + " |" * 12)
             return
         peak = f"{f['peak_cache'] / 2**20:.1f}" if f["peak_cache"] else "— (process memory, not measured)"
-        lines.append(f"| {budget} | {name} | {f['epoch0_s']:.2f} | {b['seq_s'] / f['epoch0_s']:.3f}x | "
-                     f"{f['samples_s']:,.0f} | {f['wait_share']:.0%} | {f['wait_time_share']:.0%} | "
+        block = f"{f['block_rows']} rows" if "block_rows" in f else "—"
+        steady = f"{f['steady_s']:,.0f}" if "steady_s" in f else "—"
+        lines.append(f"| {budget} | {name} | {block} | {f['epoch0_s']:.2f} | {b['seq_s'] / f['epoch0_s']:.3f}x | "
+                     f"{f['samples_s']:,.0f} | {steady} | {f['wait_share']:.0%} | {f['wait_time_share']:.0%} | "
                      f"{f['first_s']:.2f} | "
                      f"{f['read_x']:.2f} | {peak} | {f['entropy']:.2f} | {f['overlap']:.3f} |")
 
@@ -314,6 +339,8 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--budgets", default="5,10,25", help="budgets, percent of the data")
     p.add_argument("--sizes", default="256,1024", help="file sizes (MiB) of the first-batch figure")
+    p.add_argument("--block-rows", type=int, default=None,
+                   help="stream blocks (rows) at every budget (default: what inspect recommends for each budget)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None, help="print the docs tables of a saved --json, run nothing")
     a = p.parse_args()
@@ -324,7 +351,7 @@ def main() -> None:
 
     report: dict = {}
     rows = bigdata(a.data_dir, a.mib, tuple(int(s) for s in a.budgets.split(",")),
-                   tuple(int(s) for s in a.sizes.split(",")), report=report)
+                   tuple(int(s) for s in a.sizes.split(",")), report=report, block_rows=a.block_rows)
     print(table(rows))
     print(json.dumps(report, indent=1, default=str))
     if a.json:

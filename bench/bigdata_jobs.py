@@ -90,9 +90,12 @@ def run(args: argparse.Namespace) -> int:
         steps.append(n)
         labels.append(np.concatenate(seen).tolist() if seen else [])
     dist.barrier()
+    cache = getattr(getattr(getattr(loader, "dataset", None), "stream", None), "cache", None)
+    counted = ("attaches", "budget_waits", "ready_waits", "waited_s", "yields")  # rank 0's stream blocks (DaemonBlocks)
+    blocks = {k: getattr(cache, k) for k in counted if hasattr(cache, k)}
     if rank == 0:
         print("result " + json.dumps({"first_batch": first, "ends": ends, "wait": waits, "waited": waited,
-                                      "steps": steps, "labels": labels}), flush=True)
+                                      "steps": steps, "labels": labels, "blocks": blocks}), flush=True)
     dist.destroy_process_group()
     return 0
 

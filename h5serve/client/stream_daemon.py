@@ -21,11 +21,13 @@ Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
   the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
   kernel drops its flocks).
 - *room*: when the daemon refuses a needed block because its budget is full of blocks
-  other ranks or jobs still hold (BudgetExceeded), or fails its load because its shm
-  filesystem is full (ShmFull: other files there), the rank asks again with backoff until
-  ``wait_s`` (``timeout=``, default DEFAULT_WAIT_S); then it fails with that class, naming the
-  block, the window, the budget and the blocks it holds. Nothing waits forever; the daemon and
-  the other ranks carry on, and the node serves the next job once there is room.
+  other ranks or jobs still hold (BudgetExceeded), the rank closes the blocks it maps (so that
+  two ranks apart by a few steps never each wait for the other's blocks) and asks again with
+  backoff until ``wait_s`` (``timeout=``, default DEFAULT_WAIT_S); so it does when the daemon
+  fails the load because its shm filesystem is full (ShmFull: other files there). Then it fails
+  with that class, naming the block, the window, the budget and the blocks it holds. Nothing
+  waits forever; the daemon and the other ranks carry on, and the node serves the next job once
+  there is room.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class DaemonBlocks:
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
+        self.ready_waits = 0  # needed blocks that were not loaded yet when a batch needed them
+        self.yields = 0  # times this process let its mapped blocks go while it waited for room
+        self.waited_s = 0.0  # seconds spent waiting for needed blocks (loads and room)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -126,7 +131,7 @@ class DaemonBlocks:
             self._client = DaemonClient(self.spec.runtime_dir, self.spec.timeout, self.spec.daemon_user)
         return self._client
 
-    def _requests(self, block: int) -> list[Acquire]:
+    def _requests(self, block: int, prefetch: bool = False) -> list[Acquire]:
         """One acquire per key for ``block``; of many files, the block's rows of the one file that
         holds them (a block never spans two): the segment is that file's, shared with any job
         that reads the file, alone or in another set."""
@@ -136,7 +141,8 @@ class DaemonBlocks:
         else:
             (a, b), path = self.layout.span(block), self.spec.path
         sel = self.spec.selection
-        return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str, rows=(a, b))
+        return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str,
+                        rows=(a, b), prefetch=prefetch)
                 for key, dtype in zip(self.spec.keys, self.spec.dtypes)]
 
     # ----- the window -------------------------------------------------------------------------
@@ -169,14 +175,18 @@ class DaemonBlocks:
             del self._asked[block]
         client = self.client()
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
-        # for yet, and the daemon starts loads in the order asked
-        for block in [*np.asarray(alive).tolist(), *ahead_list]:
-            if block in self._held or block in self._asked:
-                continue
-            try:
-                self._asked[block] = [AcquireResult.from_wire(client.request(r)) for r in self._requests(block)]
-            except (BudgetExceeded, ShmFull):
-                return
+        # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
+        # prefetches, which the daemon refuses rather than evict another rank's next block for
+        alive_list = np.asarray(alive).tolist()
+        for prefetch, blocks in ((False, alive_list), (True, ahead_list)):
+            for block in blocks:
+                if block in self._held or block in self._asked:
+                    continue
+                try:
+                    self._asked[block] = [AcquireResult.from_wire(client.request(r))
+                                          for r in self._requests(block, prefetch)]
+                except (BudgetExceeded, ShmFull):
+                    return
 
     # ----- gathering --------------------------------------------------------------------------
     def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
@@ -232,14 +242,27 @@ class DaemonBlocks:
 
         Raised when there is no room by then: the same class, naming the block, the window, the
         budget and the blocks this process holds."""
-        deadline = time.monotonic() + self.wait_s
+        started = time.monotonic()
+        deadline = started + self.wait_s
         pause = _FIRST_BACKOFF_S
+        self.ready_waits += 1
         while True:
             try:
-                return client.acquire(request, None, None if self.spec.timeout is None else deadline)
+                result = client.acquire(request, None, None if self.spec.timeout is None else deadline)
+                self.waited_s += time.monotonic() - started
+                return result
             except (BudgetExceeded, ShmFull) as exc:
                 if time.monotonic() + pause > deadline:
                     raise type(exc)(self._full_message(request, block, exc)) from exc
+                if self._held:
+                    # a rank that waits for room holds nothing meanwhile: ranks apart by a few
+                    # steps each held their own window's blocks, together the whole budget, and
+                    # each waited for the other's (a job without a collective per step, or
+                    # workers running ahead). Its blocks stay loaded unless another rank needs
+                    # the room; a later batch maps them again.
+                    self.yields += 1
+                    for held in list(self._held):
+                        self._close(held)
                 self.budget_waits += 1
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)

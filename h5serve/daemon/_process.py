@@ -10,7 +10,8 @@ one place, each with why and what it depends on (the client's are in h5serve/cli
   "alive" pipe;
 - ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies;
 - ``set_process_name``: a loader shows as ``h5serve-load`` (a spare waiting for its job as
-  ``h5serve-spare``) in ps, top and /proc/PID/comm;
+  ``h5serve-spare``, a loader kept for the next stream block as ``h5serve-kept``) in ps, top
+  and /proc/PID/comm;
 - ``quiet_blas``: the daemon and its forkserver start numpy with one OpenBLAS thread;
 - ``unshare_inherited_pages``: a spare, while it waits, takes private copies of the memory it
   shares copy-on-write with the forkserver.
@@ -31,7 +32,7 @@ from multiprocessing import context, popen_forkserver, reduction, spawn
 from typing import Any
 
 __all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "quiet_blas",
-           "unshare_inherited_pages", "SPARE_NAME", "LOADER_NAME", "start_from_root", "safe_sys_path",
+           "unshare_inherited_pages", "SPARE_NAME", "LOADER_NAME", "KEPT_NAME", "start_from_root", "safe_sys_path",
            "package_root", "LoaderContext", "LoaderProcess", "loader_output", "clean_preparation",
            "SAFE_PYTHON_FLAGS", "OUTPUT_TAIL_BYTES", "safe_python_env", "SAFE_DIR"]
 
@@ -44,6 +45,7 @@ _UNSHARE_STEP_BYTES = 1 << 20  # between two looks at whether a job came
 _UNSHARE_MAX_MAPPING = 1 << 30  # larger writable mappings are no interpreter's heap: left alone
 LOADER_NAME = "h5serve-load"
 SPARE_NAME = "h5serve-spare"
+KEPT_NAME = "h5serve-kept"  # a loader kept between stream blocks (loaderpool.py), waiting
 
 
 def drop_forkserver_alive_fd() -> None:

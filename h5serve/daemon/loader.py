@@ -45,6 +45,7 @@ import select
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -66,12 +67,14 @@ from ..util.units import row_nbytes
 from ._process import LOADER_NAME, drop_forkserver_alive_fd, quiet_blas, set_pdeathsig, set_process_name
 from .checksum import RunningCrc
 from .fileset import read_files_part
+from .openfiles import OpenFiles
 from .parts import DaemonGone, PartResult, Parts, error_of
 from .reserve import Reservation
 from .vlenload import load_vlen
 
-__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon", "kill_load",
-           "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES", "MIN_PART_ENV"]
+__all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
+           "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES",
+           "MIN_PART_ENV"]
 
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
@@ -95,6 +98,7 @@ class LoadJob:
     # the parts, planned by the daemon from the metadata it holds (``load_spans``), so that the
     # loader need not open the file before it forks; None: the loader plans them itself
     spans: tuple[tuple[int, int], ...] | None = None
+    keep: bool = False  # the loader stays for more jobs on its job pipe (streamloader.py)
 
 
 @dataclass(frozen=True)
@@ -302,9 +306,12 @@ def _spans(job: LoadJob, rows: RowRange) -> list[tuple[int, int] | None]:
     return [None] if len(spans) <= 1 else list(spans)
 
 
-def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None) -> None:
+def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None,
+             files: OpenFiles | None = None) -> bool:
     """Run ``job`` in this (loader) process and report on ``reply``; ``daemon_gone``: the check
-    ``die_with_daemon`` returned, when this process already armed it (a spare: spare.py)."""
+    ``die_with_daemon`` returned, when this process already armed it (a spare: spare.py).
+    ``files``: a loader kept for more jobs (streamloader.py) reads one-part loads through the
+    file it keeps open, and keeps ``reply`` open. Returns whether the load succeeded."""
     daemon_gone = daemon_gone or die_with_daemon(job.daemon_pid)
     set_process_name(LOADER_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
@@ -316,6 +323,8 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         t0 = time.monotonic_ns()
         rows = meta.row_range
         spans = _spans(job, rows)
+        if files is not None and len(spans) > 1:
+            files.close()  # no h5py handle crosses a fork
         # variable-length rows: created with no values (meta.values is the store's estimate), grown as read;
         # every byte reserved in a thread while this process and its parts get ready (reserve.py)
         writer = create_segment(job.shm_dir, job.tmp_name, replace(meta, values=0) if meta.vlen else meta,
@@ -348,7 +357,9 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                 writer.set_progress(total)
                 shown = total
 
-        with open_source(meta) as source:  # opened after the forks, kept for the page cache drop
+        kept = files is not None and parts is None and not meta.files
+        # opened after the forks, kept for the page cache drop
+        with nullcontext(files.open(meta)) if kept and files is not None else open_source(meta) as source:
             if meta.vlen:
                 reservation.wait()
                 first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
@@ -387,6 +398,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
             reply.send(LoadOk(stats, published.name))
             # after the reply: the segment is ready for its jobs while the pages go
             drop_cached(fd, extents)
+            return True
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
         if parts is not None:
             parts.kill_all()  # before the temporary goes: nothing writes into it any more
@@ -394,16 +406,20 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
             reservation.settle()  # nothing uses the descriptor any more when it is closed
         if writer is not None:
             writer.abort()
+        if files is not None:
+            files.close()
         if not isinstance(exc, DaemonGone):
             code, message = error_of(exc)
             try:
                 reply.send(LoadError(code, message))
             except OSError:
                 pass
+        return False
     finally:
         if parts is not None:
             parts.kill_all()
-        reply.close()
+        if files is None:
+            reply.close()
 
 
 def start_load(ctx: multiprocessing.context.ForkServerContext,
@@ -416,73 +432,3 @@ def start_load(ctx: multiprocessing.context.ForkServerContext,
     process.start()
     sender.close()
     return process, receiver
-
-
-def _parent_of(pid: int) -> int:
-    """The parent pid of ``pid`` from /proc (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _children_of(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (a loader's part processes), from /proc."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:  # parts are forked by the main thread
-            return [int(c) for c in f.read().split()]
-    except (OSError, ValueError):
-        pass
-    found = []
-    for entry in os.listdir("/proc"):  # no CONFIG_PROC_CHILDREN: look at every process's parent
-        if entry.isdigit() and _parent_of(int(entry)) == pid:
-            found.append(int(entry))
-    return found
-
-
-def _pidfd(pid: int) -> int | None:
-    """A pidfd of ``pid``, -1 when this kernel has none (signal by pid then), None when it is gone."""
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-    except (OSError, AttributeError):  # no pidfd_open (Linux < 5.3)
-        return -1
-
-
-def _send_kill(pid: int, pidfd: int) -> bool:
-    try:
-        if pidfd >= 0:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-        return True
-    except OSError:
-        return False
-    finally:
-        if pidfd >= 0:
-            os.close(pidfd)
-
-
-def kill_load(pid: int) -> int:
-    """SIGKILL a loader (``pid``, alive) and the part processes it forked. Never blocks: /proc
-    reads and signals only (a process stuck in an uninterruptible read dies when the read
-    returns). Returns how many processes were signalled.
-
-    Each child is signalled through a pidfd opened before checking that it is still the
-    loader's child, so a pid reused meanwhile is never signalled (where pidfds exist).
-    """
-    loader = _pidfd(pid)
-    if loader is None:
-        return 0
-    targets = [(pid, loader)]
-    for child in _children_of(pid):
-        fd = _pidfd(child)
-        if fd is None:
-            continue
-        if _parent_of(child) == pid:
-            targets.append((child, fd))
-        elif fd >= 0:
-            os.close(fd)
-    return sum(_send_kill(target, fd) for target, fd in targets)

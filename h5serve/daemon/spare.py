@@ -8,7 +8,8 @@ started while no load runs: it waits for a LoadJob on a pipe, then runs it as an
 does (loader.run_load) and is used up. A spare dies with the daemon like a loader (it arms
 PR_SET_PDEATHSIG and its pidfd watch before waiting; its job pipe reads EOF when the daemon
 is gone), and the store kills it on shutdown. It shows as ``h5serve-spare`` until it takes
-its job, then as ``h5serve-load``.
+its job, then as ``h5serve-load``. A spare that takes a stream block's job stays for the next
+blocks (streamloader.py, loaderpool.py).
 
 While it waits, a spare takes its own copies of the pages it shares copy-on-write with the
 forkserver (``_process.unshare_inherited_pages``, ~23 MB), a MiB at a time and stopping as soon
@@ -28,6 +29,7 @@ from multiprocessing.connection import Connection
 
 from ._process import SPARE_NAME, set_process_name, unshare_inherited_pages
 from .loader import LoadJob, die_with_daemon, run_load
+from .streamloader import serve_jobs
 
 __all__ = ["Spare", "start_spare"]
 
@@ -41,11 +43,13 @@ class Spare:
     reply: Connection
 
     def take(self, job: LoadJob) -> bool:
-        """Hand ``job`` over; False (the spare cleaned up) when the spare is gone."""
+        """Hand ``job`` over; False (the spare cleaned up) when the spare is gone. The job pipe
+        stays open for a job to keep the loader for (``job.keep``: loaderpool.py)."""
         try:
             if self.process.is_alive():
                 self.jobs.send(job)
-                self.jobs.close()
+                if not job.keep:
+                    self.jobs.close()
                 return True
         except OSError:
             pass
@@ -71,9 +75,12 @@ def _wait_for_job(jobs: Connection, reply: Connection, daemon_pid: int) -> None:
         job = jobs.recv()
     except (EOFError, OSError):  # the daemon is gone, or let this spare go
         reply.close()
-        return
-    finally:
         jobs.close()
+        return
+    if job.keep:  # a stream block: the loader stays for the next ones
+        serve_jobs(job, jobs, reply, daemon_gone)
+        return
+    jobs.close()
     run_load(job, reply, daemon_gone)
 
 

@@ -9,7 +9,6 @@ reaped by ``poll_loads``.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import Counter
@@ -57,26 +56,22 @@ from .config import (
 from .entries import COUNTERS, Entry, LoadFailure, not_ours
 from .fileset import files_meta
 from .handout import Grant, grant, grants_of
+from .killload import kill_load
 from .leftovers import adopt_leftovers, own_files, publish_name
-from .loader import LoadError, LoadJob, LoadOk, LoadStats, kill_load, load_spans, loader_context, start_load
+from .loader import LoadError, LoadJob, LoadOk, LoadStats, load_spans, loader_context
+from .loaderpool import LoaderPool
 from .loadqueue import check_queue_of, next_queued, read_again_soon
+from .prefetch import Prefetched
 from .refusals import over_budget, stalled_load
 from .report import segments_status, visible_to
 from .resolve import RESOLVE_TIMEOUT_S, Resolver
 from .resolved import Resolved, ResolvedFiles
 from .secret import load_secret
-from .spare import Spare, start_spare
 from .sweep import StaleSweep
 
 __all__ = ["SegmentStore"]
 
 log = logging.getLogger("h5serve.daemon")
-SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
-SPARE_RETRY_S = 10.0  # after a spare could not be started
-# after the last running load finished, before the next spare: forking one while a load runs
-# takes a core from it, and the daemon answers nobody until the forkserver replied (2-8 ms):
-# the clients of the load just published attach first
-SPARE_AFTER_LOAD_S = 0.02
 
 
 class SegmentStore:
@@ -109,9 +104,9 @@ class SegmentStore:
         self.errors: Counter[str] = Counter()  # error replies by code
         self.resolver = Resolver(self.allow_roots)
         self._stale = StaleSweep()
-        self._ctx = loader_context()
-        self._spare: Spare | None = None  # a loader started ahead of the next load (spare.py)
-        self._spare_after = time.monotonic() + SPARE_DELAY_S
+        # the spare loader, and loaders kept between stream blocks (loaderpool.py)
+        self.pool = LoaderPool(loader_context(), loaders)
+        self.prefetched = Prefetched()  # stream blocks loaded ahead of need, not needed yet (prefetch.py)
         # who may have which ready segment's descriptor: read by the hand-out thread, so never
         # changed in place, only replaced (``_grant``)
         self.grants: Mapping[str, Grant] = MappingProxyType({})
@@ -233,9 +228,12 @@ class SegmentStore:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
             check_queue_of(self.entries.values(), uid, meta, self.counters)
-            entry = self._start(name, meta, uid, None if spans is None else spans())
-        elif entry.state == "loading" and entry.process is None:
-            entry.waiting.add(uid)  # its start comes with this uid's turn too
+            entry = self._start(name, meta, uid, None if spans is None else spans(), req.prefetch)
+            self.prefetched.asked(name, req.prefetch, True)
+        else:
+            self.prefetched.asked(name, req.prefetch, False)
+            if entry.state == "loading" and entry.process is None:
+                entry.waiting.add(uid)  # its start comes with this uid's turn too
         entry.last_used = time.monotonic()
         entry.asked_as = (req.mode, req.world_size, req.rank)
         entry.modes.add(req.mode)
@@ -275,8 +273,8 @@ class SegmentStore:
                              st.st_dev, st.st_ino, stamp.ino, stamp.ctime_ns)
 
     def _start(self, name: str, meta: SegmentMeta, uid: int,
-               spans: tuple[tuple[int, int], ...] | None = None) -> Entry:
-        self._make_room(meta.file_size, meta)
+               spans: tuple[tuple[int, int], ...] | None = None, prefetch: bool = False) -> Entry:
+        self._make_room(meta.file_size, meta, prefetch)
         entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
@@ -308,14 +306,10 @@ class SegmentStore:
                 return
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
                           self.load_processes, self.checksum,
-                          self._drops_pages(entry), entry.spans)
-            spare, self._spare = self._spare, None
-            if spare is not None and spare.take(job):
-                entry.process, entry.reply = spare.process, spare.reply
-            else:
-                entry.process, entry.reply = start_load(self._ctx, job)
+                          self._drops_pages(entry), entry.spans,
+                          keep=entry.meta.mode == STREAM and entry.spans is not None and len(entry.spans) == 1)
+            entry.process, entry.reply = self.pool.launch(job)
             entry.load_started = entry.active_at = time.monotonic()
-            self._spare_after = 0.0  # the forkserver is warm
             running += 1
             log.info("loading %s[%s] %s (%s) into %s", printable(entry.meta.source_path),
                      printable(entry.meta.key), entry.meta.shard_label(), format_bytes(entry.meta.nbytes), entry.file)
@@ -330,14 +324,16 @@ class SegmentStore:
     def used_bytes(self) -> int:
         return sum(e.meta.file_size for e in self.entries.values())
 
-    def _make_room(self, needed: int, meta: SegmentMeta) -> None:
-        """Evict least-recently-used segments no client holds until ``needed`` fits the budget.
+    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False) -> None:
+        """Evict least-recently-used segments no client holds until ``needed`` fits the budget
+        (for a ``prefetch``, never a stream block prefetched and not needed yet: prefetch.py).
 
         Raised when it cannot fit even then: BudgetExceeded.
         """
         if self.used_bytes() + needed <= self.max_memory:
             return
-        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+        self.prefetched.forget(self.entries)
+        for entry in self.prefetched.eviction_order(self.entries.values(), prefetch):
             if self.used_bytes() + needed <= self.max_memory:
                 return
             if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.file):
@@ -346,7 +342,7 @@ class SegmentStore:
                 log.info("evicted %s to make room", entry.file)
         used = self.used_bytes()
         if used + needed > self.max_memory:
-            self.counters["refusals"] += 1
+            self.counters["refusals"] += not prefetch  # a prefetch refused is asked again when needed
             raise over_budget(meta, needed, used, self.max_memory, self.budget_rule)
 
     def sweep(self) -> None:
@@ -395,13 +391,17 @@ class SegmentStore:
                 if check_stalls and self._stalled(entry, now):
                     self._stop_stalled(entry, now)
                 continue
+            if isinstance(result, LoadOk) and self.pool.finished(entry.process):  # kept for the next stream block
+                entry.process, entry.reply = None, None
+                self.pool.loaded()
+                self._loaded(entry, result.stats, result.name)
+                continue
             if result is None:  # died without a word: its exit code is known within moments
                 entry.process.join(timeout=1)
             exitcode, pid, output = entry.process.exitcode, entry.process.pid, loader_output(entry.process)
             self._release_loader(entry)
             if isinstance(result, LoadOk):
-                entry.file = result.name or entry.file  # a fresh name if the one planned was taken meanwhile
-                self._loaded(entry, result.stats)
+                self._loaded(entry, result.stats, result.name)
             elif isinstance(result, LoadError):
                 self._fail(entry, result.code, result.message)
             else:
@@ -415,31 +415,26 @@ class SegmentStore:
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
         self._launch_pending()
 
+    def _loading(self) -> bool:
+        return any(entry.process is not None for entry in self.entries.values())
+
     def spare_due_in(self) -> float:
         """Seconds until ``keep_spare`` would start a spare loader (inf: none is due)."""
-        if self._spare is not None or any(entry.process is not None for entry in self.entries.values()):
-            return math.inf
-        return max(0.0, self._spare_after - time.monotonic())
+        return self.pool.spare_due_in(self._loading())
 
     def keep_spare(self) -> None:
-        """Start a spare loader once the forkserver is warm (after the first load, or
-        SPARE_DELAY_S after the start: no request waits for the forkserver's imports on its
-        account). The next one starts SPARE_AFTER_LOAD_S after the loads running when one was
-        used are done, not beside them (a load that finds no spare starts its own loader). The
-        server calls it when no request waits (forking one holds the daemon for 2-8 ms)."""
-        if self.spare_due_in() > 0:
-            return
-        try:
-            self._spare = start_spare(self._ctx, os.getpid())
-        except OSError as exc:  # out of processes or files: loads start their own loader
-            self._spare_after = time.monotonic() + SPARE_RETRY_S
-            log.warning("could not start a spare loader (%s); loads start their own", exc)
+        """Let kept stream loaders idle too long go, and start a spare loader when one is due
+        (loaderpool.py). The server calls it when no request waits (forking one holds the
+        daemon for 2-8 ms)."""
+        self._reaping += self.pool.expire()
+        self.pool.keep_spare(self._loading())
 
     def _release_loader(self, entry: Entry) -> None:
         """Forget a finished (or killed) loader; it is reaped later, without waiting for it."""
         assert entry.process is not None and entry.reply is not None
+        self.pool.forget(entry.process)
         entry.reply.close()
-        self._spare_after = max(self._spare_after, time.monotonic() + SPARE_AFTER_LOAD_S)
+        self.pool.loaded()
         self._reaping.append(entry.process)
         entry.process, entry.reply = None, None
 
@@ -450,7 +445,8 @@ class SegmentStore:
         process.close()
         return True
 
-    def _loaded(self, entry: Entry, stats: LoadStats) -> None:
+    def _loaded(self, entry: Entry, stats: LoadStats, name: str) -> None:
+        entry.file = name or entry.file  # a fresh name if the one planned was taken meanwhile
         if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
             entry.meta = replace(entry.meta, values=stats.values)
         try:  # the header, inode and ctime as published: every later hit compares the file with them
@@ -531,9 +527,7 @@ class SegmentStore:
         Clients that already mapped a segment keep reading it: unlink removes the name, the
         memory goes when the last mapping does.
         """
-        if self._spare is not None:
-            self._spare.discard()
-            self._spare = None
+        self.pool.close()
         for entry in self.entries.values():
             if entry.process is not None:
                 entry.process.kill()

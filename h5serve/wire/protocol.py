@@ -100,7 +100,11 @@ class Acquire:
     (required there, refused elsewhere; not sent otherwise, so other requests are the messages
     they were). ``world_size`` and ``rank`` only say who asked: the segment is the rows', the
     same for every rank and job. The daemon checks ``stop`` against the dataset's rows once
-    the file is resolved (ConfigError).
+    the file is resolved (ConfigError). ``prefetch=True`` (stream only; not sent when false):
+    the block is asked for ahead of need; when it must be loaded and the budget is full, the
+    daemon makes room only by evicting blocks some request needed (never blocks loaded for a
+    prefetch that nobody has needed yet: another rank's or job's next blocks), and otherwise
+    refuses it (BudgetExceeded) instead of evicting.
     """
 
     OP: ClassVar[str] = "acquire"
@@ -113,6 +117,7 @@ class Acquire:
     span: int = 1  # mode="node": the node's ranks are rank .. rank + span - 1
     files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
     rows: tuple[int, int] | None = None  # mode="stream": the block's global rows [start, stop)
+    prefetch: bool = False  # mode="stream": asked ahead of need (the daemon refuses rather than evict for it)
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
@@ -142,6 +147,10 @@ class Acquire:
             object.__setattr__(self, "rows", (self.rows[0], self.rows[1]))
         elif self.rows is not None:
             raise ProtocolError(f"field 'rows' is for mode 'stream' only, not {self.mode!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ProtocolError(f"field 'prefetch' must be true or false, got {self.prefetch!r:.80}")
+        if self.prefetch and self.mode != STREAM:
+            raise ProtocolError(f"field 'prefetch' is for mode 'stream' only, not {self.mode!r}")
         _check_int("span", self.span, 1, self.world_size - self.rank)
         if self.span != 1 and self.mode != "node":
             raise ProtocolError(f"field 'span' must be 1 outside mode 'node', got {self.span}")
@@ -263,6 +272,8 @@ def encode_request(request_id: int, request: Request) -> bytes:
         del fields["files"]
     if "rows" in fields and fields["rows"] is None:  # not a stream block: the message as before
         del fields["rows"]
+    if fields.get("prefetch") is False:  # not a prefetch: the message as before
+        del fields["prefetch"]
     return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
 
 

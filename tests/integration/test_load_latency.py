@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.daemon import store
+from h5serve.daemon import loaderpool
 from h5serve.errors import ShmFull
 from h5serve.wire import connection
 from h5serve.wire.arrival import PublishWatch
@@ -299,7 +299,7 @@ def test_no_spare_starts_beside_a_running_load() -> None:
                 os.kill(stopped, signal.SIGSTOP)
                 assert tmp.exists(), "the load finished before it could be stopped: make the file bigger"
                 # the daemon's loop goes round every few ms: ten times SPARE_AFTER_LOAD_S and more
-                assert not wait_for(lambda: spares_of(d.pid), 10 * store.SPARE_AFTER_LOAD_S)
+                assert not wait_for(lambda: spares_of(d.pid), 10 * loaderpool.SPARE_AFTER_LOAD_S)
                 os.kill(stopped, signal.SIGCONT)
                 stopped = 0
                 assert client.acquire(Acquire(str(big), "x", 1, 0)).state == "ready"

@@ -3,8 +3,8 @@
 h5py's bytes, the blocks mapped from shared memory, the daemon's memory never over its budget
 (sampled during the job), every block loaded once per node per epoch (the ranks share them),
 a second job at the same time shares them too, the same order without a daemon; DataLoader
-workers forked and spawned; a stopped rank makes the other fail clearly by its deadline, or
-both finish once it goes on; the node stays usable."""
+workers forked and spawned; a stopped rank never stops the other (it ends its epoch within the
+budget), and both finish once it goes on; the node stays usable."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -169,19 +168,6 @@ def _step(out: Path, rank: int) -> int:
         return 0
 
 
-def _stalls(out: Path, rank: int, seconds: float, within: float) -> bool:
-    """Whether ``rank`` makes no step for ``seconds`` (before ``within`` seconds pass)."""
-    last, since, deadline = -1, time.monotonic(), time.monotonic() + within
-    while time.monotonic() < deadline:
-        step = _step(out, rank)
-        if step != last:
-            last, since = step, time.monotonic()
-        elif time.monotonic() - since >= seconds:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _holders(d: Daemon) -> int:
     with DaemonClient(d.runtime_dir) as client:
         return sum(s["holders"] for s in client.status()["segments"])
@@ -204,45 +190,42 @@ def _node_still_serves(h5: Path, d: Daemon) -> None:
         ds.close()
 
 
-# a window of 7 blocks in a budget of 8: a rank stopped holding its window leaves no room for the other's
+# a window of 7 blocks in a budget of 8: a rank stopped holding its window leaves the other one block of room
 TIGHT_BUDGET = 8 * (BLOCK_ROWS * (1024 + 8) + 2 * 4096) + 4096
 
 
-@pytest.mark.parametrize("resume", [False, True], ids=["fails-by-its-deadline", "finishes-after-sigcont"])
-def test_a_stopped_rank_never_hangs_the_other(h5: Path, tmp_path: Path, resume: bool) -> None:
+def test_a_stopped_rank_never_stops_the_other(h5: Path, tmp_path: Path) -> None:
+    """Rank 1 stopped (SIGSTOP) holding the blocks of its window, nearly the whole budget: rank 0
+    lets its own blocks go whenever it waits for room, so it goes on a block at a time and ends
+    its epoch (it used to wait for rank 1 until its deadline, and two ranks a few steps apart
+    waited for each other's blocks the same way); memory never goes over the budget, rank 1
+    ends too once it goes on, every row once, and the node stays usable."""
     out = tmp_path / "out"
-    timeout = 60.0 if resume else 6.0
     with daemon(TIGHT_BUDGET) as d:
-        job = _start_stop_job(h5, out, d.runtime_dir, WINDOW, timeout)
-        try:
-            assert wait_for(lambda: _step(out, 1) >= 4 or job.poll() is not None, 120), "rank 1 never started"
-            assert job.poll() is None, job.communicate()[0][-3000:]
-            stopped = int((out / "rank1.pid").read_text())
-            os.kill(stopped, signal.SIGSTOP)
-            at = time.monotonic()
+        with memory_sampler(d) as memory:
+            job = _start_stop_job(h5, out, d.runtime_dir, WINDOW, 60.0)
             try:
-                if resume:  # rank 0 goes on until the budget is full of rank 1's blocks, then waits
-                    assert _stalls(out, 0, 2.0, 60), "rank 0 never waited for room"
-                    assert not (out / "rank0.json").exists()  # waiting, not failed
-                else:
-                    assert wait_for(lambda: (out / "rank0.json").exists(), timeout + 30)
-                    waited = time.monotonic() - at
+                assert wait_for(lambda: _step(out, 1) >= 4 or job.poll() is not None, 120), "rank 1 never started"
+                assert job.poll() is None, job.communicate()[0][-3000:]
+                stopped = int((out / "rank1.pid").read_text())
+                os.kill(stopped, signal.SIGSTOP)
+                try:
+                    at_stop = _step(out, 1)
+                    assert wait_for(lambda: (out / "rank0.json").exists(), 120), "rank 0 waited for the stopped rank"
+                    assert _step(out, 1) == at_stop  # it ended while rank 1 was stopped
                     report = json.loads((out / "rank0.json").read_text())
-                    error = report.get("error", "")
-                    assert error.startswith("BudgetExceeded") and "the window is 7 blocks" in error, report
-                    assert "budget of" in error and "this rank holds" in error and "timeout=" in error
-                    assert waited < timeout + 30
-            finally:
-                os.kill(stopped, signal.SIGCONT)
-            if resume:
+                    assert "error" not in report and report["backend"] == "shm", report.get("error")
+                finally:
+                    os.kill(stopped, signal.SIGCONT)
                 output, _ = job.communicate(timeout=150)
                 assert job.returncode == 0, output[-3000:]
                 reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
                 assert all("error" not in r and r["backend"] == "shm" for r in reports)
                 rows = reports[0]["labels"] + reports[1]["labels"]
                 assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-            job.wait(30)
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                job.wait(30)
+        assert 0 < memory["max"] <= TIGHT_BUDGET, memory
         _node_still_serves(h5, d)
