@@ -121,17 +121,23 @@ class StreamSampler(Sampler[StreamBatch]):
     def _window(self, plan: NodeEpoch) -> Any:
         """``window(b) -> (alive, ahead)``: the blocks the node's window holds at step ``b`` (a
         batch on each local rank), those first used at or before it and last used at or after
-        it; and the blocks it takes next, by first use, as many as the window has room for."""
+        it; and the blocks it takes next, by first use, as many as the window has room for
+        once full (``capacity - max(alive, window)``; all of them when the node's blocks fit).
+        While the window ramps up (an epoch's first blocks, h5serve/order/stream_order.py) it has
+        more room, but prefetching into that got the prefetched blocks (unmapped, so not held)
+        evicted by the daemon's LRU before their use and loaded twice (595 loads instead of 387
+        in the first 300 batches of 0.5 GB)."""
         step = self.batch_size * plan.local_world_size
         by_first = np.argsort(plan.first_use, kind="stable")
         first, last = plan.first_use[by_first] // step, plan.last_use[by_first] // step
         blocks = plan.blocks[by_first]
         life = int((last - first).max()) if len(first) else 0
+        full = self.window if self.window < len(blocks) else 0  # the node's blocks all fit: prefetch them all
 
         def window(b: int) -> tuple[np.ndarray, np.ndarray]:
             lo, hi = np.searchsorted(first, b - life), np.searchsorted(first, b, side="right")
             alive = blocks[lo:hi][last[lo:hi] >= b]
-            return alive, blocks[hi : hi + max(self.capacity - len(alive), 0)]
+            return alive, blocks[hi : hi + max(self.capacity - max(len(alive), full), 0)]
 
         return window
 

@@ -17,19 +17,22 @@ short when its rows are not whole blocks: a block never spans two files. Per epo
    blocks: every row of block ``k`` gets a random key, uniform over ``[lo_k, hi_k)``, and the
    node's sequence is its rows sorted by key. Steady state ``[k - W + 1, k + 1)``: ``W``
    blocks are in use at every key, each draining at the same rate, and block ``k + 1``
-   starts as block ``k - W + 1`` ends. The first ``W`` blocks start together (``lo = 0``)
-   and the last ``W`` end together (``hi = m``), so the epoch's first and last rows are
-   drawn from ``W`` blocks too, not from one (a window that fills block by block, as a
-   plain ``k + U(0, W)`` key does, serves its first rows from block 0 alone). At any key
-   at most ``W`` blocks hold unread rows (``resident_counts`` checks it; unit tests count
-   it at every position). Vectorised: one sort of the node's rows, O(n log n).
+   starts as block ``k - W + 1`` ends. The window ramps up: ``lo_k = max(k - W + 1,
+   floor(k / 2))``, so at key ``j`` the rows come from at most ``min(j + 2, W)`` blocks: the epoch's
+   first batch draws from two blocks (what a window loads before it can serve), not from
+   ``W`` (which made the first batch wait for the whole first window), and the window is
+   full from key ``W - 2`` (about the first ``2W`` blocks' rows) on. The last ``W`` blocks
+   end together (``hi = m``), so the epoch's last rows are drawn from ``W`` blocks, not
+   from one. At any key at most ``W`` blocks hold unread rows (``lo_k >= k - W + 1``;
+   ``resident_counts`` checks it; unit tests count it at every position). Vectorised: one
+   sort of the node's rows, O(n log n).
 3. The node's sequence is dealt to its ``L`` local ranks (position ``p`` to local rank
    ``p % L``) with equal sample and batch counts on every rank of every node
    (h5serve/order/equalise.py over every rank's share): padded by repeating the sequence's last
    rows (which come from the last ``W`` blocks, still held), or cut.
 
 ``first_use``/``last_use`` of every block in the dealt sequence say when a window must hold
-it: load before its first use, free after its last.
+it: load before its first use, free after its last (found in O(rows), no sort).
 
 Resuming with another number of ranks per node (same nodes, same window): the rows a node
 has not served yet, ``sequence[offset:]``, are dealt to the new ranks (``offset``).
@@ -280,7 +283,7 @@ def _key_ranges(m: int, window: int) -> tuple[np.ndarray, np.ndarray]:
     """``[lo_k, hi_k)`` of the keys of block ``k`` of ``m`` through a window of ``window`` blocks."""
     w = min(window, m)
     k = np.arange(m, dtype=np.float64)
-    lo = np.maximum(k - w + 1, 0.0)
+    lo = np.maximum(k - w + 1, np.floor(k / 2))  # the ramp: block k starts at k/2 until the window is full
     hi = np.where(k < m - w, k + 1, float(m))
     return lo, hi
 
@@ -360,14 +363,18 @@ def _pad(sequence: np.ndarray, length: int) -> np.ndarray:
 
 
 def _uses(layout: BlockLayout, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The blocks ``sequence`` uses, each one's first and last position."""
+    """The blocks ``sequence`` uses (in block order), each one's first and last position: O(rows)."""
     if not len(sequence):
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     ids = layout.block_of(sequence)
-    blocks, first = np.unique(ids, return_index=True)
-    last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
-    return blocks, first.astype(np.int64), last.astype(np.int64)
+    where = np.arange(len(ids), dtype=np.int64)
+    first = np.full(layout.n_blocks, len(ids), dtype=np.int64)
+    last = np.full(layout.n_blocks, -1, dtype=np.int64)
+    np.minimum.at(first, ids, where)  # O(rows), where np.unique sorts them
+    np.maximum.at(last, ids, where)
+    blocks = np.flatnonzero(last >= 0).astype(np.int64)
+    return blocks, first[blocks], last[blocks]
 
 
 def node_epoch(layout: BlockLayout, *, seed: int, epoch: int, num_nodes: int, node: int, window: int,

@@ -104,14 +104,55 @@ def test_window_is_never_exceeded(window: int, batch: int, local: int) -> None:
                 assert (where[0], where[-1]) == (first, last)
 
 
-def test_rows_are_drawn_across_the_window_from_the_first_row() -> None:
-    """Not within one block: the first W blocks start together, so even the epoch's first
-    hundred rows come from most of the window's blocks."""
-    e = _epoch(LAYOUT, 1, 1, 10)[0]
-    head = e.sequence[:100] // LAYOUT.block_rows
-    assert len(set(head.tolist())) >= 8
-    tail = e.sequence[LAYOUT.total_rows - 100: LAYOUT.total_rows] // LAYOUT.block_rows
-    assert len(set(tail.tolist())) >= 8
+def test_the_first_batch_needs_two_blocks_and_the_window_ramps_up() -> None:
+    """Ready at once: the epoch's first step (a batch on every local rank) draws from two
+    blocks, not from the whole window, so a window loads only those before the first batch;
+    the blocks drawn from grow with the position until the window's ``W``, and the epoch's
+    middle and last rows are drawn across the whole window, not within one block."""
+    for local in (1, 2):
+        e = _epoch(LAYOUT, 1, local, 10)[0]
+        step = 64 * local
+        assert len(np.unique(e.sequence[:step] // LAYOUT.block_rows)) == 2
+        assert (e.first_use < step).sum() == 2  # what a window must hold for the first step
+        spread = [len(np.unique(e.sequence[i: i + 100] // LAYOUT.block_rows)) for i in range(0, 20_000, 1000)]
+        assert spread[0] <= 2 and max(spread) >= 8  # the ramp reaches the window within a fifth of the epoch
+        assert spread[:4] == sorted(spread[:4])
+        middle = e.sequence[50_000:50_100] // LAYOUT.block_rows
+        tail = e.sequence[LAYOUT.total_rows - 100: LAYOUT.total_rows] // LAYOUT.block_rows
+        assert len(set(middle.tolist())) >= 8 and len(set(tail.tolist())) >= 8
+    # every block of the node in the window: still few blocks before the first batch
+    e = _epoch(LAYOUT, 1, 1, LAYOUT.n_blocks)[0]
+    assert (e.first_use < 64).sum() <= 8
+
+
+def test_first_and_last_use_match_the_simple_definition() -> None:
+    """``first_use``/``last_use`` (computed in O(rows)) are each block's first and last
+    position in the dealt sequence, on random layouts of one or many files, nodes, ranks,
+    resumes (``offset``), padding and ``drop_last``."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        block = int(rng.integers(1, 200))
+        files = tuple(int(n) for n in rng.integers(0, 3000, size=int(rng.integers(1, 5))))
+        if sum(files) < 4 * block:
+            files = (*files, 4 * block)
+        layout = BlockLayout(sum(files), block, files)
+        nodes = int(rng.integers(1, min(4, layout.n_blocks) + 1))
+        local, batch = int(rng.integers(1, 4)), int(rng.integers(1, 100))
+        window = int(rng.integers(1, 30))
+        drop_last = bool(trial % 2)
+        offset = int(rng.integers(0, 50)) * local
+        try:
+            epochs = _epoch(layout, nodes, local, window, seed=trial, batch=batch, drop_last=drop_last,
+                            shuffle=bool(trial % 5), offset=offset)
+        except ConfigError:
+            continue  # drop_last or the resume left a rank without a batch
+        for e in epochs:
+            ids = layout.block_of(e.sequence)
+            blocks, first = np.unique(ids, return_index=True)
+            last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
+            assert np.array_equal(e.blocks, blocks)
+            assert np.array_equal(e.first_use, first) and np.array_equal(e.last_use, last)
+            assert e.blocks.dtype == e.first_use.dtype == e.last_use.dtype == np.int64
 
 
 def test_no_shuffle_is_file_order_on_one_node() -> None:
