@@ -106,6 +106,26 @@ def make_h5(path: Path, rows: int = ROWS, row_shape: tuple[int, ...] = ROW_SHAPE
     return path
 
 
+def descendant_pids(pid: int) -> list[int]:
+    """``pid``'s children, theirs, ... (from /proc, parents found in each process's stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_daemon_of(runtime_dir: Path) -> None:
     """SIGKILL whatever daemon ``runtime_dir``'s pidfile names (test cleanup, as root; the
     tests' own daemons only)."""

@@ -17,29 +17,10 @@ from h5serve.client import SharedH5Dataset
 from h5serve.client.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 
-from ..helpers import Daemon, make_h5, short_workdir, wait_for
+from ..helpers import Daemon, descendant_pids, make_h5, short_workdir, wait_for
 from ..users import root_only, throwaway_user
 
 PLANTED = ("msgpack", "numpy", "h5py", "zmq")
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, ... (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            parents.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _comm(pid: int) -> str:
@@ -56,7 +37,7 @@ def _load(path: Path, runtime_dir: Path) -> None:
 
 def _wait_for_spare(pid: int) -> int:
     found: list[int] = []
-    assert wait_for(lambda: bool(found.extend(p for p in _descendants(pid) if _comm(p) == "h5serve-spare") or found),
+    assert wait_for(lambda: bool(found.extend(p for p in descendant_pids(pid) if _comm(p) == "h5serve-spare") or found),
                     30, 0.1), "no spare loader was started"
     return found[0]
 
@@ -84,7 +65,7 @@ def _markers(trap: Path) -> list[str]:
 
 
 def _assert_started_from_root(pid: int) -> None:
-    processes = [pid, *_descendants(pid)]
+    processes = [pid, *descendant_pids(pid)]
     assert len(processes) >= 3  # the daemon, its forkserver, a spare loader at least
     for p in processes:
         assert os.readlink(f"/proc/{p}/cwd") == "/", (p, _comm(p))

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, get_worker_info
 from h5serve.client import SharedH5Dataset, collate
 from h5serve.client.progressive import LOADING
 
-from ..helpers import Daemon, make_h5, torchrun_two_ranks, wait_for
+from ..helpers import Daemon, descendant_pids, make_h5, torchrun_two_ranks, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,25 +36,8 @@ ROWS = 4096
 JOB = Path(__file__).resolve().parents[1] / "ready_job.py"
 
 
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parents.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
 def _spare(daemon_pid: int) -> int | None:
-    for pid in _descendants(daemon_pid):
+    for pid in descendant_pids(daemon_pid):
         try:
             with open(f"/proc/{pid}/comm") as f:
                 if f.read().strip() == "h5serve-spare":

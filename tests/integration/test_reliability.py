@@ -50,7 +50,7 @@ from h5serve.errors import BudgetExceeded, ProtocolError
 from h5serve.segments import attach_segment, read_progress, temporary_owner_pid
 from h5serve.wire.protocol import MAX_FRAME_BYTES, Acquire, AcquireResult, Status
 
-from ..helpers import Daemon, alive, make_h5, short_tmpdir, temporary_prefix, wait_for
+from ..helpers import Daemon, alive, descendant_pids, make_h5, short_tmpdir, temporary_prefix, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -114,29 +114,6 @@ def h5_read(path: Path, key: str) -> np.ndarray:
 
 
 # ----- processes --------------------------------------------------------------------------
-def _ppid_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    children, out, todo = _ppid_map(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def open_files(pid: int) -> list[str]:
     out = []
     try:
@@ -380,7 +357,7 @@ PROBE_ROWS = [0, 1, 255, 256, 4097, 25_000, BIG_ROWS // 2 + 3, BIG_ROWS - 1]
 
 def _loader_pids(daemon_pid: int, tmp_marker: str) -> tuple[list[int], list[int]]:
     """(every descendant of the daemon, those with the temporary segment open: the loaders)."""
-    tree = descendants(daemon_pid)
+    tree = descendant_pids(daemon_pid)
     loaders = [p for p in tree if any(tmp_marker in f for f in open_files(p))]
     return tree, loaders
 
@@ -553,7 +530,7 @@ def test_killed_clients_release_leases(reaper: Reaper) -> None:
     assert ready["rows"] == ready["len"] == rows // 2
     (seg_a,) = segments_of(c)
     assert seg_a["rank"] == 0 and seg_a["bytes"] == shard_bytes
-    workers = descendants(child.pid)
+    workers = descendant_pids(child.pid)
     holders = [p for p in workers if any(f.endswith("/" + seg_a["name"]) for f in open_files(p))]
     assert len(holders) >= 2, f"the DataLoader workers {workers} do not hold {seg_a['name']}"
     assert not any(f.endswith("/" + seg_a["name"]) for f in open_files(child.pid)), \
@@ -967,7 +944,7 @@ def test_daemon_killed_while_client_waits(reaper: Reaper, big_h5: Path) -> None:
     assert wait_for(lambda: all(f.exists() for f in polling), 30), [f.name for f in polling if not f.exists()]
     assert next(s for s in segments_of(c, big_h5))["state"] == "loading"
     c.close()
-    tree = descendants(d.pid)
+    tree = descendant_pids(d.pid)
     t_kill = time.time()
     os.kill(d.pid, signal.SIGKILL)
 
