@@ -53,6 +53,8 @@ def format_status(info: dict[str, Any]) -> str:
         f"memory: {format_bytes(mem['used'])} used of {format_bytes(mem['budget'])} budget "
         f"({mem.get('budget_rule', '--max-memory')}); "
         f"{format_bytes(mem['shm_free'])} free in shm",
+        f"stream: mode='stream' with window=None streams through a window of the budget, "
+        f"{format_bytes(mem['budget'])}, shared by the node's ranks",
     ]
     segments = info["segments"]
     if not segments:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
+from h5serve.util.units import format_bytes
 
 from ..helpers import Daemon, h5serve_cli, make_h5, wait_for
 
@@ -28,6 +29,8 @@ def test_start_is_idempotent_and_second_daemon_cannot_steal_socket(daemon: Daemo
 def test_status_exit_codes_and_json(daemon: Daemon, h5file: Path) -> None:
     human = h5serve_cli("status", env=daemon.env)
     assert human.returncode == 0 and "no segments" in human.stdout
+    budget = format_bytes(daemon.status()["memory"]["budget"])
+    assert f"window=None streams through a window of the budget, {budget}" in human.stdout
     held = SharedH5Dataset(h5file, "x", "y", rank=1, world_size=2, runtime_dir=daemon.runtime_dir)
     again = SharedH5Dataset(h5file, "x", rank=1, world_size=2, runtime_dir=daemon.runtime_dir)
     info = daemon.status()
