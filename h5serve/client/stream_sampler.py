@@ -146,8 +146,10 @@ class StreamSampler(Sampler[StreamBatch]):
         if not len(rows):
             return {}
         ids = self.layout.block_of(rows)
-        blocks, back = np.unique(ids[::-1], return_index=True)
-        last_batch = (len(ids) - 1 - back) // self.batch_size
+        last = np.full(self.layout.n_blocks, -1, dtype=np.int64)
+        np.maximum.at(last, ids, np.arange(len(ids)))  # each block's last position here, in O(rows)
+        blocks = np.flatnonzero(last >= 0)
+        last_batch = last[blocks] // self.batch_size
         order = np.argsort(last_batch, kind="stable")
         batches, starts = np.unique(last_batch[order], return_index=True)
         return {int(b): blocks[order][a:z] for b, a, z in zip(batches, starts, [*starts[1:], len(order)])}
