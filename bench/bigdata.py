@@ -159,6 +159,30 @@ def figures(r: dict, size: int) -> dict:
             "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9), "cut": r.get("cut", [])}
 
 
+def py1e_order(mds: Path, epochs: int = EPOCHS, ranks: int = 2) -> dict:
+    """Rank 0's full-epoch labels in Streaming's default order for ``mds``, from its own
+    ``get_partitions`` and ``get_shuffle`` as ``generate_work_random_batching`` calls them (py1e,
+    1 canonical node, seed 9176, ``shuffle_block_size`` max(4,000,000 // 1, 2**18), 1 worker a
+    rank): its entropy and overlap over whole epochs, where a thrashing job's epoch was cut."""
+    from .peer_jobs import import_streaming
+
+    import_streaming()
+    from streaming.base.partition import get_partitions
+    from streaming.base.shuffle import get_shuffle
+
+    sizes = np.array([s["samples"] for s in json.loads((mds / "index.json").read_text())["shards"]], np.int64)
+    block = max(4_000_000 // 1, 1 << 18)
+    labels = []
+    for epoch in range(epochs):
+        ids = get_partitions("relaxed", int(sizes.sum()), 1, 1, ranks, 1, 256, 0, None)
+        shuffle = get_shuffle("py1e", sizes, 1, 9176, epoch, block)
+        ids = np.where(ids != -1, shuffle[ids], -1)[0, 0, 0].ravel()
+        labels.append(ids[ids != -1])
+    overlap = len(np.intersect1d(labels[0], labels[1])) / len(np.unique(labels[0])) if epochs > 1 else None
+    return {"entropy": neighbour_entropy(labels[0]), "overlap": overlap, "rows": len(labels[0]),
+            "shards": len(sizes), "shuffle_block_size": block, "labels0_head": labels[0][:2048].tolist()}
+
+
 def recommended_block(path: Path, budget: int) -> int:
     """The block ``h5serve inspect`` recommends for ``path``'s x and y under ``budget``
     (stream_plan.plan_window: the default block, or smaller whole chunks for 8 in the window)."""
@@ -191,6 +215,8 @@ def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],
     dirs = {s: peer_dir(source, s, shard) for s in peers}
     out: dict = {"size": size, "seq_s": seq_read(source), "budgets": {}, "streaming_shard_bytes": shard}
     log(f"bigdata: {size / 2**20:.0f} MiB, bare cold read {out['seq_s']:.2f} s")
+    if "streaming" in dirs:
+        out["py1e_order"] = py1e_order(dirs["streaming"])
     if "lazy" in systems:
         out["lazy"] = figures(job("lazy", source), size)
         log(f"bigdata: lazy h5py {out['lazy']}")
@@ -352,6 +378,10 @@ def markdown(report: dict) -> str:
         for s in ("stream", "streaming", "litdata"):
             if s in res:
                 line(budget, "h5serve stream" if s == "stream" else NAMES[s], res[s])
+    if "py1e_order" in b:
+        o = b["py1e_order"]
+        lines += ["", f"Streaming's py1e order over whole epochs ({o['shards']} shards, shuffle_block_size "
+                  f"{o['shuffle_block_size']:,}): entropy {o['entropy']:.2f} bits, rank-0 overlap {o['overlap']:.3f}."]
     t = report.get("training", {})
     lines += ["", "| order | test accuracy, mean ± std over 3 seeds |", "|---|---|"]
     lines += [f"| {k} | {v['mean']:.3f} ± {v['std']:.3f} |" for k, v in t.items() if isinstance(v, dict)]
