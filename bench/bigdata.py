@@ -11,7 +11,13 @@ after an fsync, no root needed): h5serve stream mode from a daemon with ``--max-
 budget, lazy h5py (global mode, no daemon: one run, the budget does not apply), MosaicML
 Streaming with ``cache_limit`` = the budget and LitData with ``max_cache_size`` = the budget, each
 on the same rows written with its own writer (bench/peers.py), reading them from the data dir as
-their "remote" into a private local cache. The physical limit is a bare sequential read of the
+their "remote" into a private local cache. Streaming's MDS shards are written with ``size_limit`` =
+a quarter of the smallest budget (``shard_bytes``: it refuses a ``cache_limit`` under 4x its largest
+shard, and its default 64 MiB shards would need 256 MiB), one MDS dir for every budget; its default
+py1e shuffle thrashes below its working set, so every job's epoch is cut after ``MAX_EPOCH_S``
+(rank 0 reports the rows it got), and ``py1e_order`` gives its order's entropy and overlap over
+whole epochs from Streaming's own shuffle code. ``--systems`` runs some of the jobs only,
+``--no-extras`` skips the training check and the first batch. The physical limit is a bare sequential read of the
 cold file. Bytes read are the ``read_bytes`` of ``/proc/<pid>/io`` (storage reads) of every
 process of the job and the daemon, sampled every 0.1 s (a process that exits between samples
 loses its last reads). Peak memory: the daemon's ``status`` (h5serve) or the peer's local cache
