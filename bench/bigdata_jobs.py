@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -80,6 +81,10 @@ def _cut_at(args: argparse.Namespace, rank: int, state: dict) -> None:
                 r["cut"].append(True)
                 print("result " + json.dumps({**r, "first_batch": state["result"]["first_batch"], "blocks": {}}),
                       flush=True)
+            import faulthandler
+
+            print(f"rank {rank}: epoch cut after {args.max_epoch_s} s; its threads:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)  # where a hung rank was (stderr)
             os._exit(0)
 
 
