@@ -11,7 +11,13 @@ after an fsync, no root needed): h5serve stream mode from a daemon with ``--max-
 budget, lazy h5py (global mode, no daemon: one run, the budget does not apply), MosaicML
 Streaming with ``cache_limit`` = the budget and LitData with ``max_cache_size`` = the budget, each
 on the same rows written with its own writer (bench/peers.py), reading them from the data dir as
-their "remote" into a private local cache. The physical limit is a bare sequential read of the
+their "remote" into a private local cache. Streaming's MDS shards are written with ``size_limit`` =
+a quarter of the smallest budget (``shard_bytes``: it refuses a ``cache_limit`` under 4x its largest
+shard, and its default 64 MiB shards would need 256 MiB), one MDS dir for every budget; its default
+py1e shuffle thrashes below its working set, so every job's epoch is cut after ``MAX_EPOCH_S``
+(rank 0 reports the rows it got), and ``py1e_order`` gives its order's entropy and overlap over
+whole epochs from Streaming's own shuffle code. ``--systems`` runs some of the jobs only,
+``--no-extras`` skips the training check and the first batch. The physical limit is a bare sequential read of the
 cold file. Bytes read are the ``read_bytes`` of ``/proc/<pid>/io`` (storage reads) of every
 process of the job and the daemon, sampled every 0.1 s (a process that exits between samples
 loses its last reads). Peak memory: the daemon's ``status`` (h5serve) or the peer's local cache
@@ -53,7 +59,9 @@ from .stream import memory_peak, stream_file
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_ROWS = 512  # 1.5 MiB blocks: a 5% window of 256 MiB still holds 8 of them (the first-batch figure)
 JOB_TIMEOUT = 240
+MAX_EPOCH_S = 60  # Streaming below its working set copies a shard for nearly every row (#339): cut its epoch
 EPOCHS = 2
+SYSTEMS = ("stream", "lazy", "streaming", "litdata")
 
 
 def seq_read(path: Path) -> float:
@@ -92,7 +100,7 @@ def job(system: str, data: Path, *, runtime_dir: Path | None = None, daemon_pid:
     cache = Path(tempfile.mkdtemp(prefix=f"h5s-bigdata-{system}-", dir="/tmp"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "bench.bigdata_jobs", system, str(data), "--budget", str(budget), "--cache", str(cache),
-           "--block-rows", str(block_rows), "--epochs", str(epochs)]
+           "--block-rows", str(block_rows), "--epochs", str(epochs), "--max-epoch-s", str(MAX_EPOCH_S)]
     if runtime_dir is not None:
         cmd += ["--runtime-dir", str(runtime_dir)]
     base = {p: _read_bytes(p) or 0 for p in (_tree(daemon_pid) if daemon_pid else [])}
@@ -118,6 +126,11 @@ def job(system: str, data: Path, *, runtime_dir: Path | None = None, daemon_pid:
     try:
         out, _ = proc.communicate(timeout=JOB_TIMEOUT)
     except subprocess.TimeoutExpired:
+        for pid in _tree(proc.pid):  # torchrun's ranks are not in its process group
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
         os.killpg(proc.pid, 9)
         proc.wait()
         return {"failed": f"timed out after {JOB_TIMEOUT} s"}
@@ -143,12 +156,37 @@ def figures(r: dict, size: int) -> dict:
         return {"failed": r["failed"]}
     labels = [np.asarray(e, dtype=np.int64) for e in r["labels"]]
     t0 = r["ends"][0] - r["launch"]
-    overlap = len(np.intersect1d(labels[0], labels[1])) / max(1, len(np.unique(labels[0]))) if len(labels) > 1 else None
+    whole = len(labels) > 1 and not any(r.get("cut", []))
+    overlap = len(np.intersect1d(labels[0], labels[1])) / max(1, len(np.unique(labels[0]))) if whole else None
     return {"epoch0_s": t0, "samples_s": len(labels[0]) / t0, "first_s": r["first_batch"] - r["launch"],
             "wait_share": r["waited"][0] / max(1, r["steps"][0]), "wait_time_share": r["wait"][0] / t0,
             "read_x": r["read_bytes"] / size, "peak_cache": r["peak_cache"], "entropy": neighbour_entropy(labels[0]),
             "overlap": overlap, "samples": len(labels[0]), "blocks": r.get("blocks", {}),
-            "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9)}
+            "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9), "cut": r.get("cut", [])}
+
+
+def py1e_order(mds: Path, epochs: int = EPOCHS, ranks: int = 2) -> dict:
+    """Rank 0's full-epoch labels in Streaming's default order for ``mds``, from its own
+    ``get_partitions`` and ``get_shuffle`` as ``generate_work_random_batching`` calls them (py1e,
+    1 canonical node, seed 9176, ``shuffle_block_size`` max(4,000,000 // 1, 2**18), 1 worker a
+    rank): its entropy and overlap over whole epochs, where a thrashing job's epoch was cut."""
+    from .peer_jobs import import_streaming
+
+    import_streaming()
+    from streaming.base.partition import get_partitions
+    from streaming.base.shuffle import get_shuffle
+
+    sizes = np.array([s["samples"] for s in json.loads((mds / "index.json").read_text())["shards"]], np.int64)
+    block = max(4_000_000 // 1, 1 << 18)
+    labels = []
+    for epoch in range(epochs):
+        ids = get_partitions("relaxed", int(sizes.sum()), 1, 1, ranks, 1, 256, 0, None)
+        shuffle = get_shuffle("py1e", sizes, 1, 9176, epoch, block)
+        ids = np.where(ids != -1, shuffle[ids], -1)[0, 0, 0].ravel()
+        labels.append(ids[ids != -1])
+    overlap = len(np.intersect1d(labels[0], labels[1])) / len(np.unique(labels[0])) if epochs > 1 else None
+    return {"entropy": neighbour_entropy(labels[0]), "overlap": overlap, "rows": len(labels[0]),
+            "shards": len(sizes), "shuffle_block_size": block, "labels0_head": labels[0][:2048].tolist()}
 
 
 def recommended_block(path: Path, budget: int) -> int:
@@ -166,16 +204,28 @@ def recommended_block(path: Path, budget: int) -> int:
     return window.block_rows
 
 
+def shard_bytes(size: int, shares: list[int]) -> int:
+    """Streaming's MDS shard size limit: a quarter of the smallest budget, whole MiB (Streaming
+    refuses a ``cache_limit`` under 4x its largest shard), so one MDS dir serves every budget
+    and its rows differ only in ``cache_limit``."""
+    return max(1 << 20, (size * min(shares) // 100 // 4) >> 20 << 20)
+
+
 def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],
-        block_rows: int | None = None) -> tuple[list[Row], dict]:
+        block_rows: int | None = None, systems: tuple[str, ...] = SYSTEMS) -> tuple[list[Row], dict]:
     plain = stream_file(data_dir, mib)
     source = source_file(plain)
     size = os.path.getsize(source)
-    dirs = {s: peer_dir(source, s) for s in peers}
-    out: dict = {"size": size, "seq_s": seq_read(source), "budgets": {}}
+    peers = [s for s in peers if s in systems]
+    shard = shard_bytes(size, shares)
+    dirs = {s: peer_dir(source, s, shard) for s in peers}
+    out: dict = {"size": size, "seq_s": seq_read(source), "budgets": {}, "streaming_shard_bytes": shard}
     log(f"bigdata: {size / 2**20:.0f} MiB, bare cold read {out['seq_s']:.2f} s")
-    out["lazy"] = figures(job("lazy", source), size)
-    log(f"bigdata: lazy h5py {out['lazy']}")
+    if "streaming" in dirs:
+        out["py1e_order"] = py1e_order(dirs["streaming"])
+    if "lazy" in systems:
+        out["lazy"] = figures(job("lazy", source), size)
+        log(f"bigdata: lazy h5py {out['lazy']}")
     rows: list[Row] = []
     for share in shares:
         budget = size * share // 100
@@ -200,7 +250,8 @@ def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],
             rows.append(Row(f"bigdata stream epoch 0, {what}: FAILED {st['failed'][:200]} (report only)", "s", 0.0))
             continue
         rows.append(Row(f"bigdata epoch 0 with start-up, stream vs lazy h5py, {what} (report only)", "s",
-                        st["epoch0_s"], out["lazy"].get("epoch0_s"), limit=out["seq_s"], higher_is_better=False))
+                        st["epoch0_s"], out.get("lazy", {}).get("epoch0_s"), limit=out["seq_s"],
+                        higher_is_better=False))
         for s in peers:
             p = res[s]
             rows.append(Row(f"bigdata samples/s, stream vs {NAMES[s]}, {what} (report only)", "samples/s",
@@ -286,15 +337,19 @@ def first_batch(data_dir: Path, sizes: list[int]) -> dict:
 
 
 def bigdata(data_dir: Path, mib: int = 256, shares: tuple[int, ...] = (5, 10, 25), sizes: tuple[int, ...] = (256, 1024),
-            report: dict | None = None, block_rows: int | None = None) -> list[Row]:
+            report: dict | None = None, block_rows: int | None = None, systems: tuple[str, ...] = SYSTEMS,
+            extras: bool = True) -> list[Row]:
+    """``systems``: the jobs to run (h5serve stream always runs); ``extras``: the training check
+    and the first batch against size too."""
     report = {} if report is None else report
     report["load"] = [os.getloadavg()[0]]
     found = versions()
     peers = [s for s, v in found.items() if not v.startswith("unavailable")]
     report["versions"] = found
-    rows, report["big"] = big(data_dir, mib, list(shares), peers, block_rows)
-    report["training"] = training(data_dir)
-    report["first_batch"] = first_batch(data_dir, list(sizes))
+    rows, report["big"] = big(data_dir, mib, list(shares), peers, block_rows, systems)
+    if extras:
+        report["training"] = training(data_dir)
+        report["first_batch"] = first_batch(data_dir, list(sizes))
     report["load"].append(os.getloadavg()[0])
     return rows
 
@@ -313,18 +368,26 @@ def markdown(report: dict) -> str:
             return
         peak = f"{f['peak_cache'] / 2**20:.1f}" if f["peak_cache"] else "— (process memory, not measured)"
         block = f"{f['block_rows']} rows" if "block_rows" in f else "—"
+        if any(f.get("cut", [])):
+            name += f" (epoch 0 cut at {MAX_EPOCH_S} s: {f['samples']:,} rows)"
         steady = f"{f['steady_s']:,.0f}" if "steady_s" in f else "—"
         lines.append(f"| {budget} | {name} | {block} | {f['epoch0_s']:.2f} | {b['seq_s'] / f['epoch0_s']:.3f}x | "
                      f"{f['samples_s']:,.0f} | {steady} | {f['wait_share']:.0%} | {f['wait_time_share']:.0%} | "
                      f"{f['first_s']:.2f} | "
-                     f"{f['read_x']:.2f} | {peak} | {f['entropy']:.2f} | {f['overlap']:.3f} |")
+                     f"{f['read_x']:.2f} | {peak} | {f['entropy']:.2f} | "
+                     f"{'—' if f['overlap'] is None else format(f['overlap'], '.3f')} |")
 
-    line("—", "lazy h5py (global, no daemon)", b["lazy"])
+    if "lazy" in b:
+        line("—", "lazy h5py (global, no daemon)", b["lazy"])
     for share, res in b["budgets"].items():
         budget = f"{share}% ({res['budget'] / 2**20:.1f} MiB)"
         for s in ("stream", "streaming", "litdata"):
             if s in res:
                 line(budget, "h5serve stream" if s == "stream" else NAMES[s], res[s])
+    if "py1e_order" in b:
+        o = b["py1e_order"]
+        lines += ["", f"Streaming's py1e order over whole epochs ({o['shards']} shards, shuffle_block_size "
+                  f"{o['shuffle_block_size']:,}): entropy {o['entropy']:.2f} bits, rank-0 overlap {o['overlap']:.3f}."]
     t = report.get("training", {})
     lines += ["", "| order | test accuracy, mean ± std over 3 seeds |", "|---|---|"]
     lines += [f"| {k} | {v['mean']:.3f} ± {v['std']:.3f} |" for k, v in t.items() if isinstance(v, dict)]
@@ -341,6 +404,9 @@ def main() -> None:
     p.add_argument("--sizes", default="256,1024", help="file sizes (MiB) of the first-batch figure")
     p.add_argument("--block-rows", type=int, default=None,
                    help="stream blocks (rows) at every budget (default: what inspect recommends for each budget)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="jobs to run, of " + ",".join(SYSTEMS) + " (h5serve stream always runs)")
+    p.add_argument("--no-extras", action="store_true", help="skip the training check and the first batch vs size")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None, help="print the docs tables of a saved --json, run nothing")
     a = p.parse_args()
@@ -351,7 +417,8 @@ def main() -> None:
 
     report: dict = {}
     rows = bigdata(a.data_dir, a.mib, tuple(int(s) for s in a.budgets.split(",")),
-                   tuple(int(s) for s in a.sizes.split(",")), report=report, block_rows=a.block_rows)
+                   tuple(int(s) for s in a.sizes.split(",")), report=report, block_rows=a.block_rows,
+                   systems=tuple({"stream", *a.systems.split(",")}), extras=not a.no_extras)
     print(table(rows))
     print(json.dumps(report, indent=1, default=str))
     if a.json:

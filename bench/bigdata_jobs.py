@@ -7,7 +7,9 @@ data dir as a ``local:`` remote, a private cache bounded by ``max_cache_size``).
 "trains" for ``--step-ms`` (a sleep, as a GPU step leaves the CPU to the loader), batch 256,
 ``num_workers=0``. Rank 0 prints one ``result {json}`` line: first-batch wall time, each epoch's
 end wall time, seconds spent in ``next()`` per epoch, steps that waited over 1 ms, and its labels
-(row ids) per epoch, for the shuffle figures.
+(row ids) per epoch, for the shuffle figures. ``--max-epoch-s``: once an epoch has run that long, rank 0
+reports what it has (that epoch ``cut``) and the ranks end, so a thrashing cache still gives its
+rate and its order.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -60,16 +63,48 @@ def set_epoch(loader, epoch: int) -> None:
             return
 
 
+def _cut_at(args: argparse.Namespace, rank: int, state: dict) -> None:
+    """Watchdog: once an epoch has run ``--max-epoch-s``, report what rank 0 has and end the rank
+    at once (a thrashing Streaming cache can block in one ``next()`` for tens of seconds, and its
+    next epoch waits for the last one's threads)."""
+    while not state["done"]:
+        time.sleep(0.2)
+        if time.perf_counter() - state["start"] > args.max_epoch_s and not state["done"]:
+            if rank == 0:
+                seen = list(state["seen"])
+                r = {k: list(v) for k, v in state["result"].items() if isinstance(v, list)}
+                r["ends"].append(time.time())
+                r["wait"].append(state["wait"])
+                r["waited"].append(state["slow"])
+                r["steps"].append(state["n"])
+                r["labels"].append(np.concatenate(seen).tolist() if seen else [])
+                r["cut"].append(True)
+                print("result " + json.dumps({**r, "first_batch": state["result"]["first_batch"], "blocks": {}}),
+                      flush=True)
+            import faulthandler
+
+            print(f"rank {rank}: epoch cut after {args.max_epoch_s} s; its threads:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)  # where a hung rank was (stderr)
+            os._exit(0)
+
+
 def run(args: argparse.Namespace) -> int:
+    import threading
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     loader = build(args.system, args.data, args)
-    first, ends, waits, waited, steps, labels = 0.0, [], [], [], [], []
+    result: dict = {"first_batch": 0.0, "ends": [], "wait": [], "waited": [], "steps": [], "labels": [], "cut": []}
+    state: dict = {"start": time.perf_counter(), "done": False, "result": result, "seen": [],
+                   "wait": 0.0, "slow": 0, "n": 0}
+    if args.max_epoch_s:
+        threading.Thread(target=_cut_at, args=(args, rank, state), daemon=True).start()
     for epoch in range(args.epochs):
         set_epoch(loader, epoch)
-        it, seen, wait, slow, n = iter(loader), [], 0.0, 0, 0
+        state.update(start=time.perf_counter(), seen=[], wait=0.0, slow=0, n=0)
+        it = iter(loader)
         while True:
             t = time.perf_counter()
             try:
@@ -78,24 +113,25 @@ def run(args: argparse.Namespace) -> int:
                 break
             dt = time.perf_counter() - t
             y = batch["y"] if isinstance(batch, dict) else batch[1]
-            if not first:
-                first = time.time()
+            if not result["first_batch"]:
+                result["first_batch"] = time.time()
             else:  # the first batch is the start-up figure, not a step
-                wait, slow, n = wait + dt, slow + (dt > WAIT_S), n + 1
-            seen.append(np.asarray(y).astype(np.int64).ravel())
+                state.update(wait=state["wait"] + dt, slow=state["slow"] + (dt > WAIT_S), n=state["n"] + 1)
+            state["seen"].append(np.asarray(y).astype(np.int64).ravel())
             time.sleep(args.step_ms / 1000)
-        ends.append(time.time())
-        waits.append(wait)
-        waited.append(slow)
-        steps.append(n)
-        labels.append(np.concatenate(seen).tolist() if seen else [])
+        result["ends"].append(time.time())
+        result["wait"].append(state["wait"])
+        result["waited"].append(state["slow"])
+        result["steps"].append(state["n"])
+        result["labels"].append(np.concatenate(state["seen"]).tolist() if state["seen"] else [])
+        result["cut"].append(False)
+    state["done"] = True
     dist.barrier()
     cache = getattr(getattr(getattr(loader, "dataset", None), "stream", None), "cache", None)
     counted = ("attaches", "budget_waits", "ready_waits", "waited_s", "yields")  # rank 0's stream blocks (DaemonBlocks)
     blocks = {k: getattr(cache, k) for k in counted if hasattr(cache, k)}
     if rank == 0:
-        print("result " + json.dumps({"first_batch": first, "ends": ends, "wait": waits, "waited": waited,
-                                      "steps": steps, "labels": labels, "blocks": blocks}), flush=True)
+        print("result " + json.dumps({**result, "blocks": blocks}), flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -110,6 +146,7 @@ def main() -> int:
     p.add_argument("--block-rows", type=int, default=None)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--step-ms", type=float, default=2.0)
+    p.add_argument("--max-epoch-s", type=float, default=0, help="end an epoch after this many seconds (0: never)")
     return run(p.parse_args())
 
 

@@ -82,9 +82,11 @@ def versions() -> dict[str, str]:
 
 
 # ----- writing ----------------------------------------------------------------------------
-def write_mds(src: Path, out: Path) -> None:
+def write_mds(src: Path, out: Path, size_limit: int | None = None) -> None:
+    """``size_limit``: MDSWriter's shard size limit in bytes (None: its default, 67 MB)."""
     from_streaming = import_streaming()
-    with h5py.File(src, "r") as f, from_streaming.MDSWriter(out=str(out), columns=MDS_COLUMNS) as writer:
+    kw = {} if size_limit is None else {"size_limit": size_limit}
+    with h5py.File(src, "r") as f, from_streaming.MDSWriter(out=str(out), columns=MDS_COLUMNS, **kw) as writer:
         x, y = f["x"], f["y"]
         for a in range(0, len(y), WRITE_BLOCK):
             xs, ys = x[a : a + WRITE_BLOCK], y[a : a + WRITE_BLOCK]
@@ -234,6 +236,7 @@ def main() -> int:
         w = sub.add_parser(name)
         w.add_argument("src", type=Path)
         w.add_argument("out", type=Path)
+        w.add_argument("--size-limit", type=int, default=None, help="write-mds: shard size limit, bytes")
     r = sub.add_parser("run")
     r.add_argument("system", choices=SYSTEMS)
     r.add_argument("data", help="h5serve: the HDF5 file; a peer: its dataset directory")
@@ -247,7 +250,7 @@ def main() -> int:
     sub.add_parser("versions")
     args = p.parse_args()
     if args.command == "write-mds":
-        write_mds(args.src, args.out)
+        write_mds(args.src, args.out, args.size_limit)
     elif args.command == "write-litdata":
         write_litdata(args.src, args.out)
     elif args.command == "run":

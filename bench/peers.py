@@ -99,17 +99,21 @@ def source_file(plain: Path, rows: int | None = None) -> Path:
     return path
 
 
-def peer_dir(source: Path, system: str) -> Path:
-    """``system``'s copy of ``source`` (written once and kept; a half-written one is written again)."""
-    out = source.with_name(f"{source.stem}-{system}")
+def peer_dir(source: Path, system: str, shard_bytes: int | None = None) -> Path:
+    """``system``'s copy of ``source`` (written once and kept; a half-written one is written again).
+    ``shard_bytes``: Streaming's MDS shard size limit (None: MDSWriter's default, 67 MB)."""
+    suffix = f"-{shard_bytes}" if shard_bytes is not None and system == "streaming" else ""
+    out = source.with_name(f"{source.stem}-{system}{suffix}")
     if not (out / "index.json").exists():
         log(f"peers: writing {out} with {NAMES[system]}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         tmp.rmdir()  # both writers want to make their output directory themselves
         try:
             writer = f"write-{'mds' if system == 'streaming' else system}"
+            size = ["--size-limit", str(shard_bytes)] if suffix else []
             done = subprocess.run([sys.executable, "-m", "bench.peer_jobs", writer,
-                                   str(source), str(tmp)], capture_output=True, text=True, timeout=1800, cwd=ROOT)
+                                   str(source), str(tmp), *size], capture_output=True, text=True, timeout=1800,
+                                  cwd=ROOT)
             if done.returncode != 0:
                 raise RuntimeError(f"writing {out} failed: {done.stderr[-2000:]}")
             subprocess.run(["rm", "-rf", str(out)], check=True)
