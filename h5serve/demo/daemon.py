@@ -77,10 +77,15 @@ class DaemonProcess:
         return sorted(p for p in os.listdir("/dev/shm") if p.startswith(prefix))
 
     def stop(self, timeout: float = 40) -> None:
-        """``h5serve stop``; if the daemon is still there after it, SIGKILL and remove its segments."""
+        """``h5serve stop``; if the daemon is still there after it, SIGKILL and remove its segments.
+        A daemon already gone (a test's ``kill -9``) cleaned nothing up: its segments are removed
+        too (an ``h5serve stop`` leaves what the daemon chose to keep)."""
+        if not self.alive():
+            if self.pid:
+                self._remove_segments()
+            return
         try:
-            if self.alive():
-                self.cli("stop", timeout=timeout)
+            self.cli("stop", timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
         if not self.alive():
