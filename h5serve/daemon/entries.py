@@ -3,6 +3,7 @@ and the counters ``status`` shows."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -10,10 +11,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 
+from ..order.sharding import STREAM
 from ..segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta
 from ..util.safeio import is_own_file
 
-__all__ = ["COUNTERS", "Entry", "LoadFailure", "not_ours", "shown_state"]
+__all__ = ["COUNTERS", "Entry", "LoadFailure", "load_log_level", "not_ours", "shown_state"]
 
 # Shown in `status --json` from the start, so watchers never see a key appear.
 # damaged: published segments found changed (missing, truncated, made writable, header rewritten)
@@ -68,6 +70,13 @@ class Entry:
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
         return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
+
+
+def load_log_level(meta: SegmentMeta) -> int:
+    """The level of a segment's loading, loaded and evicted lines: DEBUG for a stream block (a
+    stream loads and evicts blocks tens of times a second: INFO lines would bury the log and
+    cost the daemon's loop; ``status`` and the metrics count them), INFO for the rest."""
+    return logging.DEBUG if meta.mode == STREAM else logging.INFO
 
 
 def not_ours(st: os.stat_result) -> bool:

@@ -57,7 +57,7 @@ from ..errors import SourceChanged
 from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
 from ..hdf5.identity import check_holder, identities_unchanged, open_h5_verified, pinned_rows
-from ..hdf5.rawcopy import data_extents, drop_cached
+from ..hdf5.rawcopy import StoredRows, data_extents, drop_cached
 from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..order.sharding import RowRange, Selection
@@ -214,14 +214,16 @@ def holders(meta: SegmentMeta) -> tuple[tuple, ...]:
 
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
                progress: Callable[[int], None], checksum: bool, ready: Callable[[], None],
-               f: h5py.File | None = None, drop_page_cache: bool = False) -> PartResult:
+               f: h5py.File | None = None, drop_page_cache: bool = False,
+               places: dict[tuple[str, ...], StoredRows | None] | None = None) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
     this process's own h5py handle (``f``, or the file opened here), hashing them on their way
     in when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
     at explicit offsets, so every part can write through the one inherited descriptor. Many
     files as one dataset: each file of the span opened in turn (fileset.py), its cached pages
     dropped as it is done with ``drop_page_cache``. ``ready()`` returns once the segment is
-    reserved: called before the first write."""
+    reserved: called before the first write. ``places``: a kept loader's memo of where rows are
+    stored in ``f`` (openfiles.py), used only for a dataset in ``f`` itself."""
     crc = RunningCrc() if checksum else None
     hashed = None if crc is None else crc.update
     if meta.files:
@@ -234,8 +236,11 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     # HDF5 follows an external link by path: the file it opened must be the one checked
     dset = pinned_rows(f, meta.key, holders(meta), f"{meta.source_path}[{meta.key}]")
     info = inspect_dataset(f, meta.key)
+    if places is not None and dset.file.id.get_vfd_handle() != f.id.get_vfd_handle():
+        places = None  # an external link's file: HDF5 may close and reopen it between loads
     copied = read_shard_into(dset, info, rows, writer.data, progress, span=span,
-                             dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None)
+                             dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None,
+                             places=places)
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
@@ -365,7 +370,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                 first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
             else:
                 first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, reservation.wait, source,
-                                   job.drop_page_cache)
+                                   job.drop_page_cache, files.places if kept and files is not None else None)
             copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:

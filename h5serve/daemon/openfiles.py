@@ -9,6 +9,7 @@ from __future__ import annotations
 import h5py
 
 from ..hdf5.identity import open_h5_verified
+from ..hdf5.rawcopy import StoredRows
 from ..segments import SegmentMeta
 
 __all__ = ["OpenFiles"]
@@ -20,6 +21,10 @@ class OpenFiles:
     def __init__(self) -> None:
         self._file: h5py.File | None = None
         self._identity: tuple = ()
+        # where each dataset's rows are stored in the kept file (hdf5/reads.py), found at its
+        # first block: listing a dataset's chunks costs per file, not per block. Forgotten with
+        # the file: a file changed in place is a new identity, opened (and listed) again.
+        self.places: dict[tuple[str, ...], StoredRows | None] = {}
 
     def open(self, meta: SegmentMeta) -> h5py.File:
         """``meta``'s source, opened and checked as ``loader.open_source`` does, once per
@@ -42,3 +47,4 @@ class OpenFiles:
             except Exception:  # noqa: BLE001 - closing a read-only handle: nothing to save
                 pass
         self._file, self._identity = None, ()
+        self.places = {}

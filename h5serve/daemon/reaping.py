@@ -23,7 +23,7 @@ from ..util.safeio import remove_if
 from ..util.units import format_bytes
 from ._process import loader_output
 from .config import STALL_CHECK_INTERVAL_S
-from .entries import Entry, LoadFailure, not_ours
+from .entries import Entry, LoadFailure, load_log_level, not_ours
 from .killload import kill_load
 from .loader import LoadError, LoadOk, LoadStats
 from .loaderpool import LoaderPool
@@ -131,7 +131,7 @@ class LoadReaper:
         entry.load_parts = stats.parts
         entry.load_copied_bytes = stats.copied_bytes
         self.counters["loads"] += 1
-        log.info("loaded %s in %.2fs", entry.file, entry.load_seconds)
+        log.log(load_log_level(entry.meta), "loaded %s in %.2fs", entry.file, entry.load_seconds)
         read_s = max(stats.read_s, 1e-9)
         entry.load_read_seconds = read_s
         log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "

@@ -49,7 +49,7 @@ from .config import (
     FAILURE_MEMORY_S,
     MAX_AWAITING_RESOLUTION,
 )
-from .entries import COUNTERS, Entry, LoadFailure, not_ours
+from .entries import COUNTERS, Entry, LoadFailure, load_log_level, not_ours
 from .fileset import files_meta
 from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files, publish_name
@@ -307,7 +307,7 @@ class SegmentStore(LoadReaper):
             entry.process, entry.reply = self.pool.launch(job)
             entry.load_started = entry.active_at = time.monotonic()
             running += 1
-            log.info("loading %s[%s] %s (%s) into %s", printable(entry.meta.source_path),
+            log.log(load_log_level(entry.meta), "loading %s[%s] %s (%s) into %s", printable(entry.meta.source_path),
                      printable(entry.meta.key), entry.meta.shard_label(), format_bytes(entry.meta.nbytes), entry.file)
 
     def _drops_pages(self, entry: Entry) -> bool:
@@ -326,17 +326,18 @@ class SegmentStore(LoadReaper):
 
         Raised when it cannot fit even then: BudgetExceeded.
         """
-        if self.used_bytes() + needed <= self.max_memory:
+        used = self.used_bytes()
+        if used + needed <= self.max_memory:
             return
         self.prefetched.forget(self.entries)
         for entry in self.prefetched.eviction_order(self.entries.values(), prefetch):
-            if self.used_bytes() + needed <= self.max_memory:
+            if used + needed <= self.max_memory:
                 return
             if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.file):
                 del self.entries[entry.name]
+                used -= entry.meta.file_size
                 self.counters["evictions"] += 1
-                log.info("evicted %s to make room", entry.file)
-        used = self.used_bytes()
+                log.log(load_log_level(entry.meta), "evicted %s to make room", entry.file)
         if used + needed > self.max_memory:
             self.counters["refusals"] += not prefetch  # a prefetch refused is asked again when needed
             raise over_budget(meta, needed, used, self.max_memory, self.budget_rule)

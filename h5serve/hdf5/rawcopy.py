@@ -257,11 +257,19 @@ class WriteBehind:
     are reused only once written; ``flush`` waits for every write."""
 
     _BUFFERS = 3
+    # the buffers of the last writer closed in this process, for the next: a loader kept for
+    # stream blocks (daemon/streamloader.py) copies one small block after another, and fresh
+    # buffers cost each load their page faults (about a sixth of a 1.5 MiB block's loader time)
+    _spare: list[memoryview] = []
+    _spare_lock = threading.Lock()
 
     def __init__(self, buffer_bytes: int) -> None:
         self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
-        for _ in range(self._BUFFERS):
-            self._free.put(memoryview(bytearray(buffer_bytes)))
+        with WriteBehind._spare_lock:
+            reused = [b for b in WriteBehind._spare if len(b) == buffer_bytes][: self._BUFFERS]
+            WriteBehind._spare = []
+        for buffer in reused + [memoryview(bytearray(buffer_bytes)) for _ in range(self._BUFFERS - len(reused))]:
+            self._free.put(buffer)
         self._todo: queue.SimpleQueue[tuple[memoryview, int, int, int] | None] = queue.SimpleQueue()
         self._error: Exception | None = None
         self._thread = threading.Thread(target=self._write, name="h5serve-write", daemon=True)
@@ -309,6 +317,11 @@ class WriteBehind:
     def close(self) -> None:
         self._todo.put(None)
         self._thread.join()
+        buffers = []  # every buffer is back once the thread has ended
+        while not self._free.empty():
+            buffers.append(self._free.get())
+        with WriteBehind._spare_lock:
+            WriteBehind._spare = buffers
 
 
 def _copy_buffered(src_fd: int, src_offset: int, size: int, dest_fd: int, dest_offset: int, buffer: memoryview,

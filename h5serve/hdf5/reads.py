@@ -143,6 +143,7 @@ def read_shard_into(
     hashed: Hasher | None = None,
     ready: Callable[[], None] | None = None,
     write_behind: bool = False,
+    places: dict[tuple[str, ...], StoredRows | None] | None = None,
 ) -> int:
     """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
     chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global
@@ -160,7 +161,9 @@ def read_shard_into(
     called once the rows' places in the file are known, before the first write (a load
     waits there for its segment's reservation: daemon/reserve.py). ``write_behind``: hashed
     copies are written by a thread of their own (rawcopy.WriteBehind), for a load that has a
-    core to spare.
+    core to spare. ``places``: where the rows of each dataset (by name and dtype) are stored in
+    the file ``dset`` is in, memoised there for the next call on that same open file (a loader
+    kept for stream blocks: listing a dataset's chunks is per file, not per block).
 
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
     ends early: DataError.
@@ -176,7 +179,7 @@ def read_shard_into(
     try:
         copy = None
         if dest is not None and copier is not None:
-            copy = _row_copier(dset, info, rows, out.dtype, dest, copier, hashed)
+            copy = _row_copier(dset, info, rows, out.dtype, dest, copier, hashed, places)
         if ready is not None:
             ready()
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):
@@ -209,11 +212,19 @@ def read_shard_into(
 
 
 def _row_copier(dset: h5py.Dataset, info: DatasetInfo, rows: RowRange, out_dtype: np.dtype,
-                dest: tuple[int, int], copier: FileCopier,
-                hashed: Hasher | None = None) -> Callable[[int, int], bool] | None:
+                dest: tuple[int, int], copier: FileCopier, hashed: Hasher | None = None,
+                places: dict[tuple[str, ...], StoredRows | None] | None = None) -> Callable[[int, int], bool] | None:
     """``copy(k0, k1)``: copy the selection's rows at local positions ``[k0, k1)`` file to file
     into ``dest`` with ``copier``, False when they must go through h5py; None when no row can be copied."""
-    stored = stored_rows(dset, info, out_dtype) if rows.step == 1 else None
+    if rows.step != 1:
+        return None
+    memo = (str(dset.name), str(getattr(dset, "field", "")), np.dtype(out_dtype).str)  # a compound's field too
+    if places is not None and memo in places:
+        stored = places[memo]
+    else:
+        stored = stored_rows(dset, info, out_dtype)
+        if places is not None:
+            places[memo] = stored
     if stored is None:
         return None
     first = rows.start

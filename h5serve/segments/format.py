@@ -161,7 +161,7 @@ class SegmentMeta:
         """Rows of each file of a multi-file dataset, in order (empty for one file)."""
         return tuple(int(f[5]) for f in self.files)
 
-    @property
+    @functools.cached_property  # a frozen dataclass: every figure below is asked per request and per loop tick
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
 
@@ -173,13 +173,13 @@ class SegmentMeta:
         need = META_OFFSET + len(msgpack.packb(self.to_wire()))
         return -(-need // HEADER_SIZE) * HEADER_SIZE
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         if self.vlen:
             return vlen_nbytes(self.rows, self.values, self.np_dtype.itemsize)
         return self.rows * row_nbytes(self.row_shape, self.np_dtype)
 
-    @property
+    @functools.cached_property
     def file_size(self) -> int:
         return self.header_size + self.nbytes
 

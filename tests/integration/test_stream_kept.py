@@ -135,3 +135,25 @@ def test_a_prefetch_is_refused_rather_than_evict_another_ranks_next_block(tmp_pa
         assert counters["evictions"] == 2 and counters["loads"] == 5, counters
         ask(5, prefetch=False)  # needed: evicts a prefetched block (the least recently asked)
         assert client.status()["counters"]["evictions"] == 3
+
+
+def test_a_file_rewritten_in_place_between_blocks_is_read_at_its_new_places(tmp_path: Path) -> None:
+    """A kept loader remembers where each dataset's chunks are in the file it keeps open; the
+    same file (same inode) rewritten with another layout between two blocks is a new identity:
+    its rows are read from where the new file stores them, never from the old offsets."""
+    h5 = make_h5(tmp_path / "data.h5", rows=ROWS, row_shape=(64,))
+    with running_daemon("--loaders", "1") as d, DaemonClient(d.runtime_dir, timeout=30) as client:
+        inode = os.stat(h5).st_ino
+        with h5py.File(h5) as f:
+            np.testing.assert_array_equal(_block(client, h5, "x", 0), f["x"][:BLOCK])
+        assert wait_for(lambda: len(_named(d.pid, "h5serve-kept")) == 1, 10)
+        new = np.arange(ROWS * 64, dtype=np.uint64).reshape(ROWS, 64).astype(np.uint8) ^ 0x5A
+        with h5py.File(h5, "w") as f:  # truncated in place: x's chunks now start after 1 MiB of padding
+            f.create_dataset("pad", data=np.ones(1 << 20, np.uint8))
+            f.create_dataset("x", data=new, chunks=(32, 64))
+            f.create_dataset("y", data=np.arange(ROWS, dtype=np.int64))
+        assert os.stat(h5).st_ino == inode
+        assert wait_for(lambda: np.array_equal(_block(client, h5, "x", 1), new[BLOCK:2 * BLOCK]), 30), \
+            "block 1 of the rewritten file was not served from its new places"
+        for block in (2, 3):
+            np.testing.assert_array_equal(_block(client, h5, "x", block), new[block * BLOCK:(block + 1) * BLOCK])
