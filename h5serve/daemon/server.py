@@ -266,7 +266,8 @@ class Server:
         if isinstance(request, Shutdown):
             self._shutdown_by(peer)
         assert isinstance(request, (Ping, Shutdown))
-        return {**info, "budget": self.store.max_memory}  # a stream-mode client sizes its window by it
+        # a stream-mode client sizes its window by the budget; "used" lets a poller skip status's segment list
+        return {**info, "budget": self.store.max_memory, "used": self.store.used_bytes()}
 
     def _shutdown_by(self, peer: Peer | None) -> None:
         """Stop, when ``peer`` is the daemon's own user or root: a ``--group`` member may use the

@@ -63,7 +63,9 @@ MAX_FILES = 4096
 
 @dataclass(frozen=True)
 class Ping:
-    """Is a daemon there? Answered with its pid, version and shm dir."""
+    """Is a daemon there? Answered with its pid, version and shm dir, its memory budget and the
+    shared memory its segments use now (``budget``, ``used``: the totals ``status`` shows
+    everyone, without listing every segment; a client polling memory asks this)."""
 
     OP: ClassVar[str] = "ping"
 

@@ -13,8 +13,9 @@ from torch.utils.data import DataLoader
 
 from h5serve.client import EpochShuffleSampler, SharedH5Dataset, collate
 from h5serve.errors import DaemonUnavailable
+from h5serve.wire.connection import DaemonClient
 
-from ..helpers import Daemon, h5serve_cli, make_h5
+from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon
 
 
 def expected(path: Path, key: str, indices: np.ndarray, dtype=None) -> np.ndarray:
@@ -154,6 +155,16 @@ def test_second_job_attaches_without_reloading(shared_daemon: Daemon, tmp_path: 
     assert ds.backend == "shm"
     assert after.get("loads", 0) == before.get("loads", 0)
     assert after["hits"] > before["hits"]
+
+
+def test_ping_says_the_memory_status_says(tmp_path: Path) -> None:
+    """``ping`` answers the budget and the shared memory in use, the totals ``status`` shows,
+    without the segment list (a client polling memory asks it, not status)."""
+    with running_daemon("--max-memory", "64MiB") as d, DaemonClient(d.runtime_dir, timeout=30) as client:
+        assert client.ping()["used"] == 0 and client.ping()["budget"] == 64 << 20
+        SharedH5Dataset(make_h5(tmp_path / "p.h5"), "x", rank=0, world_size=1, runtime_dir=d.runtime_dir).close()
+        memory = client.status()["memory"]
+        assert memory["used"] > 0 and client.ping()["used"] == memory["used"]
 
 
 def test_edited_file_is_never_served_stale(shared_daemon: Daemon, tmp_path: Path) -> None:
