@@ -165,11 +165,13 @@ def figures(r: dict, size: int) -> dict:
             "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9), "cut": r.get("cut", [])}
 
 
-def py1e_order(mds: Path, epochs: int = EPOCHS, ranks: int = 2) -> dict:
+def py1e_order(mds: Path, epochs: int = EPOCHS, ranks: int = 2, block: int | None = None) -> dict:
     """Rank 0's full-epoch labels in Streaming's default order for ``mds``, from its own
     ``get_partitions`` and ``get_shuffle`` as ``generate_work_random_batching`` calls them (py1e,
     1 canonical node, seed 9176, ``shuffle_block_size`` max(4,000,000 // 1, 2**18), 1 worker a
-    rank): its entropy and overlap over whole epochs, where a thrashing job's epoch was cut."""
+    rank): its entropy and overlap over whole epochs, where a thrashing job's epoch was cut.
+    ``block``: another ``shuffle_block_size`` (py1e at equal memory: the rows a budget holds,
+    so that the shards one shuffle block draws from fit the cache and nothing is fetched twice)."""
     from .peer_jobs import import_streaming
 
     import_streaming()
@@ -177,7 +179,7 @@ def py1e_order(mds: Path, epochs: int = EPOCHS, ranks: int = 2) -> dict:
     from streaming.base.shuffle import get_shuffle
 
     sizes = np.array([s["samples"] for s in json.loads((mds / "index.json").read_text())["shards"]], np.int64)
-    block = max(4_000_000 // 1, 1 << 18)
+    block = max(4_000_000 // 1, 1 << 18) if block is None else block
     labels = []
     for epoch in range(epochs):
         ids = get_partitions("relaxed", int(sizes.sum()), 1, 1, ranks, 1, 256, 0, None)
@@ -202,6 +204,12 @@ def recommended_block(path: Path, budget: int) -> int:
     window = plan_window(chunks, row_bytes, rows, budget)
     assert window is not None, budget
     return window.block_rows
+
+
+def row_bytes(path: Path) -> int:
+    """Bytes of one row of x and y together."""
+    with h5py.File(path) as f:
+        return sum(int(np.prod(f[k].shape[1:], dtype=np.int64)) * f[k].dtype.itemsize for k in ("x", "y"))
 
 
 def shard_bytes(size: int, shares: list[int]) -> int:
@@ -244,6 +252,8 @@ def big(data_dir: Path, mib: int, shares: list[int], peers: list[str],
         for s, f in res.items():
             log(f"bigdata {share}%: {s}: {f}")
         out["budgets"][share] = {"budget": budget, **res}
+        if "streaming" in dirs:  # py1e whose shuffle block holds what the budget holds (x and y rows)
+            out["budgets"][share]["py1e_equal"] = py1e_order(dirs["streaming"], block=budget // row_bytes(source))
         st = res["stream"]
         what = f"{mib} MiB cold, budget {share}% ({budget / 2**20:.1f} MiB), 2 ranks"
         if "failed" in st:
@@ -388,6 +398,14 @@ def markdown(report: dict) -> str:
         o = b["py1e_order"]
         lines += ["", f"Streaming's py1e order over whole epochs ({o['shards']} shards, shuffle_block_size "
                   f"{o['shuffle_block_size']:,}): entropy {o['entropy']:.2f} bits, rank-0 overlap {o['overlap']:.3f}."]
+    equal = [(share, res) for share, res in b["budgets"].items() if "py1e_equal" in res]
+    if equal:
+        lines += ["", "| budget | h5serve stream's entropy (bits) | py1e at equal memory: shuffle_block_size "
+                  "| its entropy (bits) | its rank-0 overlap |", "|---|---:|---:|---:|---:|"]
+        for share, res in equal:
+            o, mine = res["py1e_equal"], res["stream"].get("entropy")
+            lines.append(f"| {share}% | {'—' if mine is None else format(mine, '.2f')} | {o['shuffle_block_size']:,} | "
+                         f"{o['entropy']:.2f} | {o['overlap']:.3f} |")
     t = report.get("training", {})
     lines += ["", "| order | test accuracy, mean ± std over 3 seeds |", "|---|---|"]
     lines += [f"| {k} | {v['mean']:.3f} ± {v['std']:.3f} |" for k, v in t.items() if isinstance(v, dict)]
