@@ -139,13 +139,17 @@ def job(system: str, data: Path, *, runtime_dir: Path | None = None, daemon_pid:
         thread.join(10)
         subprocess.run(["rm", "-rf", str(cache)], check=False)
     lines = [line for line in out.splitlines() if line.startswith("result ")]
+    err.seek(0)
+    text = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()]
     if proc.returncode != 0 or not lines:
-        err.seek(0)
-        text = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()]
         why = ([line.split("]:", 1)[-1].strip() for line in text if "Error:" in line and line.startswith("[rank")]
                or [line for line in text if "Error:" in line] or text[-2:])
-        return {"failed": f"exit {proc.returncode}: {why[-1][:400]}"}
+        if not lines:
+            return {"failed": f"exit {proc.returncode}: {why[-1][:400]}"}
     r = json.loads(lines[0][len("result "):])
+    # rank 0 reports before the job's closing barrier: its figures stand when another rank's epoch was cut
+    r["others_cut"] = sorted({int(line.split()[1].rstrip(":")) for line in text
+                              if line.startswith("rank ") and "epoch cut after" in line} - {0})
     r.update(launch=launch, read_bytes=sum(seen.values()), peak_cache=peak[0])
     return r
 
@@ -162,7 +166,8 @@ def figures(r: dict, size: int) -> dict:
             "wait_share": r["waited"][0] / max(1, r["steps"][0]), "wait_time_share": r["wait"][0] / t0,
             "read_x": r["read_bytes"] / size, "peak_cache": r["peak_cache"], "entropy": neighbour_entropy(labels[0]),
             "overlap": overlap, "samples": len(labels[0]), "blocks": r.get("blocks", {}),
-            "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9), "cut": r.get("cut", [])}
+            "steady_s": len(labels[0]) / max(r["ends"][0] - r["first_batch"], 1e-9), "cut": r.get("cut", []),
+            "others_cut": r.get("others_cut", [])}
 
 
 def py1e_order(mds: Path, epochs: int = EPOCHS, ranks: int = 2, block: int | None = None) -> dict:
@@ -380,6 +385,9 @@ def markdown(report: dict) -> str:
         block = f"{f['block_rows']} rows" if "block_rows" in f else "—"
         if any(f.get("cut", [])):
             name += f" (epoch 0 cut at {MAX_EPOCH_S} s: {f['samples']:,} rows)"
+        if f.get("others_cut"):
+            ranks = ", ".join(map(str, f["others_cut"]))
+            name += f" (rank 0's figures; rank {ranks} did not end an epoch within {MAX_EPOCH_S} s)"
         steady = f"{f['steady_s']:,.0f}" if "steady_s" in f else "—"
         lines.append(f"| {budget} | {name} | {block} | {f['epoch0_s']:.2f} | {b['seq_s'] / f['epoch0_s']:.3f}x | "
                      f"{f['samples_s']:,.0f} | {steady} | {f['wait_share']:.0%} | {f['wait_time_share']:.0%} | "

@@ -126,12 +126,12 @@ def run(args: argparse.Namespace) -> int:
         result["labels"].append(np.concatenate(state["seen"]).tolist() if state["seen"] else [])
         result["cut"].append(False)
     state["done"] = True
-    dist.barrier()
     cache = getattr(getattr(getattr(loader, "dataset", None), "stream", None), "cache", None)
     counted = ("attaches", "budget_waits", "ready_waits", "waited_s", "yields")  # rank 0's stream blocks (DaemonBlocks)
     blocks = {k: getattr(cache, k) for k in counted if hasattr(cache, k)}
-    if rank == 0:
+    if rank == 0:  # before the barrier: rank 0's figures stand when the other rank's epoch is cut
         print("result " + json.dumps({**result, "blocks": blocks}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
