@@ -10,8 +10,8 @@ from ..errors import ConfigError
 from ..wire.runtime import RuntimeLocation
 
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
-           "default_load_processes", "FAILURE_MEMORY_S", "MAX_AWAITING_RESOLUTION", "MAX_QUEUED_LOADS_PER_UID",
-           "STALL_CHECK_INTERVAL_S",
+           "default_load_processes", "FAILURE_MEMORY_S", "MAX_AWAITING_RESOLUTION", "MAX_REMEMBERED_METAS",
+           "MAX_QUEUED_LOADS_PER_UID", "STALL_CHECK_INTERVAL_S",
            "SWEEP_INTERVAL_S"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
@@ -29,6 +29,8 @@ MAX_QUEUED_LOADS_PER_UID = 256
 # requests answered before their file was resolved whose loads start once it is (store.start_resolved);
 # past it the oldest is forgotten (its load starts when its client asks again)
 MAX_AWAITING_RESOLUTION = 1024
+# requests whose segment and name the store remembers (store._meta_of), all forgotten at once past it
+MAX_REMEMBERED_METAS = 16384
 
 
 def default_loaders() -> int:

@@ -48,6 +48,7 @@ from .config import (
     DEFAULT_STALL_TIMEOUT_S,
     FAILURE_MEMORY_S,
     MAX_AWAITING_RESOLUTION,
+    MAX_REMEMBERED_METAS,
 )
 from .entries import COUNTERS, Entry, LoadFailure, load_log_level, not_ours
 from .fileset import files_meta
@@ -110,6 +111,11 @@ class SegmentStore(LoadReaper):
         # requests answered before their file was resolved: their loads start once it is
         self._resolving: dict[tuple[Acquire, int, int], tuple[Acquire, Peer, float]] = {}
         self._answering = False  # loads asked for now start once the replies are sent (``answering``)
+        # a request's segment and name, per resolution (the same Resolved object while its file
+        # is unchanged): a stream job asks for every block and key again and again, and building
+        # the meta and hashing its name was a third of answering a hit
+        self._metas: dict[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta]] = {}
+        self._names: dict[int, tuple[SegmentMeta, str]] = {}
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -185,13 +191,40 @@ class SegmentStore(LoadReaper):
     def _meta_of(self, req: Acquire, resolved: Resolved | ResolvedFiles,
                  ) -> tuple[SegmentMeta, Callable[[], tuple[tuple[int, int], ...]] | None]:
         """The segment ``req`` asks for, from its resolved file(s), and how to plan its load's
-        parts (None: the loader does)."""
+        parts (None: the loader does). Remembered per resolution object (kept in the memo, so
+        its id is never reused while remembered) and request, forgotten all at once when many."""
+        memo = (id(resolved), req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files)
+        found = self._metas.get(memo)
+        if found is not None and found[0] is resolved:
+            meta = found[1]
+        else:
+            meta = self._build_meta(req, resolved)
+            if len(self._metas) >= MAX_REMEMBERED_METAS:
+                self._metas.clear()
+                self._names.clear()
+            self._metas[memo] = (resolved, meta)
         if isinstance(resolved, ResolvedFiles):
-            return files_meta(req, resolved), None
+            return meta, None
+        info = resolved.info
+        return meta, lambda: load_spans(info, meta, self.load_processes)
+
+    def _name_of(self, meta: SegmentMeta) -> str:
+        """``meta``'s published name (naming.segment_name), remembered per meta object."""
+        found = self._names.get(id(meta))
+        if found is not None and found[0] is meta:
+            return found[1]
+        name = segment_name(self.namespace, meta, self.secret)
+        self._names[id(meta)] = (meta, name)
+        return name
+
+    @staticmethod
+    def _build_meta(req: Acquire, resolved: Resolved | ResolvedFiles) -> SegmentMeta:
+        if isinstance(resolved, ResolvedFiles):
+            return files_meta(req, resolved)
         ident, info = resolved.ident, resolved.info
         selection = Selection(req.mode, req.world_size, req.rank, req.span, req.rows)
         stored = storage_dtype(info.dtype, check_cast(info, resolve_dtype(req.dtype, "dtype")))
-        meta = SegmentMeta(
+        return SegmentMeta(
             source_path=ident.path, source_dev=ident.dev, source_ino=ident.ino,
             source_size=ident.size, source_mtime_ns=ident.mtime_ns, key=req.key,
             mode=req.mode, world_size=req.world_size, rank=req.rank,
@@ -203,7 +236,6 @@ class SegmentStore(LoadReaper):
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
             start=req.rows[0] if req.rows else 0,
         )
-        return meta, lambda: load_spans(info, meta, self.load_processes)
 
     def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
                       spans: Callable[[], tuple[tuple[int, int], ...]] | None, uid: int,
@@ -214,7 +246,7 @@ class SegmentStore(LoadReaper):
 
         Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting: CapacityError.
         """
-        name = segment_name(self.namespace, meta, self.secret)
+        name = self._name_of(meta)
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
             entry = None
