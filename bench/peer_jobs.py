@@ -102,14 +102,15 @@ def _litdata_rows(block: tuple[str, int, int]):
         yield {"x": xs[i], "y": int(ys[i])}
 
 
-def write_litdata(src: Path, out: Path) -> None:
+def write_litdata(src: Path, out: Path, chunk_bytes: int | None = None) -> None:
+    """``chunk_bytes``: LitData's chunk size in bytes (None: the 64 MB of its docs' examples)."""
     import litdata
 
     with h5py.File(src, "r") as f:
         n = len(f["y"])
     blocks = [(str(src), a, min(a + WRITE_BLOCK, n)) for a in range(0, n, WRITE_BLOCK)]
-    litdata.optimize(fn=_litdata_rows, inputs=blocks, output_dir=str(out), chunk_bytes=LITDATA_CHUNK_BYTES,
-                     num_workers=min(2, len(blocks)))
+    litdata.optimize(fn=_litdata_rows, inputs=blocks, output_dir=str(out),
+                     chunk_bytes=chunk_bytes or LITDATA_CHUNK_BYTES, num_workers=min(2, len(blocks)))
 
 
 # ----- a 2-rank job -----------------------------------------------------------------------
@@ -236,7 +237,7 @@ def main() -> int:
         w = sub.add_parser(name)
         w.add_argument("src", type=Path)
         w.add_argument("out", type=Path)
-        w.add_argument("--size-limit", type=int, default=None, help="write-mds: shard size limit, bytes")
+        w.add_argument("--size-limit", type=int, default=None, help="MDS shard size limit / LitData chunk size, bytes")
     r = sub.add_parser("run")
     r.add_argument("system", choices=SYSTEMS)
     r.add_argument("data", help="h5serve: the HDF5 file; a peer: its dataset directory")
@@ -252,7 +253,7 @@ def main() -> int:
     if args.command == "write-mds":
         write_mds(args.src, args.out, args.size_limit)
     elif args.command == "write-litdata":
-        write_litdata(args.src, args.out)
+        write_litdata(args.src, args.out, args.size_limit)
     elif args.command == "run":
         return run(args)
     elif args.command == "clean":

@@ -101,8 +101,9 @@ def source_file(plain: Path, rows: int | None = None) -> Path:
 
 def peer_dir(source: Path, system: str, shard_bytes: int | None = None) -> Path:
     """``system``'s copy of ``source`` (written once and kept; a half-written one is written again).
-    ``shard_bytes``: Streaming's MDS shard size limit (None: MDSWriter's default, 67 MB)."""
-    suffix = f"-{shard_bytes}" if shard_bytes is not None and system == "streaming" else ""
+    ``shard_bytes``: Streaming's MDS shard size limit and LitData's chunk size (None: MDSWriter's
+    default, 67 MB; LitData 64 MB)."""
+    suffix = f"-{shard_bytes}" if shard_bytes is not None else ""
     out = source.with_name(f"{source.stem}-{system}{suffix}")
     if not (out / "index.json").exists():
         log(f"peers: writing {out} with {NAMES[system]}")
