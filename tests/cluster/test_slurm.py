@@ -257,18 +257,21 @@ def test_hostile_job_user_cannot_harm_or_hang_prolog_epilog(env: Env) -> None:
     slurmd = [int(n.path("/run/slurmd/slurmd.pid").read_text()) for n in env.s.nodes]
     job = submit(env, env.a, HOSTILE, out, "-N2", "--ntasks-per-node=1")
     started = time.monotonic()
-    assert env.s.wait(job, 120) == "COMPLETED", env.s.output(job)
-    assert env.s.output(job).count("hostile done") == 2, env.s.output(job)
-    assert time.monotonic() - started < 100  # the epilogs did not hang
-    assert wait_for(env.s.idle, 30), "a node is not idle (drained?)"
-    after = os.stat("/etc/shadow")
-    assert (after.st_uid, after.st_mode, after.st_size) == (shadow.st_uid, shadow.st_mode, shadow.st_size)
-    for node, pid in zip(env.s.nodes, slurmd):
-        assert node.host_pid(pid), f"slurmd of {node.hostname} is gone"
-        fills = [name for name in node.shm() if name.startswith("fill-")]
-        assert fills  # the user's own file: not h5serve's to remove
-        for name in fills:
-            node.path(f"/dev/shm/{name}").unlink()
+    try:
+        assert env.s.wait(job, 120) == "COMPLETED", env.s.output(job)
+        assert env.s.output(job).count("hostile done") == 2, env.s.output(job)
+        assert time.monotonic() - started < 100  # the epilogs did not hang
+        assert wait_for(env.s.idle, 30), "a node is not idle (drained?)"
+        after = os.stat("/etc/shadow")
+        assert (after.st_uid, after.st_mode, after.st_size) == (shadow.st_uid, shadow.st_mode, shadow.st_size)
+        for node, pid in zip(env.s.nodes, slurmd):
+            assert node.host_pid(pid), f"slurmd of {node.hostname} is gone"
+            assert [name for name in node.shm() if name.startswith("fill-")]  # the user's own: not h5serve's to remove
+    finally:  # the user's files filling /dev/shm go whatever failed, or every later job here finds it full
+        for node in env.s.nodes:
+            for name in node.shm():
+                if name.startswith("fill-"):
+                    node.path(f"/dev/shm/{name}").unlink(missing_ok=True)
     assert wait_for(lambda: leftovers(env) == [], 15), leftovers(env)
     # the nodes still run jobs, with their daemons
     out2 = out_dir(env, env.a, "after-hostile")
