@@ -30,7 +30,7 @@ MAX_QUEUED_LOADS_PER_UID = 256
 # past it the oldest is forgotten (its load starts when its client asks again)
 MAX_AWAITING_RESOLUTION = 1024
 # requests whose segment and name the store remembers (store._meta_of), all forgotten at once past it
-MAX_REMEMBERED_METAS = 16384
+MAX_REMEMBERED_METAS = 4096
 
 
 def default_loaders() -> int:

@@ -111,11 +111,10 @@ class SegmentStore(LoadReaper):
         # requests answered before their file was resolved: their loads start once it is
         self._resolving: dict[tuple[Acquire, int, int], tuple[Acquire, Peer, float]] = {}
         self._answering = False  # loads asked for now start once the replies are sent (``answering``)
-        # a request's segment and name, per resolution (the same Resolved object while its file
-        # is unchanged): a stream job asks for every block and key again and again, and building
-        # the meta and hashing its name was a third of answering a hit
-        self._metas: dict[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta]] = {}
-        self._names: dict[int, tuple[SegmentMeta, str]] = {}
+        # a request's segment and name while its file resolves alike (resolve.py's answer): a
+        # stream job asks for every block and key again and again, and building the meta and
+        # hashing its name was a third of answering a hit
+        self._metas: dict[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = {}
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -189,33 +188,25 @@ class SegmentStore(LoadReaper):
         return self._acquire_meta(req, *self._meta_of(req, resolved), peer.uid)
 
     def _meta_of(self, req: Acquire, resolved: Resolved | ResolvedFiles,
-                 ) -> tuple[SegmentMeta, Callable[[], tuple[tuple[int, int], ...]] | None]:
-        """The segment ``req`` asks for, from its resolved file(s), and how to plan its load's
-        parts (None: the loader does). Remembered per resolution object (kept in the memo, so
-        its id is never reused while remembered) and request, forgotten all at once when many."""
-        memo = (id(resolved), req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files)
+                 ) -> tuple[SegmentMeta, Callable[[], tuple[tuple[int, int], ...]] | None, str]:
+        """The segment ``req`` asks for, from its resolved file(s), how to plan its load's parts
+        (None: the loader does), and its published name. Remembered per request while its file
+        resolves alike (the same identities and dataset: a file changed since replaces the entry),
+        all forgotten at once past MAX_REMEMBERED_METAS requests."""
+        memo = (req.path, req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files)
         found = self._metas.get(memo)
-        if found is not None and found[0] is resolved:
-            meta = found[1]
+        if found is not None and (found[0] is resolved or found[0] == resolved):  # same identities, same rows
+            meta, name = found[1], found[2]
         else:
             meta = self._build_meta(req, resolved)
+            name = segment_name(self.namespace, meta, self.secret)
             if len(self._metas) >= MAX_REMEMBERED_METAS:
                 self._metas.clear()
-                self._names.clear()
-            self._metas[memo] = (resolved, meta)
+            self._metas[memo] = (resolved, meta, name)
         if isinstance(resolved, ResolvedFiles):
-            return meta, None
+            return meta, None, name
         info = resolved.info
-        return meta, lambda: load_spans(info, meta, self.load_processes)
-
-    def _name_of(self, meta: SegmentMeta) -> str:
-        """``meta``'s published name (naming.segment_name), remembered per meta object."""
-        found = self._names.get(id(meta))
-        if found is not None and found[0] is meta:
-            return found[1]
-        name = segment_name(self.namespace, meta, self.secret)
-        self._names[id(meta)] = (meta, name)
-        return name
+        return meta, lambda: load_spans(info, meta, self.load_processes), name
 
     @staticmethod
     def _build_meta(req: Acquire, resolved: Resolved | ResolvedFiles) -> SegmentMeta:
@@ -238,15 +229,14 @@ class SegmentStore(LoadReaper):
         )
 
     def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
-                      spans: Callable[[], tuple[tuple[int, int], ...]] | None, uid: int,
+                      spans: Callable[[], tuple[tuple[int, int], ...]] | None, name: str, uid: int,
                       hit: bool = True) -> AcquireResult:
         """``acquire``, asked by ``uid``, once the request's files are resolved into the segment
-        ``meta`` describes; ``spans()`` plans its load's parts (None: the loader does). ``hit``:
+        ``meta`` describes, published as ``name``; ``spans()`` plans its load's parts (None: the loader does). ``hit``:
         count a ready answer as a hit (not for a load started on a client's behalf).
 
         Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting: CapacityError.
         """
-        name = self._name_of(meta)
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
             entry = None
