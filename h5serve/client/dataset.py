@@ -408,13 +408,23 @@ class SharedH5Dataset(Dataset):
         SampleList, TupleBatch or DictBatch for ``collate``, or per-sample results when there
         are transforms (h5serve/client/fields.py). In a make_loader worker, a plain x or (x, y)
         batch is gathered straight into the worker's ring (h5serve/client/ring.py)."""
+        batch = indices
         indices = self._unwrap(indices)
         if ring.active() and self._ring_ready():
             columns = ring.gather(self._backend, as_positions(indices, len(self.indices)))
+            self._finish(batch)
             if isinstance(columns, ring.RingBatch):
                 return columns
             return self.fields.batch(columns)
-        return self.fields.batch(self._gather(indices))
+        gathered = self._gather(indices)
+        self._finish(batch)
+        return self.fields.batch(gathered)
+
+    def _finish(self, batch: Any) -> None:
+        """After a stream batch is gathered (copied out): close the blocks this rank has used for
+        the last time (``StreamBatch.done``), so their room is free now, not a batch later."""
+        if isinstance(batch, StreamBatch) and isinstance(self._backend, StreamBackend):
+            self._backend.finish(batch)
 
     def collated_batch(self, positions: np.ndarray) -> Any:
         """``collate(self.__getitems__(positions))`` for int64 ``positions`` already known to lie in

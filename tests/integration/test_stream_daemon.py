@@ -229,3 +229,23 @@ def test_a_stopped_rank_never_stops_the_other(h5: Path, tmp_path: Path) -> None:
                 job.wait(30)
         assert 0 < memory["max"] <= TIGHT_BUDGET, memory
         _node_still_serves(h5, d)
+
+
+def test_a_block_is_closed_right_after_its_last_use(h5: Path) -> None:
+    """Each batch closes the blocks whose last use on the rank it was: an epoch's last batch
+    leaves nothing mapped (the window's room is free for the next epoch, another job, or this
+    job's DataLoader workers), where closing only what left the window kept the last blocks
+    mapped until the next batch came."""
+    with daemon() as d:
+        ds = SharedH5Dataset(h5, "x", "y", mode="stream", block_rows=BLOCK_ROWS, window=WINDOW, rank=0,
+                             world_size=1, runtime_dir=d.runtime_dir, fallback="error")
+        try:
+            loader = make_loader(ds, 32, seed=1)
+            rows = [int(r) for _, y in loader for r in y]
+            assert sorted(rows) == list(range(ROWS))
+            assert ds.stream is not None and ds.stream.cache.held == []
+            with DaemonClient(d.runtime_dir) as client:
+                held = [s for s in client.status()["segments"] if s["holders"]]
+            assert held == [], held
+        finally:
+            ds.close()
