@@ -54,7 +54,7 @@ def format_status(info: dict[str, Any]) -> str:
         f"({mem.get('budget_rule', '--max-memory')}); "
         f"{format_bytes(mem['shm_free'])} free in shm",
         f"stream: mode='stream' with window=None streams through a window of the budget, "
-        f"{format_bytes(mem['budget'])}, shared by the node's ranks",
+        f"{format_bytes(mem['budget'])}, shared by the node's ranks (less the small keys it holds whole: labels)",
     ]
     segments = info["segments"]
     if not segments:

@@ -266,6 +266,15 @@ class ShmBackend(ArrayBackend):
                 b.close()
 
     @staticmethod
+    def attach_one(client: DaemonClient, request: Acquire, result: AcquireResult,
+                   deadline: float | None = None) -> AttachedSegment:
+        """One key's segment, mapped and checked to hold ``request``'s rows, waiting for its load
+        when ``result`` is not ready (stream mode's keys held whole).
+
+        Raised as ``connect`` is."""
+        return ShmBackend._attach_ready(client, request, result, lambda _result: None, deadline)
+
+    @staticmethod
     def _attach_ready(client: DaemonClient, request: Acquire, result: AcquireResult,
                       progress: Callable[[AcquireResult], None], deadline: float | None = None) -> AttachedSegment:
         _check_same_shm(result)

@@ -50,8 +50,9 @@ from .files import FileHandles
 from .spec import BackendSpec, describe_spec
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "node_memory",
-           "resolve_stream", "stream_row_bytes", "stream_source", "window_bytes"]
+__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "WHOLE_KEY_SHARE", "default_window",
+           "node_memory", "resolve_stream", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
+           "window_bytes"]
 
 log = logging.getLogger("h5serve")
 
@@ -156,6 +157,31 @@ def _agreed(capacity: int, world_size: int) -> int:
     value = torch.tensor([capacity], dtype=torch.int64)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return int(value.item())
+
+
+WHOLE_KEY_SHARE = 16  # with a daemon: keys whose rows take at most 1/16 of its budget are held whole (labels)
+
+
+def whole_keys(infos: Sequence[DatasetInfo], budget: int, many_files: bool) -> list[bool]:
+    """Which keys a daemon-served stream holds whole, as one segment for the job, rather than
+    block by block: fixed-length keys of one file whose rows take, together, at most
+    1/WHOLE_KEY_SHARE of the daemon's ``budget``, the largest key always streamed. A label of 8
+    bytes a row costs its own acquire, load and attach per block otherwise, as much as a block
+    of images does. Pure: every rank of a node decides alike from the same budget."""
+    if many_files or len(infos) < 2:
+        return [False] * len(infos)
+    costs = [info.rows * stream_row_bytes(info) + HEADER_SIZE for info in infos]
+    largest = max(range(len(infos)), key=lambda i: costs[i])
+    chosen, used = [False] * len(infos), 0
+    for i in sorted(range(len(infos)), key=lambda i: costs[i]):
+        if i != largest and not infos[i].vlen and used + costs[i] <= budget // WHOLE_KEY_SHARE:
+            chosen[i], used = True, used + costs[i]
+    return chosen
+
+
+def whole_cost(infos: Sequence[DatasetInfo], whole: Sequence[bool]) -> int:
+    """The shared memory the keys held whole take: their rows and a header page each."""
+    return sum(info.rows * stream_row_bytes(info) + HEADER_SIZE for info, w in zip(infos, whole) if w)
 
 
 def stream_row_bytes(info: DatasetInfo) -> int:
@@ -275,7 +301,13 @@ class StreamBackend:
         self.vlen_kinds = [i.vlen for i in infos]
         self.spec, self.infos, self.source = spec, infos, source
         daemon = self._daemon(on_fallback)
-        self.config = resolve_stream(infos, window, block_rows, ranks, None if daemon is None else daemon.budget,
+        # with a daemon and the default window, small keys (labels) are held whole, their room
+        # taken from the window's; an asked window keeps every key in blocks (the order, which
+        # the window sets, stays the one it is without a daemon)
+        whole = ([False] * len(infos) if daemon is None or window is not None
+                 else whole_keys(infos, daemon.budget, bool(spec.files)))
+        self.config = resolve_stream(infos, window, block_rows, ranks,
+                                     None if daemon is None else daemon.budget - whole_cost(infos, whole),
                                      source.file_rows, [i for each in source.file_infos for i in each],
                                      spec.selection.world_size, source.chunks_said)
         self.handles = FileHandles(spec.files or (spec.path,), dict(spec.h5_options))
@@ -286,7 +318,7 @@ class StreamBackend:
         else:
             self.name = "shm"
             self.cache = DaemonBlocks(spec, infos, self.out_dtypes, self.config.layout, self.config.capacity,
-                                      daemon.budget, self.config.block_cost, self.config.block_bytes)
+                                      daemon.budget, self.config.block_cost, self.config.block_bytes, whole)
         log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s",
                  spec.pattern or spec.path, self.config.layout.block_rows, format_bytes(self.config.block_bytes),
                  self.config.capacity, "from the daemon's shared memory" if daemon else "read here through h5py")

@@ -7,6 +7,9 @@ side, ``--loaders``).
 
 Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
 
+- *whole keys*: a key whose rows are small beside the budget (labels; ``stream.whole_keys``)
+  is one global segment, asked for with the first prefetch, mapped at its first use and held
+  until the dataset closes; only the other keys go block by block.
 - *prefetch*: every batch carries the blocks its node's window takes next (``StreamBatch.ahead``,
   by first use, as many as the window has room for); an acquire is sent for each without
   waiting (the daemon answers "loading" at once and starts the load). Prefetched blocks are
@@ -36,6 +39,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,14 +48,15 @@ import torch
 
 from ..errors import BudgetExceeded, ConfigError, SegmentError, ShmFull
 from ..hdf5.source import DatasetInfo
-from ..order.sharding import STREAM
+from ..order.sharding import GLOBAL, STREAM
 from ..order.stream_order import BlockLayout
 from ..segments import AttachedSegment
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from ..wire.protocol import Acquire, AcquireResult
-from .backends import open_acquired
+from .backends import ShmBackend, open_acquired
 from .blockcache import Arrays, gather_by_block
+from .gather import as_column
 from .ragged import RaggedColumn
 from .spec import BackendSpec
 
@@ -88,8 +93,10 @@ class DaemonBlocks:
     ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
 
     def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
-                 capacity: int, budget: int, block_cost: int, block_bytes: int) -> None:
+                 capacity: int, budget: int, block_cost: int, block_bytes: int, whole: Sequence[bool] = ()) -> None:
         self.spec, self.infos, self.layout = spec, infos, layout
+        self.whole = [bool(w) for w in whole] or [False] * len(infos)  # keys held whole, not block by block
+        self._streamed = [i for i, w in enumerate(self.whole) if not w]
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
         self.block_bytes = int(block_bytes)
@@ -101,6 +108,8 @@ class DaemonBlocks:
         self._client: DaemonClient | None = None
         self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
+        self._whole: dict[int, AttachedSegment] = {}  # keys held whole, mapped (by key index)
+        self._whole_asked = False  # their acquires sent (their loads started)
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
@@ -143,7 +152,13 @@ class DaemonBlocks:
         sel = self.spec.selection
         return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str,
                         rows=(a, b), prefetch=prefetch)
-                for key, dtype in zip(self.spec.keys, self.spec.dtypes)]
+                for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
+
+    def _whole_request(self, index: int) -> Acquire:
+        sel = self.spec.selection
+        dtype = self.spec.dtypes[index]
+        return Acquire(self.spec.path, self.spec.keys[index], sel.world_size, sel.rank, GLOBAL,
+                       None if dtype is None else dtype.str)
 
     # ----- the window -------------------------------------------------------------------------
     def retain(self, alive: np.ndarray) -> None:
@@ -174,6 +189,13 @@ class DaemonBlocks:
         for block in [b for b in self._asked if b not in keep]:
             del self._asked[block]
         client = self.client()
+        if not self._whole_asked and any(self.whole):  # the keys held whole: their loads start now
+            self._whole_asked = True
+            for index in (i for i, w in enumerate(self.whole) if w):
+                try:
+                    client.request(self._whole_request(index))
+                except (BudgetExceeded, ShmFull):
+                    break  # asked again, waiting, at their first use
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
         # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
         # prefetches, which the daemon refuses rather than evict another rank's next block for
@@ -289,26 +311,68 @@ class DaemonBlocks:
                 f"holds {holds} and {others}. The daemon said: {exc}. {fix}; timeout= sets how long "
                 "to wait")
 
+    def _whole_segment(self, index: int) -> AttachedSegment:
+        """Key ``index``'s whole segment, mapped at its first use (waiting for its load, and for
+        room while other ranks or jobs hold the budget full, up to ``wait_s``) and held.
+
+        Raised when there is no room by then: BudgetExceeded or ShmFull; as a load fails."""
+        segment = self._whole.get(index)
+        if segment is not None:
+            return segment
+        client, request = self.client(), self._whole_request(index)
+        deadline = time.monotonic() + self.wait_s
+        pause = _FIRST_BACKOFF_S
+        while True:
+            try:
+                result = client.acquire(request, None, None if self.spec.timeout is None else deadline)
+                segment = ShmBackend.attach_one(client, request, result, deadline)
+                break
+            except (BudgetExceeded, ShmFull) as exc:
+                if time.monotonic() + pause > deadline:
+                    raise type(exc)(f"{request.key!r}, held whole for this stream ({format_bytes(self.budget)} "
+                                    f"budget), found no room for {self.wait_s:g}s: {exc}") from exc
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_BACKOFF_S)
+        self._whole[index] = segment
+        return segment
+
     def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
-        """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them.
+        """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them
+        (and the keys held whole).
 
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        return gather_by_block(rows, self.layout, self.infos, self.out_dtypes,
-                               lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
+        streamed = gather_by_block(rows, self.layout, [self.infos[i] for i in self._streamed],
+                                   [self.out_dtypes[i] for i in self._streamed],
+                                   lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
+        if len(streamed) == len(self.infos):
+            return streamed
+        columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
+        parts = iter(streamed)
+        for index, whole in enumerate(self.whole):
+            if not whole:
+                columns.append(next(parts))
+                continue
+            taken = self._whole_segment(index).data.take(rows, axis=0)
+            wanted = self.out_dtypes[index]
+            columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
+        return columns
 
     def close(self) -> None:
         if self._pid == os.getpid():
             for block in list(self._held):
                 self._close(block)
+            for segment in self._whole.values():
+                segment.close()
             if self._client is not None:
                 self._client.close()
         self._reset()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={})  # a spawned worker maps its own
+        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={},  # a spawned worker maps its own
+                     _whole_asked=False)
         return state
 
 

@@ -1,0 +1,46 @@
+"""Which keys a daemon-served stream holds whole (``stream.whole_keys``): small fixed-length keys
+of one file (labels), together at most 1/WHOLE_KEY_SHARE of the budget, never the largest key,
+never variable-length rows, never many files; every rank decides alike from the budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from h5serve.client.stream import WHOLE_KEY_SHARE, whole_cost, whole_keys
+from h5serve.hdf5.source import DatasetInfo
+from h5serve.segments import HEADER_SIZE
+
+pytestmark = pytest.mark.timeout(30)
+
+ROWS = 100_000
+
+
+def _info(key: str, row_shape: tuple[int, ...], dtype: str, vlen: str = "") -> DatasetInfo:
+    return DatasetInfo(key=key, rows=ROWS, row_shape=row_shape, dtype=np.dtype(dtype), chunk_rows=256,
+                       vlen=vlen, mean_length=10.0 if vlen else 0.0)
+
+
+IMAGES, LABELS, WEIGHTS = _info("x", (3, 32, 32), "uint8"), _info("y", (), "int64"), _info("w", (), "float32")
+
+
+def test_labels_are_held_whole_when_they_take_a_sixteenth_of_the_budget_or_less() -> None:
+    need = ROWS * 8 + HEADER_SIZE
+    assert whole_keys([IMAGES, LABELS], need * WHOLE_KEY_SHARE, False) == [False, True]
+    assert whole_keys([IMAGES, LABELS], need * WHOLE_KEY_SHARE - 1, False) == [False, False]
+    assert whole_cost([IMAGES, LABELS], [False, True]) == need
+
+
+def test_small_keys_together_stay_within_the_share_smallest_first() -> None:
+    labels, weights = ROWS * 8 + HEADER_SIZE, ROWS * 4 + HEADER_SIZE
+    budget = (labels + weights) * WHOLE_KEY_SHARE
+    assert whole_keys([IMAGES, LABELS, WEIGHTS], budget, False) == [False, True, True]
+    assert whole_keys([IMAGES, LABELS, WEIGHTS], budget - WHOLE_KEY_SHARE, False) == [False, False, True]
+
+
+def test_the_largest_key_variable_length_rows_and_many_files_are_always_streamed() -> None:
+    huge = 1 << 50
+    assert whole_keys([IMAGES, LABELS], huge, False) == [False, True]  # x streams, however large the budget
+    assert whole_keys([LABELS], huge, False) == [False]
+    assert whole_keys([IMAGES, _info("t", (), "float64", vlen="seq")], huge, False) == [False, False]
+    assert whole_keys([IMAGES, LABELS], huge, True) == [False, False]
