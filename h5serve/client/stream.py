@@ -170,7 +170,7 @@ def whole_keys(infos: Sequence[DatasetInfo], budget: int, many_files: bool) -> l
     of images does. Pure: every rank of a node decides alike from the same budget."""
     if many_files or len(infos) < 2:
         return [False] * len(infos)
-    costs = [info.rows * stream_row_bytes(info) + HEADER_SIZE for info in infos]
+    costs = [_held_whole_bytes(info) for info in infos]
     largest = max(range(len(infos)), key=lambda i: costs[i])
     chosen, used = [False] * len(infos), 0
     for i in sorted(range(len(infos)), key=lambda i: costs[i]):
@@ -180,8 +180,13 @@ def whole_keys(infos: Sequence[DatasetInfo], budget: int, many_files: bool) -> l
 
 
 def whole_cost(infos: Sequence[DatasetInfo], whole: Sequence[bool]) -> int:
-    """The shared memory the keys held whole take: their rows and a header page each."""
-    return sum(info.rows * stream_row_bytes(info) + HEADER_SIZE for info, w in zip(infos, whole) if w)
+    """The shared memory the keys held whole take."""
+    return sum(_held_whole_bytes(info) for info, w in zip(infos, whole) if w)
+
+
+def _held_whole_bytes(info: DatasetInfo) -> int:
+    """A key's global segment in the daemon's shared memory: its rows and a header page."""
+    return info.rows * stream_row_bytes(info) + HEADER_SIZE
 
 
 def stream_row_bytes(info: DatasetInfo) -> int:

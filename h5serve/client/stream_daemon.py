@@ -256,11 +256,12 @@ class DaemonBlocks:
             return segment
         raise AssertionError("unreachable")
 
-    def _wait_ready(self, client: DaemonClient, request: Acquire, block: int) -> AcquireResult:
-        """The block's segment, loaded: waits for the load, and for room while there is none, up
-        to ``wait_s``: in the daemon's budget while other ranks or jobs hold it full
-        (BudgetExceeded), or in its shm filesystem while other files fill it (ShmFull: the
-        daemon keeps a failed load's error for a few seconds, then loads it again when asked).
+    def _wait_ready(self, client: DaemonClient, request: Acquire, block: int | None) -> AcquireResult:
+        """The block's segment (``block`` None: a key held whole), loaded: waits for the load,
+        and for room while there is none, up to ``wait_s``: in the daemon's budget while other
+        ranks or jobs hold it full (BudgetExceeded), or in its shm filesystem while other files
+        fill it (ShmFull: the daemon keeps a failed load's error for a few seconds, then loads
+        it again when asked).
 
         Raised when there is no room by then: the same class, naming the block, the window, the
         budget and the blocks this process holds."""
@@ -289,16 +290,19 @@ class DaemonBlocks:
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
 
-    def _full_message(self, request: Acquire, block: int, exc: BudgetExceeded | ShmFull) -> str:
+    def _full_message(self, request: Acquire, block: int | None, exc: BudgetExceeded | ShmFull) -> str:
         held = sorted(self._held)
         shown = ", ".join(map(str, held[:16])) + (", ..." if len(held) > 16 else "")
         holds = f"{len(held)} ({shown})" if held else "none"
-        assert request.rows is not None
         window = format_bytes(self.capacity * self.block_cost)
         what = (f"in the daemon's budget of {format_bytes(self.budget)}" if isinstance(exc, BudgetExceeded)
                 else "in the daemon's shm filesystem (its free space, not the budget, ran out)")
-        where = (f"rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}"
-                 + (f" in {request.path}" if self.spec.files else ""))
+        if request.rows is None:
+            what_needs = f"{request.key!r}, held whole for this stream,"
+        else:
+            where = (f"rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}"
+                     + (f" in {request.path}" if self.spec.files else ""))
+            what_needs = f"stream block {block} ({where})"
         others = ("the rest is held by other ranks or jobs on the node (a rank stopped or far behind?)"
                   if isinstance(exc, BudgetExceeded) else
                   "other files fill the shm filesystem (other jobs, users, or files left there)")
@@ -306,33 +310,23 @@ class DaemonBlocks:
                if isinstance(exc, BudgetExceeded) else
                "Free space in the daemon's shm dir (`df` on it), or give the job a smaller window (window=) or the "
                "daemon a --max-memory its shm filesystem holds")
-        return (f"stream block {block} ({where}) found no room {what} for {self.wait_s:g}s, asked again with backoff: "
+        return (f"{what_needs} found no room {what} for {self.wait_s:g}s, asked again with backoff: "
                 f"the window is {self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank "
                 f"holds {holds} and {others}. The daemon said: {exc}. {fix}; timeout= sets how long "
                 "to wait")
 
     def _whole_segment(self, index: int) -> AttachedSegment:
-        """Key ``index``'s whole segment, mapped at its first use (waiting for its load, and for
-        room while other ranks or jobs hold the budget full, up to ``wait_s``) and held.
+        """Key ``index``'s whole segment, mapped at its first use (waiting as a needed block
+        waits: ``_wait_ready``) and held.
 
-        Raised when there is no room by then: BudgetExceeded or ShmFull; as a load fails."""
+        Raised when there is no room in time: BudgetExceeded or ShmFull; as a load fails."""
         segment = self._whole.get(index)
         if segment is not None:
             return segment
         client, request = self.client(), self._whole_request(index)
-        deadline = time.monotonic() + self.wait_s
-        pause = _FIRST_BACKOFF_S
-        while True:
-            try:
-                result = client.acquire(request, None, None if self.spec.timeout is None else deadline)
-                segment = ShmBackend.attach_one(client, request, result, deadline)
-                break
-            except (BudgetExceeded, ShmFull) as exc:
-                if time.monotonic() + pause > deadline:
-                    raise type(exc)(f"{request.key!r}, held whole for this stream ({format_bytes(self.budget)} "
-                                    f"budget), found no room for {self.wait_s:g}s: {exc}") from exc
-                time.sleep(pause)
-                pause = min(2 * pause, _MAX_BACKOFF_S)
+        result = self._wait_ready(client, request, None)
+        segment = ShmBackend.attach_one(client, request, result,
+                                        None if self.spec.timeout is None else time.monotonic() + self.wait_s)
         self._whole[index] = segment
         return segment
 
