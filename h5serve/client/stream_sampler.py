@@ -18,6 +18,7 @@ from torch.utils.data import Sampler
 from ..errors import ConfigError
 from ..order.equalise import check_batch_size
 from ..order.stream_order import BlockLayout, NodeEpoch, max_node_blocks, node_epoch, node_rows, window_for
+from ..util.checks import is_int
 from .blockcache import StreamBatch
 from .node_sampler import NodePlace
 from .resharding import check_not_resharded
@@ -66,9 +67,10 @@ class StreamSampler(Sampler[StreamBatch]):
         self.epoch = 0
         self.arrays = True  # batches are StreamBatches of numpy rows either way
         self._offset = 0  # node rows served before this pass (a resume)
+        self._run: int | None = None  # runs this epoch was drawn in, when not this node's ranks (a resume)
         self._start = 0  # samples of this pass already consumed (a resume, same layout)
         self._yielded = 0
-        self._plan: tuple[tuple[int, int], NodeEpoch] | None = None
+        self._plan: tuple[tuple[int, int, int | None], NodeEpoch] | None = None
         self.epoch_plan()  # raises now for a layout that cannot be dealt
 
     def _fit(self, window: int | None) -> int:
@@ -99,18 +101,18 @@ class StreamSampler(Sampler[StreamBatch]):
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) != self.epoch:
-            self._offset, self._start = 0, 0  # a pending resume applies to the epoch it was saved in only
+            self._offset, self._start, self._run = 0, 0, None  # a pending resume applies to its epoch only
         self.epoch = int(epoch)
 
     def epoch_plan(self) -> NodeEpoch:
         """This node's epoch as dealt to its ranks (from the resume point, if any)."""
-        key = (self.epoch, self._offset)
+        key = (self.epoch, self._offset, self._run)
         if self._plan is None or self._plan[0] != key:
             p = self.place
             plan = node_epoch(self.layout, seed=self.seed, epoch=self.epoch, num_nodes=p.num_nodes,
                               node=p.node_rank, window=self.window, local_world_size=p.local_world_size,
                               batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
-                              offset=self._offset)
+                              offset=self._offset, run=self._run)
             self._plan = (key, plan)
         return self._plan[1]
 
@@ -193,7 +195,8 @@ class StreamSampler(Sampler[StreamBatch]):
                 "num_nodes": p.num_nodes, "node_rank": p.node_rank, "local_rank": p.local_rank,
                 "local_world_size": p.local_world_size, "offset": self._offset, "consumed": consumed,
                 "consumed_node": self._offset + consumed * p.local_world_size,
-                "file_rows": list(self.layout.file_rows)}
+                "file_rows": list(self.layout.file_rows),
+                "run": p.local_world_size if self._run is None else self._run}
 
     def load_state_dict(self, state: dict[str, Any], *, next_epoch: bool = False) -> None:
         """Resume from ``state_dict()`` (see the class). ``next_epoch=True``: start at the
@@ -206,6 +209,7 @@ class StreamSampler(Sampler[StreamBatch]):
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         if next_epoch:
             self.epoch, self._offset, self._start, self._yielded = int(state["epoch"]) + 1, 0, 0, 0
+            self._run, self._plan = None, None
             return
         here: tuple[tuple[str, object], ...] = (("block_rows", self.layout.block_rows),
                                                 ("num_nodes", self.place.num_nodes),
@@ -226,6 +230,10 @@ class StreamSampler(Sampler[StreamBatch]):
             self.place.local_world_size, self.place.local_rank, self.drop_last)
         self._offset, self._start = (int(state["offset"]), int(state["consumed"])) if same else (
             int(state["consumed_node"]), 0)
+        run = state.get("run", 0)  # a state without it was saved by a version that drew uniform keys (run 0)
+        if not is_int(run, numpy=True) or run < 0:
+            raise ConfigError(f"stream sampler state has run={run!r}: not a state_dict() of this sampler")
+        self._run = None if run == self.place.local_world_size else int(run)
         self._plan = None
         plan = self.epoch_plan()
         if not 0 <= self._start <= plan.samples:

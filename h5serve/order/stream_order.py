@@ -14,8 +14,11 @@ short when its rows are not whole blocks: a block never spans two files. Per epo
    (``node_rows``; with short blocks of several sizes a node's count may change from epoch to
    epoch, and every node computes every node's); a node reads only the blocks dealt to it.
 2. A node's ``m`` blocks, in dealt order ``k = 0..m-1``, are drawn through a window of ``W``
-   blocks: every row of block ``k`` gets a random key, uniform over ``[lo_k, hi_k)``, and the
-   node's sequence is its rows sorted by key. Steady state ``[k - W + 1, k + 1)``: ``W``
+   blocks: every row of block ``k`` gets a key in ``[lo_k, hi_k)``, and the node's sequence
+   is its rows sorted by key. The keys are stratified (h5serve/order/stream_draw.py): block
+   ``k``'s rows, permuted, in groups of ``L`` (the local ranks) spread evenly over its range,
+   each group's rows together, so every rank draws from every block of the window in its
+   share and seldom reads two rows of one block in a row. Steady state ``[k - W + 1, k + 1)``: ``W``
    blocks are in use at every key, each draining at the same rate, and block ``k + 1``
    starts as block ``k - W + 1`` ends. The window ramps up: ``lo_k = max(k - W + 1,
    floor(k / 2))``, so at key ``j`` the rows come from at most ``min(j + 2, W)`` blocks: the epoch's
@@ -25,7 +28,7 @@ short when its rows are not whole blocks: a block never spans two files. Per epo
    end together (``hi = m``), so the epoch's last rows are drawn from ``W`` blocks, not
    from one. At any key at most ``W`` blocks hold unread rows (``lo_k >= k - W + 1``;
    ``resident_counts`` checks it; unit tests count it at every position). Vectorised: one
-   sort of the node's rows, O(n log n).
+   merge of the blocks' ascending keys, O(n log m).
 3. The node's sequence is dealt to its ``L`` local ranks (position ``p`` to local rank
    ``p % L``) with equal sample and batch counts on every rank of every node
    (h5serve/order/equalise.py over every rank's share): padded by repeating the sequence's last
@@ -35,7 +38,8 @@ short when its rows are not whole blocks: a block never spans two files. Per epo
 it: load before its first use, free after its last (found in O(rows), no sort).
 
 Resuming with another number of ranks per node (same nodes, same window): the rows a node
-has not served yet, ``sequence[offset:]``, are dealt to the new ranks (``offset``).
+has not served yet, ``sequence[offset:]`` of the sequence drawn for the old ranks (``run``),
+are dealt to the new ranks (``offset``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from ..util.checks import is_int
 from ..util.units import format_bytes
 from .equalise import check_batch_size, equal_epoch_size
 from .sharding import STREAM
+from .stream_draw import draw_sequence
 
 __all__ = [
     "STREAM",
@@ -289,22 +294,22 @@ def _key_ranges(m: int, window: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def node_sequence(layout: BlockLayout, blocks: np.ndarray, window: int, *, seed: int, epoch: int, node: int,
-                  shuffle: bool = True) -> np.ndarray:
+                  shuffle: bool = True, run: int = 1) -> np.ndarray:
     """The global rows of ``blocks`` in the order the node serves them (module docstring,
-    step 2): int64, each row once. ``shuffle=False``: the blocks' rows in file order, one
-    block after another."""
+    step 2): int64, each row once, drawn in stratified runs of ``run`` rows (the node's local
+    ranks; 0: uniform keys, the draw before runs; h5serve/order/stream_draw.py).
+    ``shuffle=False``: the blocks' rows in file order, one block after another."""
     window = _positive("window", window)
+    if not is_int(run, numpy=True) or run < 0:
+        raise ConfigError(f"run must be a non-negative integer, got {run!r}")
     blocks = np.asarray(blocks, dtype=np.int64)
     sizes = layout.sizes(blocks)
     starts = layout.bounds[blocks]
-    owner = np.repeat(np.arange(len(blocks)), sizes)  # block position k of each row
-    rows = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + starts[owner]
-    if not shuffle or not len(rows):
-        return rows
+    if not shuffle or not int(sizes.sum()):
+        return np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + \
+            np.repeat(starts, sizes)
     lo, hi = _key_ranges(len(blocks), window)
-    draws = _rng(seed, epoch, _TAG_KEYS, node).random(len(rows))
-    keys = lo[owner] + draws * (hi - lo)[owner]
-    return rows[np.argsort(keys)]  # introsort: deterministic, twice as fast as a stable sort
+    return draw_sequence(starts, sizes, lo, hi, run, _rng(seed, epoch, _TAG_KEYS, node))
 
 
 def window_for(capacity: int, blocks: int, block_rows: int, batch_size: int, local_world_size: int,
@@ -379,11 +384,13 @@ def _uses(layout: BlockLayout, sequence: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def node_epoch(layout: BlockLayout, *, seed: int, epoch: int, num_nodes: int, node: int, window: int,
                local_world_size: int, batch_size: int, drop_last: bool = False, shuffle: bool = True,
-               offset: int = 0) -> NodeEpoch:
+               offset: int = 0, run: int | None = None) -> NodeEpoch:
     """Node ``node``'s epoch dealt to its ``local_world_size`` ranks, equal samples and
     batches on every rank of every node (every node runs ``local_world_size`` ranks).
     ``offset``: the node has served the first ``offset`` rows of its sequence already (a
-    resume; every node the same number): only the rest is dealt.
+    resume; every node the same number): only the rest is dealt. ``run``: the runs the
+    sequence is drawn in (node_sequence), by default ``local_world_size``; a resume with
+    another number of local ranks passes the saved one, so that the sequence is the same.
 
     Raised for bad arguments, fewer blocks than nodes, or when ``drop_last`` (or a resume
     near an epoch's end) leaves some rank without a batch: ConfigError."""
@@ -395,7 +402,8 @@ def node_epoch(layout: BlockLayout, *, seed: int, epoch: int, num_nodes: int, no
     sizes = [len(range(rank, n, local)) for n in left for rank in range(local)]
     size = equal_epoch_size(sizes, batch_size, drop_last)
     blocks = node_blocks(layout, num_nodes, node, seed=seed, epoch=epoch, shuffle=shuffle)
-    sequence = node_sequence(layout, blocks, window, seed=seed, epoch=epoch, node=node, shuffle=shuffle)
+    sequence = node_sequence(layout, blocks, window, seed=seed, epoch=epoch, node=node, shuffle=shuffle,
+                             run=local if run is None else run)
     dealt = _pad(sequence[int(offset):], size.samples * local)
     used, first, last = _uses(layout, dealt)
     return NodeEpoch(dealt, local, size.samples, size.batches, used, first, last)

@@ -27,9 +27,11 @@ LAYOUT = BlockLayout(100_003, 1000)  # 100 full blocks and a short one of 3 rows
 
 
 def _epoch(layout: BlockLayout, nodes: int, local: int, window: int, *, seed: int = 1, epoch: int = 0,
-           batch: int = 64, drop_last: bool = False, shuffle: bool = True, offset: int = 0) -> list:
+           batch: int = 64, drop_last: bool = False, shuffle: bool = True, offset: int = 0,
+           run: int | None = None) -> list:
     return [node_epoch(layout, seed=seed, epoch=epoch, num_nodes=nodes, node=n, window=window,
-                       local_world_size=local, batch_size=batch, drop_last=drop_last, shuffle=shuffle, offset=offset)
+                       local_world_size=local, batch_size=batch, drop_last=drop_last, shuffle=shuffle, offset=offset,
+                       run=run)
             for n in range(nodes)]
 
 
@@ -163,7 +165,7 @@ def test_no_shuffle_is_file_order_on_one_node() -> None:
 def test_resume_offset_deals_the_rest_to_another_number_of_ranks() -> None:
     whole = _epoch(LAYOUT, 2, 2, 10)
     consumed = 64 * 100  # per rank, with 2 local ranks
-    rest = _epoch(LAYOUT, 2, 3, 10, offset=consumed * 2)
+    rest = _epoch(LAYOUT, 2, 3, 10, offset=consumed * 2, run=2)  # the sequence drawn for the 2 ranks
     for w, r in zip(whole, rest):
         before = w.sequence[: consumed * 2]
         after = r.sequence[: len(w.sequence[: node_rows(LAYOUT, 2)[0]]) - consumed * 2]

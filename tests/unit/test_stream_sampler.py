@@ -15,7 +15,7 @@ import torch
 from h5serve.client import SharedH5Dataset, StreamSampler, make_loader
 from h5serve.client.node_sampler import NodePlace
 from h5serve.errors import ConfigError, SourceChanged
-from h5serve.order.stream_order import BlockLayout
+from h5serve.order.stream_order import BlockLayout, node_epoch
 
 from ..helpers import make_h5
 
@@ -76,6 +76,35 @@ def test_resume_mid_epoch_gives_the_rest(new_local: int) -> None:
     new[0].set_epoch(4)
     later.set_epoch(4)
     assert np.array_equal(np.concatenate(_rows(new[0])), np.concatenate(_rows(later)))  # later epochs whole
+
+
+@pytest.mark.parametrize("new_local", [2, 1])
+def test_a_state_saved_before_stratified_draws_resumes_on_its_own_rows(new_local: int) -> None:
+    """A checkpoint of h5serve before the state said ``run`` was drawn with uniform keys: its
+    epoch goes on in that order (the next epochs in the new one), every row still once."""
+    old = [_sampler(r, 2) for r in range(2)]
+    for s in old:
+        s.set_epoch(3)
+    states = [s.state_dict(consumed=50 * 20) for s in old]
+    assert states[0]["run"] == 2
+    for state in states:
+        del state["run"]
+    before = node_epoch(LAYOUT, seed=5, epoch=3, num_nodes=1, node=0, window=old[0].window, local_world_size=2,
+                        batch_size=50, run=0)
+    new = [_sampler(r, new_local, capacity=13) for r in range(new_local)]
+    for r, s in enumerate(new):
+        s.load_state_dict(states[r])
+    rest = [np.concatenate(_rows(s)) for s in new]
+    if new_local == 2:
+        assert np.array_equal(rest[0], before.rank_rows(0)[50 * 20 :])
+    served = set(before.sequence[: 2 * 50 * 20].tolist()) | set(np.concatenate(rest).tolist())
+    assert served == set(range(ROWS))
+    assert new[0].state_dict()["run"] == 0  # saved again mid-epoch: still that order
+    new[0].set_epoch(4)
+    assert new[0].state_dict()["run"] == new_local
+    bad = dict(states[0], run="2")
+    with pytest.raises(ConfigError, match=r"run='2'"):
+        _sampler(0, 2).load_state_dict(bad)
 
 
 def test_resume_with_another_number_of_nodes_needs_next_epoch() -> None:
