@@ -26,7 +26,8 @@ directory (its bounded cache is on disk, not in shared memory).
 Also: shuffle quality (Streaming's neighbour-difference entropy of rank 0's epoch-0 labels,
 and rank 0's overlap between its two epochs), a training check (scikit-learn's digits repeated
 and sorted by label, a logistic regression in torch: stream mode at a 10% and a 25% window vs
-global mode vs file order, 10 seeds, test accuracy after 1, 3 and 8 epochs of each run) and the first batch against file size, cold (stream and global mode).
+global mode vs file order, 10 seeds, test accuracy after 1, 3 and 8 epochs of each run) and the first
+batch against file size, cold (stream and global mode).
 
 Stream blocks: what ``h5serve inspect`` recommends for each budget (``recommended_block``: the
 default ~8 MiB block, or smaller whole chunks so that the window holds 8), or ``--block-rows``
