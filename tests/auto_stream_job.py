@@ -41,7 +41,8 @@ def main() -> None:
         "sampler": type(loader.batch_sampler).__name__, "len": len(ds),
         "warnings": [[w.category.__name__, str(w.message)] for w in caught],
         "plan": None if plan is None else {"need": plan.need, "budget": plan.budget, "window": plan.window,
-                                           "capacity": plan.capacity, "block_rows": plan.block_rows},
+                                           "capacity": plan.capacity, "block_rows": plan.block_rows,
+                                           "whole": list(plan.whole)},
         "epochs": [],
     }
     for epoch in range(args.epochs):

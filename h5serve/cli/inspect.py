@@ -29,7 +29,7 @@ from ..hdf5.identity import open_h5
 from ..hdf5.links import dataset_names
 from ..hdf5.source import inspect_dataset
 from ..order.sharding import ALL_MODES, GLOBAL, NODE, Selection
-from ..order.stream_plan import StreamWindow, recommend
+from ..order.stream_plan import KeyShape, StreamWindow, recommend
 from ..segments import HEADER_SIZE
 from ..util.units import format_bytes, row_nbytes
 from ..wire.runtime import resolve_runtime, resolve_shm_dir
@@ -69,6 +69,7 @@ class DatasetReport:
     chunk_bytes: int | None
     filters: tuple[FilterReport, ...]
     problem: str  # why h5serve cannot serve it as it is ("" when it can)
+    vlen: bool = False  # variable-length rows (row_bytes: an int64 offset and the mean of the first rows)
 
     @property
     def row_bytes(self) -> int:
@@ -177,7 +178,7 @@ def _dataset_report(f: h5py.File, key: str) -> DatasetReport:
         key=key, rows=rows, row_shape=row_shape, dtype=str(dtype.base), nbytes=rows * row_bytes, layout=layout,
         chunk_rows=int(chunks[0]) if chunks else None,
         chunk_bytes=obj.dtype.itemsize * _prod(chunks) if chunks else None,
-        filters=_filters(obj), problem=problem,
+        filters=_filters(obj), problem=problem, vlen=bool(info is not None and info.vlen),
     )
 
 
@@ -351,12 +352,18 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
     window: StreamWindow | None = report_parts["stream"]
     if window is not None:
         asked = report_parts["mode"] or GLOBAL
+        counted = [d.key for d in report_parts["datasets"] if d.counted]
+        held = [key for key, w in zip(counted, window.whole) if w]
+        how = (f"SharedH5Dataset(..., mode='stream') with a daemon of this budget picks that window and block, "
+               f"and holds {', '.join(held)} whole beside it ({format_bytes(window.whole_bytes)}, loaded once: "
+               f"an asked window= keeps every key in blocks)" if held else
+               f"SharedH5Dataset(..., mode='stream', window={window.window}, block_rows={window.block_rows})")
         out.append(Advice("stream", None, (
             f"use mode 'stream': the data does not fit this node's shared memory ({format_bytes(budget)} budget, "
             f"{format_bytes(shm.free)} free in {shm.path}); a window of {format_bytes(window.window)} holds "
             f"{window.capacity} of its {window.blocks} blocks of {window.block_rows:,} rows "
-            f"({format_bytes(window.block_bytes)}): SharedH5Dataset(..., mode='stream', window={window.window}, "
-            f"block_rows={window.block_rows}); mode={asked!r} streams so automatically, with a warning")))
+            f"({format_bytes(window.block_bytes)}): {how}; mode={asked!r} streams so automatically, with a "
+            "warning")))
     if "docker-64m" in shm.notes:
         out.append(Advice("docker_shm", None, (
             f"{shm.path} is 64 MiB, Docker's default: a container's own /dev/shm holds almost nothing and is not "
@@ -422,7 +429,7 @@ def inspect_file(
     needs = mode_needs(datasets, modes, world_size, ranks_per_node, budget)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     recommended, window = recommend({n.mode: n.bytes for n in needs}, mode, world_size > ranks_per_node,
-                                    min(budget, shm.free), [(d.chunk_rows or 1, d.row_bytes, d.rows)
+                                    min(budget, shm.free), [KeyShape(d.chunk_rows or 1, d.row_bytes, d.rows, d.vlen)
                                                             for d in datasets if d.counted])
     parts: dict[str, Any] = {
         "file": os.path.abspath(path), "file_bytes": os.path.getsize(path), "world_size": world_size,

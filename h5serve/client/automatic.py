@@ -17,9 +17,11 @@ The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sa
 
 The window is the blocks the agreed limit holds (``resolve_stream`` with the limit as the
 budget: the default block, smaller when the limit would hold fewer than 8, as ``h5serve
-inspect`` recommends through h5serve/order/stream_plan.py),
-passed to StreamBackend as bytes, so every rank's sampler has the same capacity whether its
-blocks come from a daemon or from h5py.
+inspect`` recommends through h5serve/order/stream_plan.py), once the small keys a daemon holds
+whole (labels: ``whole_keys``, as in stream mode with the default window) have taken their
+room; passed to StreamBackend as bytes with those keys, so every rank's sampler has the same
+capacity whether its blocks come from a daemon (which holds the labels whole) or from h5py
+(which reads every key in blocks).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..segments import HEADER_SIZE
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from .spec import BackendSpec
-from .stream import StreamSource, resolve_stream, stream_row_bytes, stream_source
+from .stream import StreamSource, resolve_stream, stream_row_bytes, stream_source, whole_cost, whole_keys
 
 __all__ = ["StreamPlan", "decide", "streamable"]
 
@@ -55,6 +57,7 @@ class StreamPlan:
     block_bytes: int
     capacity: int
     reason: str  # "budget" or "shm"
+    whole: tuple[bool, ...] = ()  # per key: held whole beside the window (with a daemon: stream.whole_keys)
 
 
 def streamable(describe: Callable[[], DatasetDescription]) -> StreamSource | None:
@@ -128,8 +131,9 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
         if source is None:
             return None
     infos = source.infos
-    try:  # the blocks and window the limit holds, as inspect recommends them (stream_plan.fitted_block_rows)
-        config = resolve_stream(infos, None, None, ranks, limit, source.file_rows,
+    whole = whole_keys(infos, limit, bool(spec.files))  # labels held whole, as with mode="stream" and a daemon
+    try:  # the blocks and window the rest holds, as inspect recommends them (stream_plan.daemon_window)
+        config = resolve_stream(infos, None, None, ranks, limit - whole_cost(infos, whole), source.file_rows,
                                 [i for each in source.file_infos for i in each], 1, source.chunks_said)
     except ConfigError:  # not even one block fits: the lazy fallback
         return None
@@ -137,7 +141,7 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
     need = sum(rows * stream_row_bytes(i) + HEADER_SIZE for i in infos)
     reason = "shm" if isinstance(error, ShmFull) or limit < budget else "budget"
     return StreamPlan(need, budget, limit, config.capacity * config.block_bytes, config.layout.block_rows,
-                      config.block_bytes, config.capacity, reason)
+                      config.block_bytes, config.capacity, reason, tuple(whole))
 
 
 def warning_text(plan: StreamPlan, mode: str, shown_path: str) -> str:

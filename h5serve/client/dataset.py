@@ -256,7 +256,8 @@ class SharedH5Dataset(Dataset):
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
-                                 description=self._description())
+                                 description=self._description(),
+                                 whole=self.auto_streamed.whole if self.auto_streamed else None)
         backend: Backend | progressive.ProgressiveBackend | None = None
         error = None
         try:  # ready at once: h5py serves while the daemon loads (client/progressive.py)

@@ -39,7 +39,7 @@ from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.description import DatasetDescription
 from ..hdf5.source import DatasetInfo
 from ..order.stream_order import BlockLayout, block_unit, check_block_rows
-from ..order.stream_plan import fitted_block_rows
+from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole
 from ..segments import HEADER_SIZE
 from ..segments.format import VALUES_ALIGN
 from ..util.checks import is_int
@@ -50,8 +50,8 @@ from .files import FileHandles
 from .spec import BackendSpec, describe_spec
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "WHOLE_KEY_SHARE", "default_window",
-           "node_memory", "resolve_stream", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
+__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window",
+           "node_memory", "resolve_stream", "key_shape", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
            "window_bytes"]
 
 log = logging.getLogger("h5serve")
@@ -159,34 +159,19 @@ def _agreed(capacity: int, world_size: int) -> int:
     return int(value.item())
 
 
-WHOLE_KEY_SHARE = 16  # with a daemon: keys whose rows take at most 1/16 of its budget are held whole (labels)
+def key_shape(info: DatasetInfo) -> KeyShape:
+    """``info`` as the stream plan sees it (order/stream_plan.py)."""
+    return KeyShape(info.chunk_rows if info.chunked else 1, stream_row_bytes(info), info.rows, bool(info.vlen))
 
 
 def whole_keys(infos: Sequence[DatasetInfo], budget: int, many_files: bool) -> list[bool]:
-    """Which keys a daemon-served stream holds whole, as one segment for the job, rather than
-    block by block: fixed-length keys of one file whose rows take, together, at most
-    1/WHOLE_KEY_SHARE of the daemon's ``budget``, the largest key always streamed. A label of 8
-    bytes a row costs its own acquire, load and attach per block otherwise, as much as a block
-    of images does. Pure: every rank of a node decides alike from the same budget."""
-    if many_files or len(infos) < 2:
-        return [False] * len(infos)
-    costs = [_held_whole_bytes(info) for info in infos]
-    largest = max(range(len(infos)), key=lambda i: costs[i])
-    chosen, used = [False] * len(infos), 0
-    for i in sorted(range(len(infos)), key=lambda i: costs[i]):
-        if i != largest and not infos[i].vlen and used + costs[i] <= budget // WHOLE_KEY_SHARE:
-            chosen[i], used = True, used + costs[i]
-    return chosen
+    """Which keys a daemon-served stream of ``budget`` holds whole (stream_plan.held_whole)."""
+    return held_whole([key_shape(i) for i in infos], budget, many_files)
 
 
 def whole_cost(infos: Sequence[DatasetInfo], whole: Sequence[bool]) -> int:
     """The shared memory the keys held whole take."""
-    return sum(_held_whole_bytes(info) for info, w in zip(infos, whole) if w)
-
-
-def _held_whole_bytes(info: DatasetInfo) -> int:
-    """A key's global segment in the daemon's shared memory: its rows and a header page."""
-    return info.rows * stream_row_bytes(info) + HEADER_SIZE
+    return sum(key_shape(info).whole_cost for info, w in zip(infos, whole) if w)
 
 
 def stream_row_bytes(info: DatasetInfo) -> int:
@@ -293,13 +278,16 @@ class StreamBackend:
     when no daemon serves them and the blocks are read here (None: raise it instead).
 
     ``description``: the files as h5py reads them (hdf5/description.py; None: described here).
+    ``whole``: which keys a daemon holds whole beside the window (automatic stream mode's plan,
+    whose window left them room); None: ``whole_keys`` of the daemon's budget with the default
+    window, none with an asked one.
 
     Raised as ``describe`` is (a missing file or key, files that disagree): DataError; as
     ``resolve_stream`` is: ConfigError."""
 
     def __init__(self, spec: BackendSpec, window: object, block_rows: object, ranks: int | None = None,
                  on_fallback: Callable[[H5ServeError], None] | None = None,
-                 description: DatasetDescription | None = None) -> None:
+                 description: DatasetDescription | None = None, whole: Sequence[bool] | None = None) -> None:
         source = stream_source(describe_spec(spec) if description is None else description)
         infos = source.infos
         self.out_dtypes, self.total_rows = source.out_dtypes, infos[0].rows
@@ -308,9 +296,14 @@ class StreamBackend:
         daemon = self._daemon(on_fallback)
         # with a daemon and the default window, small keys (labels) are held whole, their room
         # taken from the window's; an asked window keeps every key in blocks (the order, which
-        # the window sets, stays the one it is without a daemon)
-        whole = ([False] * len(infos) if daemon is None or window is not None
-                 else whole_keys(infos, daemon.budget, bool(spec.files)))
+        # the window sets, stays the one it is without a daemon), unless ``whole`` says which
+        # (automatic stream mode: its window already left them room)
+        if daemon is None:
+            whole = [False] * len(infos)
+        elif whole is not None:
+            whole = list(whole)
+        else:
+            whole = [False] * len(infos) if window is not None else whole_keys(infos, daemon.budget, bool(spec.files))
         self.config = resolve_stream(infos, window, block_rows, ranks,
                                      None if daemon is None else daemon.budget - whole_cost(infos, whole),
                                      source.file_rows, [i for each in source.file_infos for i in each],

@@ -20,6 +20,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.util.units import format_bytes
+from h5serve.wire.connection import DaemonClient
 
 from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon, short_tmpdir, torchrun_two_ranks
 from .test_stream_daemon import memory_sampler
@@ -93,6 +94,7 @@ def test_ddp_global_over_budget_is_streamed_from_shared_memory(h5: Path, tmp_pat
                                                                                  "StreamSampler")
         assert r["len"] == ROWS and r["plan"]["budget"] == BUDGET and r["plan"]["need"] == need_bytes()
         assert r["plan"]["window"] <= BUDGET and r["plan"]["capacity"] >= 8
+        assert r["plan"]["whole"] == [False, True]  # y (64 KiB) held whole, as mode="stream" with a daemon does
     assert reports[0]["plan"] == reports[1]["plan"]  # the ranks agreed
     for epoch in range(2):  # every row once per epoch across the ranks (padding: less than a batch each)
         per_rank = [r["epochs"][epoch] for r in reports]
@@ -115,6 +117,14 @@ def test_one_rank_streams_and_auto_stream_false_keeps_lazy_reads(h5: Path) -> No
             rows = epoch_rows(ds, x_all)
             assert sorted(rows) == list(range(ROWS))
             assert rows[:BATCH] != list(range(BATCH))  # not file order
+            plan = ds.auto_streamed
+            assert plan.whole == (False, True)  # the labels' room came out of the window: both within the budget
+            assert plan.window + ROWS * 8 + 4096 <= BUDGET
+            with DaemonClient(d.runtime_dir) as client:
+                segments = client.status()["segments"]
+            labels = [s for s in segments if s["key"] == "y"]
+            assert len(labels) == 1 and labels[0]["mode"] == "global" and labels[0]["whole_file"], labels
+            assert {s["key"] for s in segments if s["mode"] == "stream"} == {"x"}
         finally:
             ds.close()
         with warnings.catch_warnings(record=True) as node_caught:
@@ -170,7 +180,9 @@ def test_inspect_recommends_stream_with_the_window_auto_mode_uses(h5: Path) -> N
     assert stream["block_rows"] % 64 == 0 and stream["blocks"] == -(-ROWS // stream["block_rows"])
     assert stream["block_bytes"] == stream["block_rows"] * (1024 + 8)
     (advice,) = [a["text"] for a in report["advice"] if a["code"] == "stream"]
-    assert f"window={stream['window']}" in advice and f"block_rows={stream['block_rows']}" in advice
+    assert stream["whole"] == [False, True] and stream["whole_bytes"] == ROWS * 8 + 4096  # y held whole beside it
+    assert stream["capacity"] * stream["block_cost"] + stream["whole_bytes"] <= BUDGET
+    assert "mode='stream') with a daemon of this budget picks that window and block, and holds y whole" in advice
     with daemon() as d, runtime_env(d.runtime_dir):  # what automatic stream mode serves: the same window
         ds, _ = open_global(h5)
         try:

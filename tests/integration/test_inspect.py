@@ -63,7 +63,7 @@ def test_a_good_layout_gets_no_advice_and_the_json_schema(plain: Path, nowhere: 
     x, y = report["datasets"]
     assert x == {"key": "x", "rows": 1000, "row_shape": [3, 4, 4], "dtype": "uint8", "nbytes": 48000,
                  "row_bytes": 48, "layout": "chunked", "chunk_rows": 64, "chunk_bytes": 64 * 48, "filters": [],
-                 "problem": ""}
+                 "problem": "", "vlen": False}
     assert (y["key"], y["dtype"], y["layout"], y["chunk_rows"]) == ("y", "int64", "contiguous", None)
     assert [n["mode"] for n in report["needs"]] == ["contiguous", "interleave", "global", "node"]
     assert all(n["fits"] for n in report["needs"]) and report["advice"] == []

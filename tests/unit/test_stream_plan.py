@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from h5serve.order.stream_plan import MIN_BLOCKS, plan_window, recommend
+from h5serve.order.stream_plan import MIN_BLOCKS, KeyShape, plan_window, recommend
 from h5serve.segments import HEADER_SIZE
 
 MiB = 1 << 20
@@ -23,7 +23,7 @@ def test_smaller_whole_chunks_when_the_default_would_leave_few_blocks() -> None:
 
 
 def test_recommend() -> None:
-    keys = [(64, 1032, 8193)]
+    keys = [KeyShape(64, 1032, 8193)]
     needs = {"contiguous": 9 * MiB, "interleave": 9 * MiB, "global": 9 * MiB, "node": 9 * MiB}
     assert recommend(needs, None, False, 20 * MiB, keys) == ("global", None)
     mode, window = recommend(needs, None, False, 2 * MiB, keys)
