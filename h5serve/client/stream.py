@@ -50,8 +50,8 @@ from .files import FileHandles
 from .spec import BackendSpec, describe_spec
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window",
-           "node_memory", "resolve_stream", "key_shape", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
+__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "key_shape",
+           "node_memory", "resolve_stream", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
            "window_bytes"]
 
 log = logging.getLogger("h5serve")
