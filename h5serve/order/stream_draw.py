@@ -39,11 +39,13 @@ GROUP_JITTER = 0.5  # a group's key is uniform over this middle share of its str
 
 def shuffled_rows(starts: np.ndarray, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """The rows ``[starts[k], starts[k] + sizes[k])`` of every block ``k``, each block's rows
-    permuted among themselves, blocks one after another (O(rows): one pass per block size)."""
+    permuted among themselves, blocks one after another (O(rows): one pass per block size; many
+    files leave short blocks of many sizes, grouped by one sort of the block sizes)."""
     offsets = np.cumsum(sizes) - sizes
     out = np.empty(int(sizes.sum()), dtype=np.int64)
-    for size in np.unique(sizes).tolist():
-        which = np.flatnonzero(sizes == size)
+    by_size = np.argsort(sizes, kind="stable")
+    values, counts = np.unique(sizes[by_size], return_counts=True)
+    for size, which in zip(values.tolist(), np.split(by_size, np.cumsum(counts)[:-1])):
         rows = rng.permuted(np.broadcast_to(np.arange(size, dtype=np.int64), (len(which), size)), axis=1)
         rows += starts[which][:, None]
         if len(which) == len(sizes):
