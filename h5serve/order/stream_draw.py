@@ -9,20 +9,20 @@ sequence is the groups sorted by key, each group's rows together. So
 
 - a group's ``run`` rows sit at consecutive positions of the node's sequence, and position
   ``p`` goes to local rank ``p % run``: every rank gets one row of every group, so every rank
-  draws from every block of the window in proportion, not only the node as a whole (with a
-  draw row by row, rows of a block whose spacing is a multiple of ``run`` kept landing on
-  the same ranks);
+  draws from every block of the window in proportion, not only the node as a whole
+  (stratifying single rows instead put a block's rows on the same ranks whenever its spacing
+  was a multiple of ``run``: with 3 ranks and 6 blocks, a rank's batches held half of them);
 - a block's groups keep half a stratum apart, so a rank seldom reads two rows of one block
-  in a row, and each of its batches holds the window's blocks in their shares (a draw row by
-  row puts a block's rows in a batch with multinomial scatter; with a window of ``W`` blocks
-  one neighbour pair in ``W`` came from one block);
+  in a row (about once in ``W ** 2`` pairs, against once in ``W`` with uniform keys), and each
+  of its batches holds the window's blocks in their shares (uniform keys scatter them
+  multinomially);
 - every key stays in its block's range, so the window's bound (at most ``W`` blocks with
   unread rows at any position) holds exactly as it does for any keys in those ranges.
 
 Measured with Streaming's neighbour-difference entropy of rank 0's epoch (2 ranks, the bench's
-87,381 rows, the windows its 5 / 10 / 25% budgets give): 14.06 / 14.35 / 14.49 bits row by row,
-14.75 / 14.80 / 14.80 in stratified runs (a full permutation: 14.84); h5serve/order/ tests count
-the per-rank shares.
+87,381 rows, the windows its 5 / 10 / 25% budgets give): 14.06 / 14.35 / 14.49 bits with uniform
+keys, 14.75 / 14.80 / 14.80 in stratified runs (a full permutation: 14.84); tests/unit/
+test_stream_draw.py counts the per-rank shares.
 
 *Uniform keys* (``run=0``): every row's key uniform over its block's range, the draw before
 stratified runs, kept so that a checkpoint saved with it resumes its epoch exactly.
