@@ -4,8 +4,8 @@ What the file holds (rows, dtypes, chunking, filters and whether their plugins a
 shared memory each mode needs on a node, this node's ``/dev/shm`` (size, free space, Docker's
 64 MiB default, a SLURM per-job tmpfs), whether a running daemon's shm is visible from here,
 open-file limits, and advice where the layout will hurt. Pure functions returning an
-``InspectReport`` (``format_report`` renders it, ``InspectReport.to_dict`` is the JSON); the
-CLI only prints.
+``InspectReport`` (``cli/inspect_text.format_report`` renders it, ``InspectReport.to_dict`` is
+the JSON); the CLI only prints.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..util.units import format_bytes, row_nbytes
 from ..wire.runtime import resolve_runtime, resolve_shm_dir
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
-           "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]
+           "inspect_file", "shm_notes", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 DOCKER_SHM_BYTES = 64 * 1024**2  # Docker's default --shm-size
@@ -444,62 +444,12 @@ def _limit(value: int) -> int:
     return -1 if value == resource.RLIM_INFINITY else int(value)
 
 
-# ----- text -------------------------------------------------------------------------------
-def _dataset_line(d: DatasetReport) -> list[str]:
-    shape = "x".join(str(n) for n in d.row_shape)
-    if d.chunk_rows is not None:
-        plural = "s" if d.chunk_rows != 1 else ""
-        layout = f"chunks of {d.chunk_rows:,} row{plural} ({format_bytes(d.chunk_bytes or 0)})"
-    else:
-        layout = d.layout
-    filters = ", ".join(f.name + ("" if f.available else " (MISSING plugin)") for f in d.filters) or "no filters"
-    dtype = "compound" if d.dtype.startswith("[") else d.dtype
-    cells = [d.key, f"{d.rows:,}", f"{shape} {dtype}".strip(), format_bytes(d.nbytes), layout, filters]
-    return cells + (["NOT SERVABLE"] if d.problem and all(f.available for f in d.filters) else [])
+def __getattr__(name: str) -> Any:
+    """``format_report`` moved to cli/inspect_text.py; imported lazily here (it imports this
+    module), so ``from h5serve.cli.inspect import format_report`` and the old path
+    ``h5serve.inspect`` keep working."""
+    if name == "format_report":
+        from .inspect_text import format_report
 
-
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(len(r) for r in rows))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-
-
-def _not_fitting(report: InspectReport, mode: str) -> str:
-    return "NO: streamed" if report.stream is not None and mode in (GLOBAL, NODE) else "NO: lazy reads"
-
-
-def format_report(report: InspectReport) -> str:
-    """The report as text for a terminal."""
-    lines = [f"{report.file} ({format_bytes(report.file_bytes)})", "datasets:"]
-    lines += _table([["key", "rows", "row", "size", "layout", "filters"], *map(_dataset_line, report.datasets)])
-    where = (f"world size {report.world_size}, {report.ranks_per_node} of its ranks on this node"
-             if report.world_size > 1 else "one rank")
-    lines.append(f"shared memory on this node ({where}; source dtypes; budget {format_bytes(report.budget)}: "
-                 f"{report.budget_rule}):")
-    lines += _table([["mode", "rows", "memory", "fits"],
-                     *[[n.mode, f"{n.rows:,}", format_bytes(n.bytes), "yes" if n.fits else _not_fitting(report, n.mode)]
-                       for n in report.needs]])
-    if report.stream is None:
-        lines.append(f"recommended: mode {report.recommended_mode!r}")
-    else:
-        w = report.stream
-        lines.append(f"recommended: mode 'stream', window {format_bytes(w.window)} ({w.capacity} of {w.blocks} blocks "
-                     f"of {w.block_rows:,} rows, {format_bytes(w.block_bytes)} each)")
-    shm = report.shm
-    notes = {"docker-64m": "Docker's default 64 MiB", "slurm-job-tmpfs": "a SLURM per-job tmpfs"}
-    lines.append(f"{shm.path}: {format_bytes(shm.size)}, {format_bytes(shm.free)} free"
-                 + "".join(f"; {notes[n]}" for n in shm.notes))
-    d = report.daemon
-    if d.running:
-        seen = {True: "visible from here", False: "NOT visible from here", None: "visibility unknown"}[d.shm_visible]
-        lines.append(f"daemon: pid {d.pid} on {d.runtime_dir}, shm {d.shm_dir} {seen} ({d.how})")
-    else:
-        lines.append(f"daemon: not running on {d.runtime_dir}")
-    soft = "unlimited" if report.nofile_soft < 0 else str(report.nofile_soft)
-    hard = "unlimited" if report.nofile_hard < 0 else str(report.nofile_hard)
-    lines.append(f"open files: soft limit {soft}, hard limit {hard}")
-    if report.advice:
-        lines.append("advice:")
-        lines += [f"- {a.text}" for a in report.advice]
-    else:
-        lines.append("advice: none; the layout suits h5serve")
-    return "\n".join(lines)
+        return format_report
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -192,6 +192,7 @@ def test_inspect_recommends_stream_with_the_window_auto_mode_uses(h5: Path) -> N
             ds.close()
     text = h5serve_cli("inspect", str(h5), "--key", "x", "--key", "y", "--max-memory", str(BUDGET)).stdout
     assert "recommended: mode 'stream', window" in text and "NO: streamed" in text
+    assert "y held whole beside it" in text
     fits = inspect_json(h5, "--max-memory", str(4 * need_bytes()))
     assert fits["recommended_mode"] == "global" and fits["stream"] is None
     assert "stream" not in [a["code"] for a in fits["advice"]]
