@@ -75,8 +75,9 @@ def open_global(h5: Path, **kwargs: object) -> tuple[SharedH5Dataset, list[warni
     return ds, [w for w in caught if issubclass(w.category, RuntimeWarning)]
 
 
-def epoch_rows(ds: SharedH5Dataset, x_all: np.ndarray, epoch: int = 0) -> list[int]:
-    loader = make_loader(ds, BATCH, seed=3)
+def epoch_rows(ds: SharedH5Dataset, x_all: np.ndarray, epoch: int = 0, workers: int = 0,
+               context: str | None = None) -> list[int]:
+    loader = make_loader(ds, BATCH, seed=3, num_workers=workers, multiprocessing_context=context)
     loader.batch_sampler.set_epoch(epoch)
     rows: list[int] = []
     for x, y in loader:
@@ -125,6 +126,8 @@ def test_one_rank_streams_and_auto_stream_false_keeps_lazy_reads(h5: Path) -> No
             labels = [s for s in segments if s["key"] == "y"]
             assert len(labels) == 1 and labels[0]["mode"] == "global" and labels[0]["whole_file"], labels
             assert {s["key"] for s in segments if s["mode"] == "stream"} == {"x"}
+            for workers, context in ((2, "fork"), (1, "spawn")):  # workers map the labels' segment and blocks too
+                assert epoch_rows(ds, x_all, workers=workers, context=context) == rows, context
         finally:
             ds.close()
         with warnings.catch_warnings(record=True) as node_caught:
