@@ -4,18 +4,16 @@ What the file holds (rows, dtypes, chunking, filters and whether their plugins a
 shared memory each mode needs on a node, this node's ``/dev/shm`` (size, free space, Docker's
 64 MiB default, a SLURM per-job tmpfs), whether a running daemon's shm is visible from here,
 open-file limits, and advice where the layout will hurt. Pure functions returning an
-``InspectReport`` (``cli/inspect_text.format_report`` renders it, ``InspectReport.to_dict`` is
-the JSON); the CLI only prints.
+``InspectReport`` (cli/inspect_report.py; ``format_report`` of cli/inspect_text.py renders it,
+``InspectReport.to_dict`` is the JSON); the CLI only prints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import resource
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +31,21 @@ from ..order.stream_plan import KeyShape, StreamWindow, recommend
 from ..segments import HEADER_SIZE
 from ..util.units import format_bytes, row_nbytes
 from ..wire.runtime import resolve_runtime, resolve_shm_dir
+from .inspect_report import (
+    SCHEMA_VERSION,
+    Advice,
+    DaemonReport,
+    DatasetReport,
+    FilterReport,
+    InspectReport,
+    ModeNeed,
+    ShmReport,
+)
+from .inspect_text import format_report
 
 __all__ = ["InspectReport", "DatasetReport", "FilterReport", "ModeNeed", "ShmReport", "DaemonReport", "Advice",
-           "inspect_file", "shm_notes", "SCHEMA_VERSION"]
+           "inspect_file", "shm_notes", "format_report", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
 DOCKER_SHM_BYTES = 64 * 1024**2  # Docker's default --shm-size
 MAX_LISTED = 1000  # datasets listed from one file
 ONE_ROW_CHUNK_MIN_ROWS = 2  # one-row chunks hurt once there is more than one row ...
@@ -47,100 +55,6 @@ LOW_NOFILE = 4096  # a daemon's hard open-file limit below this holds few client
 # HDF5's built-in filters by id; third-party ones are named by filters.KNOWN_FILTERS.
 BUILTIN_FILTERS = {1: "gzip", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset", 32000: "lzf"}
 NOT_COMPRESSION = frozenset({2, 3})  # shuffle and checksums cost little to undo
-
-
-@dataclass(frozen=True)
-class FilterReport:
-    id: int
-    name: str
-    available: bool  # HDF5 can run it in this process (built in, or its plugin is here)
-    compression: bool  # decoding it costs CPU per chunk
-
-
-@dataclass(frozen=True)
-class DatasetReport:
-    key: str
-    rows: int
-    row_shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    layout: str  # "chunked", "contiguous", "compact" or "virtual"
-    chunk_rows: int | None  # rows per chunk (None: not chunked)
-    chunk_bytes: int | None
-    filters: tuple[FilterReport, ...]
-    problem: str  # why h5serve cannot serve it as it is ("" when it can)
-    vlen: bool = False  # variable-length rows (row_bytes: an int64 offset and the mean of the first rows)
-
-    @property
-    def row_bytes(self) -> int:
-        return self.nbytes // self.rows if self.rows else 0
-
-    @property
-    def counted(self) -> bool:
-        """Counted in the memory needs: servable, or servable once its filter plugin is installed."""
-        return not self.problem or any(not f.available for f in self.filters)
-
-
-@dataclass(frozen=True)
-class ModeNeed:
-    mode: str
-    rows: int  # rows (samples) this node holds: of the longest counted dataset, never summed across datasets
-    bytes: int  # shared memory on this node, segment headers included
-    fits: bool  # within the budget
-
-
-@dataclass(frozen=True)
-class ShmReport:
-    path: str
-    size: int
-    free: int
-    notes: tuple[str, ...]  # "docker-64m", "slurm-job-tmpfs"
-
-
-@dataclass(frozen=True)
-class DaemonReport:
-    runtime_dir: str
-    running: bool
-    pid: int | None = None
-    shm_dir: str | None = None
-    budget: int | None = None
-    used: int | None = None
-    shm_visible: bool | None = None  # None: running, but it cannot be told from here
-    how: str = ""  # how visibility was decided, or why there is no daemon
-
-
-@dataclass(frozen=True)
-class Advice:
-    code: str  # one_row_chunks, compressed, over_budget, missing_filter, unservable, docker_shm, slurm_tmpfs,
-    #            shm_not_shared, low_nofile
-    key: str | None  # the dataset it is about (None: the node)
-    text: str
-
-
-@dataclass(frozen=True)
-class InspectReport:
-    file: str
-    file_bytes: int
-    world_size: int
-    ranks_per_node: int
-    mode: str | None  # the mode asked about (None: every mode)
-    datasets: tuple[DatasetReport, ...]
-    needs: tuple[ModeNeed, ...]
-    budget: int
-    budget_rule: str
-    shm: ShmReport
-    daemon: DaemonReport
-    nofile_soft: int
-    nofile_hard: int
-    recommended_mode: str  # the mode asked about (else global, or node) when it fits, else "stream"
-    stream: StreamWindow | None  # "stream": its window, what min(budget, free shm) holds, and block
-    advice: tuple[Advice, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        for d, src in zip(out["datasets"], self.datasets):
-            d["row_bytes"] = src.row_bytes
-        return {"schema_version": SCHEMA_VERSION, **out}
 
 
 # ----- the file ---------------------------------------------------------------------------
@@ -442,14 +356,3 @@ def inspect_file(
 
 def _limit(value: int) -> int:
     return -1 if value == resource.RLIM_INFINITY else int(value)
-
-
-def __getattr__(name: str) -> Any:
-    """``format_report`` moved to cli/inspect_text.py; imported lazily here (it imports this
-    module), so ``from h5serve.cli.inspect import format_report`` and the old path
-    ``h5serve.inspect`` keep working."""
-    if name == "format_report":
-        from .inspect_text import format_report
-
-        return format_report
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
-"""``h5serve inspect``'s report as text for a terminal (cli/inspect.py builds it)."""
+"""``h5serve inspect``'s report (cli/inspect_report.py) as text for a terminal."""
 
 from __future__ import annotations
 
 from ..order.sharding import GLOBAL, NODE
 from ..util.units import format_bytes
-from .inspect import DatasetReport, InspectReport
+from .inspect_report import DatasetReport, InspectReport
 
 __all__ = ["format_report"]
 

@@ -63,8 +63,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..util.units import parse_size
-    from .inspect import inspect_file
-    from .inspect_text import format_report
+    from .inspect import format_report, inspect_file
 
     report = inspect_file(
         args.file, keys=args.key, world_size=args.world_size, ranks_per_node=args.ranks_per_node, mode=args.mode,
