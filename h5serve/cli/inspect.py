@@ -40,6 +40,7 @@ from .inspect_report import (
     InspectReport,
     ModeNeed,
     ShmReport,
+    held_keys,
 )
 from .inspect_text import format_report
 
@@ -266,8 +267,7 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
     window: StreamWindow | None = report_parts["stream"]
     if window is not None:
         asked = report_parts["mode"] or GLOBAL
-        counted = [d.key for d in report_parts["datasets"] if d.counted]
-        held = [key for key, w in zip(counted, window.whole) if w]
+        held = held_keys(report_parts["datasets"], window)
         how = (f"SharedH5Dataset(..., mode='stream') with a daemon of this budget picks that window and block, "
                f"and holds {', '.join(held)} whole beside it ({format_bytes(window.whole_bytes)}, loaded once: "
                f"an asked window= keeps every key in blocks)" if held else

@@ -10,7 +10,7 @@ from typing import Any
 from ..order.stream_plan import StreamWindow
 
 __all__ = ["SCHEMA_VERSION", "Advice", "DaemonReport", "DatasetReport", "FilterReport", "InspectReport", "ModeNeed",
-           "ShmReport"]
+           "ShmReport", "held_keys"]
 
 SCHEMA_VERSION = 1
 
@@ -107,3 +107,8 @@ class InspectReport:
         for d, src in zip(out["datasets"], self.datasets):
             d["row_bytes"] = src.row_bytes
         return {"schema_version": SCHEMA_VERSION, **out}
+
+
+def held_keys(datasets: tuple[DatasetReport, ...], window: StreamWindow) -> list[str]:
+    """The keys ``window`` holds whole (its ``whole`` is per counted dataset, in order)."""
+    return [d.key for d, whole in zip([d for d in datasets if d.counted], window.whole) if whole]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..order.sharding import GLOBAL, NODE
 from ..util.units import format_bytes
-from .inspect_report import DatasetReport, InspectReport
+from .inspect_report import DatasetReport, InspectReport, held_keys
 
 __all__ = ["format_report"]
 
@@ -46,8 +46,7 @@ def format_report(report: InspectReport) -> str:
         lines.append(f"recommended: mode {report.recommended_mode!r}")
     else:
         w = report.stream
-        counted = [d.key for d in report.datasets if d.counted]
-        held = [key for key, whole in zip(counted, w.whole) if whole]
+        held = held_keys(report.datasets, w)
         beside = f"; {', '.join(held)} held whole beside it, {format_bytes(w.whole_bytes)}" if held else ""
         lines.append(f"recommended: mode 'stream', window {format_bytes(w.window)} ({w.capacity} of {w.blocks} blocks "
                      f"of {w.block_rows:,} rows, {format_bytes(w.block_bytes)} each{beside})")

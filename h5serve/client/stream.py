@@ -39,7 +39,7 @@ from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.description import DatasetDescription
 from ..hdf5.source import DatasetInfo
 from ..order.stream_order import BlockLayout, block_unit, check_block_rows
-from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole
+from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole, held_whole_bytes
 from ..segments import HEADER_SIZE
 from ..segments.format import VALUES_ALIGN
 from ..util.checks import is_int
@@ -171,7 +171,7 @@ def whole_keys(infos: Sequence[DatasetInfo], budget: int, many_files: bool) -> l
 
 def whole_cost(infos: Sequence[DatasetInfo], whole: Sequence[bool]) -> int:
     """The shared memory the keys held whole take."""
-    return sum(key_shape(info).whole_cost for info, w in zip(infos, whole) if w)
+    return held_whole_bytes([key_shape(i) for i in infos], whole)
 
 
 def stream_row_bytes(info: DatasetInfo) -> int:

@@ -96,8 +96,9 @@ class DaemonBlocks:
                  capacity: int, budget: int, block_cost: int, block_bytes: int, whole: Sequence[bool] = ()) -> None:
         self.spec, self.infos, self.layout = spec, infos, layout
         self.whole = [bool(w) for w in whole] or [False] * len(infos)  # keys held whole, not block by block
-        self._streamed = [i for i, w in enumerate(self.whole) if not w]
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
+        streamed = [i for i, w in enumerate(self.whole) if not w]
+        self._streamed = ([infos[i] for i in streamed], [self.out_dtypes[i] for i in streamed])  # block by block
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
         self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
@@ -337,8 +338,7 @@ class DaemonBlocks:
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        streamed = gather_by_block(rows, self.layout, [self.infos[i] for i in self._streamed],
-                                   [self.out_dtypes[i] for i in self._streamed],
+        streamed = gather_by_block(rows, self.layout, *self._streamed,
                                    lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
         if len(streamed) == len(self.infos):
             return streamed

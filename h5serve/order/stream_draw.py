@@ -32,9 +32,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["GROUP_JITTER", "draw_sequence", "shuffled_rows"]
+__all__ = ["GROUP_JITTER", "block_rows", "draw_sequence", "shuffled_rows"]
 
 GROUP_JITTER = 0.5  # a group's key is uniform over this middle share of its stratum
+
+
+def block_rows(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The rows ``[starts[k], starts[k] + sizes[k])`` of every block ``k`` in file order, blocks one
+    after another (int64)."""
+    return np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + \
+        np.repeat(starts, sizes)
 
 
 def shuffled_rows(starts: np.ndarray, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -62,7 +69,7 @@ def draw_sequence(starts: np.ndarray, sizes: np.ndarray, lo: np.ndarray, hi: np.
     starts, sizes = np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
     if run == 0:
         owner = np.repeat(np.arange(len(sizes)), sizes)
-        rows = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + starts[owner]
+        rows = block_rows(starts, sizes)
         keys = lo[owner] + rng.random(len(rows)) * (hi - lo)[owner]
         return rows[np.argsort(keys)]  # as drawn before: introsort, deterministic
     groups = -(-sizes // run)

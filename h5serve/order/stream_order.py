@@ -56,7 +56,7 @@ from ..util.checks import is_int
 from ..util.units import format_bytes
 from .equalise import check_batch_size, equal_epoch_size
 from .sharding import STREAM
-from .stream_draw import draw_sequence
+from .stream_draw import block_rows, draw_sequence
 
 __all__ = [
     "STREAM",
@@ -306,8 +306,7 @@ def node_sequence(layout: BlockLayout, blocks: np.ndarray, window: int, *, seed:
     sizes = layout.sizes(blocks)
     starts = layout.bounds[blocks]
     if not shuffle or not int(sizes.sum()):
-        return np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + \
-            np.repeat(starts, sizes)
+        return block_rows(starts, sizes)
     lo, hi = _key_ranges(len(blocks), window)
     return draw_sequence(starts, sizes, lo, hi, run, _rng(seed, epoch, _TAG_KEYS, node))
 

@@ -20,7 +20,7 @@ from .sharding import GLOBAL, NODE, STREAM
 from .stream_order import BlockLayout, block_unit, default_block_rows
 
 __all__ = ["MIN_BLOCKS", "WHOLE_KEY_SHARE", "KeyShape", "StreamWindow", "daemon_window", "fitted_block_rows",
-           "held_whole", "plan_window", "recommend"]
+           "held_whole", "held_whole_bytes", "plan_window", "recommend"]
 
 MIN_BLOCKS = 8
 WHOLE_KEY_SHARE = 16  # with a daemon: keys whose rows take at most 1/16 of its budget are held whole (labels)
@@ -40,6 +40,11 @@ class KeyShape:
     def whole_cost(self) -> int:
         """Its rows held whole in the daemon's shared memory: one segment, rows and a header page."""
         return self.rows * self.row_bytes + HEADER_SIZE
+
+
+def held_whole_bytes(keys: Sequence[KeyShape], whole: Sequence[bool]) -> int:
+    """The shared memory the keys held whole (``whole``, per key) take."""
+    return sum(k.whole_cost for k, w in zip(keys, whole) if w)
 
 
 def held_whole(keys: Sequence[KeyShape], budget: int, many_files: bool) -> list[bool]:
@@ -106,7 +111,7 @@ def daemon_window(keys: Sequence[KeyShape], limit: int, many_files: bool = False
     None when not even one block fits. What automatic stream mode serves and ``h5serve
     inspect`` recommends."""
     whole = held_whole(keys, limit, many_files)
-    whole_bytes = sum(k.whole_cost for k, w in zip(keys, whole) if w)
+    whole_bytes = held_whole_bytes(keys, whole)
     window = plan_window([k.chunk_rows for k in keys], sum(k.row_bytes for k in keys), max(k.rows for k in keys),
                          limit - whole_bytes)
     return None if window is None else dataclasses.replace(window, whole=tuple(whole), whole_bytes=whole_bytes)
