@@ -99,7 +99,7 @@ def check_peer_can_read(peer: Peer, ident: FileIdentity) -> None:
     groups = peer.groups()
     if groups is None:
         raise AccessDenied(f"the requesting process (pid {peer.pid}) is gone; ask again")
-    key = (peer.uid, peer.gid, groups, ident.as_tuple())
+    key = (peer.uid, peer.gid, groups, ident)  # ctime included: a chmod since is seen at once
     now = time.monotonic()
     if _cache.get(key, 0.0) > now:
         return
@@ -123,6 +123,12 @@ def _kernel_refuses(peer: Peer, groups: tuple[int, ...], ident: FileIdentity) ->
     if pid == 0:  # the child: only system calls, then _exit
         code = 1
         try:
+            # it runs as the peer: it keeps none of the daemon's descriptors (log, sockets, key),
+            # and the uid change leaves it undumpable; its one answer is its exit code
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
             os.setgroups(list(groups))
             os.setresgid(peer.gid, peer.gid, peer.gid)
             os.setresuid(peer.uid, peer.uid, peer.uid)

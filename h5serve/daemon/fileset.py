@@ -89,7 +89,7 @@ def _quick_info(dset: h5py.Dataset | FieldRows, key: str) -> DatasetInfo:
 
 def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
                     progress: Callable[[int], None], drop_page_cache: bool = False,
-                    hashed: Hasher | None = None) -> int:
+                    hashed: Hasher | None = None, *, virtual_ok: bool) -> int:
     """Read the shard's rows among global rows ``span`` (None: all), file by file, each file
     opened here (and checked to be the one resolved) and its rows pwritten into their place in
     the segment, passed to ``hashed`` in row order. With ``drop_page_cache`` each file's cached
@@ -109,7 +109,7 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
             # checked once the load is done): a small piece skips the full inspection
             # a compound field: read through the one-file path's helper; HDF5 follows an external
             # link by path: the file it opened must be one the daemon checked
-            dset = pinned_rows(f, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
+            dset = pinned_rows(f, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]", virtual_ok=virtual_ok)
             info = _quick_info(dset, meta.key) if small else inspect_dataset(f, meta.key)
             if info.rows != entry[5] or info.row_shape != meta.row_shape:
                 raise SourceChanged(f"{entry[0]} changed while it was being loaded (dataset {meta.key!r} now has "

@@ -99,6 +99,9 @@ class LoadJob:
     # loader need not open the file before it forks; None: the loader plans them itself
     spans: tuple[tuple[int, int], ...] | None = None
     keep: bool = False  # the loader stays for more jobs on its job pipe (streamloader.py)
+    # a virtual dataset may be read (HDF5 opens its sources by name): only for loads the daemon's
+    # own user or root asked for; anyone else's load refuses one found in the file as opened
+    virtual_ok: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,8 @@ def holders(meta: SegmentMeta) -> tuple[tuple, ...]:
 def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: tuple[int, int] | None,
                progress: Callable[[int], None], checksum: bool, ready: Callable[[], None],
                f: h5py.File | None = None, drop_page_cache: bool = False,
-               places: dict[tuple[str, ...], StoredRows | None] | None = None) -> PartResult:
+               places: dict[tuple[str, ...], StoredRows | None] | None = None, *,
+               virtual_ok: bool) -> PartResult:
     """Read the shard's rows in global rows ``span`` (None: all of them) into the segment, with
     this process's own h5py handle (``f``, or the file opened here), hashing them on their way
     in when ``checksum`` (daemon/checksum.py). Files are written with ``pwrite`` and ``splice``
@@ -223,18 +227,19 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     files as one dataset: each file of the span opened in turn (fileset.py), its cached pages
     dropped as it is done with ``drop_page_cache``. ``ready()`` returns once the segment is
     reserved: called before the first write. ``places``: a kept loader's memo of where rows are
-    stored in ``f`` (openfiles.py), used only for a dataset in ``f`` itself."""
+    stored in ``f`` (openfiles.py), used only for a dataset in ``f`` itself. ``virtual_ok``: as
+    ``LoadJob.virtual_ok``, checked on the dataset as opened here (identity.pinned_rows)."""
     crc = RunningCrc() if checksum else None
     hashed = None if crc is None else crc.update
     if meta.files:
         ready()
-        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache, hashed)
+        copied = read_files_part(meta, rows, writer, span, progress, drop_page_cache, hashed, virtual_ok=virtual_ok)
         return PartResult(copied, -1 if crc is None else crc.value)
     if f is None:
         with open_source(meta) as f:
-            return _read_part(meta, rows, writer, span, progress, checksum, ready, f)
+            return _read_part(meta, rows, writer, span, progress, checksum, ready, f, virtual_ok=virtual_ok)
     # HDF5 follows an external link by path: the file it opened must be the one checked
-    dset = pinned_rows(f, meta.key, holders(meta), f"{meta.source_path}[{meta.key}]")
+    dset = pinned_rows(f, meta.key, holders(meta), f"{meta.source_path}[{meta.key}]", virtual_ok=virtual_ok)
     info = inspect_dataset(f, meta.key)
     if places is not None and dset.file.id.get_vfd_handle() != f.id.get_vfd_handle():
         places = None  # an external link's file: HDF5 may close and reopen it between loads
@@ -344,7 +349,8 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                 def work(progress: Callable[[int], None], span: tuple[int, int] = span,
                          writer: SegmentWriter = writer, parts: Parts = parts) -> PartResult:
                     return _read_part(meta, rows, writer, span, progress, job.checksum,
-                                      lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache)
+                                      lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache,
+                                      virtual_ok=job.virtual_ok)
 
                 parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
         shown = 0
@@ -367,10 +373,12 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         with nullcontext(files.open(meta)) if kept and files is not None else open_source(meta) as source:
             if meta.vlen:
                 reservation.wait()
-                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
+                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum,
+                                                virtual_ok=job.virtual_ok)[0])
             else:
                 first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, reservation.wait, source,
-                                   job.drop_page_cache, files.places if kept and files is not None else None)
+                                   job.drop_page_cache, files.places if kept and files is not None else None,
+                                   virtual_ok=job.virtual_ok)
             copied = first.copied
             finished = [time.monotonic_ns()]
             while parts is not None and parts.children:

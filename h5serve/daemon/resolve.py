@@ -36,7 +36,8 @@ from ..errors import AccessDenied, H5ServeError, SourceNotFound
 from ..hdf5.identity import FileIdentity, open_identified
 from ..hdf5.source import DatasetInfo
 from .access import Peer, check_peer_can_read
-from .inspector import Credentials, Inspection, inspect_file, virtual_refused
+from .inspection import Inspection
+from .inspector import Credentials, inspect_file, virtual_refused
 from .resolved import Resolved, ResolvedFiles
 
 __all__ = ["Resolver", "resolve_files", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
@@ -117,7 +118,9 @@ class Resolver:
     def __init__(self, allow_roots: tuple[str, ...] = ()) -> None:
         self.allow_roots = allow_roots
         self._pool = _DaemonThreads(RESOLVER_THREADS)
-        self._infos: dict[tuple[FileIdentity, str], DatasetInfo] = {}
+        # keyed by the identity opened (ctime included: an in-place rewrite misses, whatever its
+        # mtime says) and by the requesting uid: no user's verdict ever answers another's request
+        self._infos: dict[tuple[FileIdentity, str, int], DatasetInfo] = {}
         self._lock = threading.Lock()
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
         self._done_at: dict[int, float] = {}  # id(future) -> when it finished (set by its done callback)
@@ -256,11 +259,13 @@ class Resolver:
             )
 
     def _inspect(self, ident: FileIdentity, key: str, peer: Peer) -> Inspection:
-        """The dataset's metadata: from the cache (a file with no external link or virtual
-        dataset on the key's way: its metadata is the file's own), else from a child process
-        (inspector.py), as the requesting user in a root daemon."""
+        """The dataset's metadata: from the cache (this user's inspection of this very file,
+        unchanged since, with no external link or virtual dataset on the key's way: its
+        metadata is the file's own), else from a child process (inspector.py), as the
+        requesting user in a root daemon. The loader checks the layout again on the file it
+        reads (identity.pinned_rows): the cache only spares an inspection."""
         with self._lock:
-            cached = self._infos.get((ident, key))
+            cached = self._infos.get((ident, key, peer.uid))
         if cached is not None:
             return Inspection(cached, None, False)
         found = inspect_file(ident, key, _credentials(peer), virtual_ok=_trusted(peer))
@@ -269,7 +274,7 @@ class Resolver:
             with self._lock:
                 if len(self._infos) >= _INFO_CACHE_SIZE:
                     self._infos.clear()
-                self._infos[(ident, key)] = found.info
+                self._infos[(ident, key, peer.uid)] = found.info
         return found
 
     def close(self) -> None:

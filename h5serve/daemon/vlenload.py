@@ -72,7 +72,8 @@ def _blocks(dset: Any, info: DatasetInfo, key: str, rows: RowRange, base: np.dty
             block = _block_rows(values.nbytes / n)
 
 
-def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tuple[Any, DatasetInfo, RowRange]]:
+def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype,
+             virtual_ok: bool) -> Iterator[tuple[Any, DatasetInfo, RowRange]]:
     """Each file's dataset, its description and its rows of the shard, in row order: ``f``
     alone, or each file of a multi-file set opened in turn (checked to be the one resolved);
     the file holding the rows (an external link's target) checked to be one the daemon checked.
@@ -85,7 +86,7 @@ def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tupl
             raise SourceChanged(f"{meta.source_path}[{meta.key}] is not the dataset the request saw; request it again")
         # HDF5 follows an external link by path: the file it opened must be the one checked
         dset = pinned_rows(f, meta.key, (meta.linked,) if meta.linked else (meta.source,),
-                           f"{meta.source_path}[{meta.key}]")
+                           f"{meta.source_path}[{meta.key}]", virtual_ok=virtual_ok)
         yield dset, info, meta.row_range
         return
     set_dtype = np.dtype(meta.source_dtype)
@@ -96,12 +97,12 @@ def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype) -> Iterator[tupl
             if info.vlen != meta.vlen or info.rows != entry[5] or not np.can_cast(info.dtype, set_dtype, "safe"):
                 raise SourceChanged(f"{entry[0]}[{meta.key}] is not the dataset the request saw (it changed while "
                                     "being loaded); request it again")
-            dset = pinned_rows(g, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]")
+            dset = pinned_rows(g, meta.key, (entry, *meta.depends), f"{entry[0]}[{meta.key}]", virtual_ok=virtual_ok)
             yield dset, info, piece.local
 
 
 def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: Callable[[int], None],
-              checksum: bool) -> tuple[int, int]:
+              checksum: bool, *, virtual_ok: bool) -> tuple[int, int]:
     """Read the shard ``meta`` describes out of ``f`` (many files: out of each file of
     ``meta.files`` in turn, their rows one after the other) into ``writer``'s segment (created
     for no values yet): offsets, then values. Returns ``(the LOAD_CRC of the data area or -1, values)``.
@@ -116,7 +117,7 @@ def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: 
     count = 0  # values written
     crc = 0
     k = 0  # rows done
-    for dset, info, rows in _sources(f, meta, stored):
+    for dset, info, rows in _sources(f, meta, stored, virtual_ok):
         first_block = _block_rows(info.mean_length * stored.itemsize)
         for lengths, values in _blocks(dset, info, meta.key, rows, stored, first_block):
             n = len(lengths)

@@ -1,6 +1,6 @@
 """Which file a path names, and opening that very file: ``FileIdentity`` (realpath, device,
-inode, size, mtime), taken by ``stat`` or from the descriptor opened, and h5py opens checked
-against it, so a file replaced at its path is seen rather than read.
+inode, size, mtime, ctime), taken by ``stat`` or from the descriptor opened, and h5py opens
+checked against it, so a file replaced at its path is seen rather than read.
 
 HDF5 opens by path and follows external links by path, so "the file that was checked" is
 pinned by device and inode: ``open_h5_verified`` opens the path once ``O_NONBLOCK`` first (a
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import h5py
 
-from ..errors import SourceChanged, SourceNotFound
+from ..errors import AccessDenied, SourceChanged, SourceNotFound
 from .compound import FieldRows, rows_dataset
+from .filters import check_storage
 
 __all__ = [
     "FileIdentity",
@@ -39,16 +40,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """(realpath, st_dev, st_ino, st_size, st_mtime_ns): changes whenever the file does."""
+    """(realpath, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): changes whenever the file does.
+
+    ``ctime_ns`` is part of equality (every cache keyed by an identity misses once the file
+    changed): its owner can set mtime back with ``utime`` after rewriting the file in place,
+    but not ctime. ``as_tuple`` (what a segment's metadata records) leaves it out.
+    """
 
     path: str
     dev: int
     ino: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     def as_tuple(self) -> tuple[str, int, int, int, int]:
         return (self.path, self.dev, self.ino, self.size, self.mtime_ns)
+
+    @classmethod
+    def of(cls, path: str, st: os.stat_result) -> FileIdentity:
+        """The identity of the file ``st`` describes, found at ``path``."""
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
@@ -64,7 +76,7 @@ def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
         ) from exc
     if not os.path.isfile(real):
         raise SourceNotFound(f"{os.fspath(path)!r} is not a regular file; pass the path of an HDF5 file")
-    return FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return FileIdentity.of(real, st)
 
 
 def open_identified(path: str | os.PathLike[str]) -> tuple[int, FileIdentity]:
@@ -88,7 +100,7 @@ def open_identified(path: str | os.PathLike[str]) -> tuple[int, FileIdentity]:
     except BaseException:
         os.close(fd)
         raise
-    return fd, FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return fd, FileIdentity.of(real, st)
 
 
 def _replaced(path: str) -> SourceChanged:
@@ -153,15 +165,34 @@ def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File
 
 def holder_identity(obj: h5py.HLObject) -> FileIdentity:
     """The identity of the file HDF5 opened that holds ``obj`` (an external link's target for a
-    dataset reached through one), from ``fstat`` of HDF5's own descriptor and its real path
-    from ``/proc/self/fd`` (readable by this process only while it is dumpable)."""
+    dataset reached through one), from ``fstat`` of HDF5's own descriptor; its real path from
+    ``/proc/self/fd``, or, in a process that may not read that (one that changed its uid and
+    stays undumpable), the real path of the name HDF5 opened, which must lead to that very file.
+
+    Raised when that name now leads elsewhere (swapped since HDF5 opened it): SourceChanged.
+    """
     fd = obj.file.id.get_vfd_handle()
     st = os.fstat(fd)
     try:
         real = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
-        real = os.path.realpath(obj.file.filename)
-    return FileIdentity(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        real = _named_path(obj.file.filename, st)
+    return FileIdentity.of(real, st)
+
+
+def _named_path(name: str, st: os.stat_result) -> str:
+    """The real path of ``name``, checked to lead to the file ``st`` describes.
+
+    Raised when it leads elsewhere or nowhere (swapped since it was opened): SourceChanged.
+    """
+    real = os.path.realpath(name)
+    try:
+        now = os.stat(real)
+    except OSError as exc:
+        raise _replaced(name) from exc
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise _replaced(name)
+    return real
 
 
 def check_holder(obj: h5py.HLObject, expected: Iterable[tuple], what: str) -> None:
@@ -179,11 +210,18 @@ def check_holder(obj: h5py.HLObject, expected: Iterable[tuple], what: str) -> No
                             "checked (replaced since); request it again")
 
 
-def pinned_rows(f: h5py.File, key: str, expected: Iterable[tuple], what: str) -> h5py.Dataset | FieldRows:
+def pinned_rows(f: h5py.File, key: str, expected: Iterable[tuple], what: str, *,
+                virtual_ok: bool) -> h5py.Dataset | FieldRows:
     """The dataset (or compound field) whose rows ``key`` names in ``f``, checked to be held by
-    one of the files ``expected`` (``check_holder``). The key was inspected when it was
-    checked, so a failure to open it now means a file on its way changed since.
+    one of the files ``expected`` (``check_holder``) and laid out so that reading it reads
+    that file alone: no raw external storage, and no virtual dataset unless ``virtual_ok``
+    (both make HDF5 open other files by name when rows are read). The layout is checked on
+    the dataset as opened here, never taken from an earlier inspection: the file's owner may
+    have rewritten it in place since. The key was inspected when it was checked, so a failure
+    to open it now means a file on its way changed since.
 
+    Raised when it is now a virtual dataset and not ``virtual_ok``: AccessDenied.
+    Raised when its rows are in raw external files: UnsupportedDataset.
     Raised otherwise: SourceChanged.
     """
     try:
@@ -194,6 +232,11 @@ def pinned_rows(f: h5py.File, key: str, expected: Iterable[tuple], what: str) ->
         raise SourceChanged(f"{what} cannot be opened any more ({exc}): a file on its way changed since it was "
                             "checked; request it again") from exc
     check_holder(dset, expected, what)
+    if dset.is_virtual and not virtual_ok:
+        raise AccessDenied(
+            f"{what} is now a virtual dataset (it was not when it was checked): HDF5 would open its source files "
+            "by name, which the daemon loads only for its own user and root; read it lazily (fallback='lazy')")
+    check_storage(dset, key)
     return dset
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "check_cast",
     "resolve_dtype",
     "storage_dtype",
+    "SOURCE_KINDS",
 ]
 
 SERVABLE_KINDS = "biufc"  # what a requested dtype may be

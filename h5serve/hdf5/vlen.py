@@ -27,10 +27,11 @@ import numpy as np
 
 from ..errors import DataError
 
-__all__ = ["SEQ", "vlen_kind", "is_text", "read_vlen",
+__all__ = ["SEQ", "VLEN_KINDS", "vlen_kind", "is_text", "read_vlen",
            "flatten", "offsets_of", "gather", "estimate_mean_length", "ESTIMATE_ROWS"]
 
 SEQ = "seq"  # the vlen kind of numeric sequences; strings' kind is their encoding ("utf-8", "ascii")
+VLEN_KINDS = frozenset({"", SEQ, "utf-8", "ascii"})  # "": fixed rows
 LONG_ROWS = 512  # mean values per row above which a batch is gathered a row at a time (gather)
 ESTIMATE_ROWS = 1024  # rows read to estimate a dataset's mean row length (the daemon's budget check)
 _NUMERIC = "biufc"

@@ -39,7 +39,7 @@ __all__ = [
     "decode_reply",
     "MAX_REPLY_BYTES",
     "MAX_FILES",
-    "MAX_PATH_CHARS",
+    "MAX_PATH_CHARS", "MAX_KEY_CHARS",
     "MAX_WORLD_SIZE",
     "normalise_key",
 ]
