@@ -34,11 +34,23 @@ REPLY_OK = b"OK"
 REPLY_NO = b"NO"
 HANDOUT_TIMEOUT_S = 5.0  # the whole exchange; the daemon answers from a thread of its own at once
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a connected unix socket (``SO_PEERCRED``)."""
     return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
+
+
+def _set_deadline(sock: socket.socket, seconds: float) -> None:
+    """Bound each blocking call on ``sock`` (connect and send: SO_SNDTIMEO, receive:
+    SO_RCVTIMEO) to ``seconds``; past it the call fails with EAGAIN."""
+    sock.settimeout(None)  # blocking whatever socket.setdefaulttimeout says
+    whole = int(seconds)
+    micros = max(int((seconds - whole) * 1_000_000), 0 if whole > 0 else 1)  # all zero would mean no deadline
+    timeval = _TIMEVAL.pack(whole, micros)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
 
 def opens_by_name(owner: int) -> bool:
@@ -61,7 +73,10 @@ def request_descriptor(socket_path: str | os.PathLike[str], name: str, owner: in
     where = f"the daemon's descriptor socket {socket_path}"
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
-            sock.settimeout(timeout)
+            # blocking, with the kernel's deadlines, not settimeout: that makes the socket
+            # non-blocking, and a non-blocking connect fails at once (EAGAIN) while the listener's
+            # backlog is full, as a flood keeps it; a blocking one waits its turn in the kernel
+            _set_deadline(sock, timeout)
             sock.connect(os.fspath(socket_path))
             if peer_uid(sock) != owner:
                 raise SegmentError(f"{where} is served by uid {peer_uid(sock)}, not the daemon's uid {owner}")
@@ -70,7 +85,7 @@ def request_descriptor(socket_path: str | os.PathLike[str], name: str, owner: in
     except OSError as exc:
         if exc.errno == errno.EMFILE or exc.errno == errno.ENFILE:
             raise SegmentError(f"no descriptor left to receive segment {name} from {where}") from exc
-        why = "timed out" if isinstance(exc, socket.timeout) else exc.strerror or str(exc)
+        why = f"no answer within {timeout:g} s" if exc.errno == errno.EAGAIN else exc.strerror or str(exc)
         raise SegmentError(f"cannot ask {where} for segment {name}: {why}") from exc
     if message == REPLY_OK and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
         return fds[0]
