@@ -6,10 +6,13 @@ need root and skip elsewhere.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import stat
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -28,7 +31,16 @@ from h5serve.wire.protocol import Acquire, AcquireResult
 from h5serve.wire.runtime import resolve_runtime, signal_daemon
 
 from ..helpers import Daemon, make_h5, wait_for
-from ..users import Group, PortablePython, User, as_user, root_only, run_as, throwaway_group, throwaway_user
+from ..users import (
+    Group,
+    PortablePython,
+    User,
+    as_user,
+    root_only,
+    run_as,
+    throwaway_group,
+    throwaway_user,
+)
 
 pytestmark = [root_only, pytest.mark.timeout(300)]
 
@@ -318,3 +330,57 @@ def test_a_newline_in_a_file_name_forges_no_log_line(group_daemon_users: tuple[G
     finally:
         d.stop()
         planted.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- the admin's terminal
+
+
+FORGED_ROW = "/data/secret.h5  x  all  global  float32  1.0 GiB  0  0  1s  ready"
+TERMINAL_BYTES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # ESC, CR, BEL...: every control but the newline
+
+
+def test_a_members_file_name_and_key_never_reach_the_admins_terminal_raw(
+        group_daemon_users: tuple[Group, User, User], public_dir: Path) -> None:
+    """A member loads a file whose name holds ESC (a title-setting OSC sequence), BEL, CR and a
+    newline followed by a fake ``ready`` row, through a key holding the same; root's `h5serve
+    status` shows the segment on one line, escaped as the log escapes it (no control byte, no
+    forged row), and `status --json` has the exact name and key."""
+    group, member, _ = group_daemon_users
+    odd_dir = public_dir / "evil\x1b]0;owned\x07\r\n" / "data"  # the path goes on with "/data/secret.h5  x  all ..."
+    odd_dir.mkdir(parents=True)
+    for d in (odd_dir, odd_dir.parent):
+        d.chmod(0o755)
+    odd = odd_dir / FORGED_ROW.removeprefix("/data/")
+    key = "x\x1b[2J\x07\r\n" + FORGED_ROW
+    with h5py.File(odd, "w") as f:
+        f.create_dataset(key, data=np.arange(64, dtype=np.float32))
+    os.chown(odd, member.uid, member.gid)
+    odd.chmod(0o644)
+    assert str(odd).split("\n")[1].startswith(FORGED_ROW)  # raw, the name would start a line with the fake row
+    d = _group_daemon(group)
+    try:
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def load() -> str:
+            with DaemonClient(runtime_dir, timeout=10) as client:
+                return client.acquire(Acquire(str(odd), key, 1, 0), deadline=time.monotonic() + 60).state
+
+        assert as_user(member, load) == ("ok", "ready")
+        raw = subprocess.run([sys.executable, "-m", "h5serve", "status"], env=d.env, capture_output=True, timeout=60)
+        assert raw.returncode == 0, raw.stderr
+        text = raw.stdout.decode()  # bytes: text mode would turn the CR of "\r\n" into a newline unseen
+        for byte in "\x1b\r\x07":
+            assert byte not in text, repr(text)
+        assert not TERMINAL_BYTES.search(text), repr(text)
+        assert not [line for line in text.splitlines() if line.startswith(FORGED_ROW[:15])], text
+        rows = [line for line in text.splitlines() if line.startswith(str(public_dir))]
+        assert len(rows) == 1 and rows[0].endswith("ready"), text  # one segment, one line
+        assert "evil\\x1b]0;owned\\x07\\x0d\\x0a/data/secret.h5" in rows[0], rows
+        assert "x\\x1b[2J\\x07\\x0d\\x0a/data/secret.h5" in rows[0], rows
+        done = d.cli("status", "--json")
+        assert done.returncode == 0, done.stderr
+        (segment,) = json.loads(done.stdout)["segments"]
+        assert (segment["file"], segment["key"], segment["state"]) == (str(odd), key, "ready")
+    finally:
+        d.stop()
