@@ -6,6 +6,7 @@ need root and skip elsewhere.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from ..users import (
     as_user,
     root_only,
     run_as,
+    setpriv,
     throwaway_group,
     throwaway_user,
 )
@@ -383,4 +385,101 @@ def test_a_members_file_name_and_key_never_reach_the_admins_terminal_raw(
         (segment,) = json.loads(done.stdout)["segments"]
         assert (segment["file"], segment["key"], segment["state"]) == (str(odd), key, "ready")
     finally:
+        d.stop()
+
+
+# --------------------------------------------------------------------------- file locks
+
+
+def _locked_exclusively(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_members_exclusive_flock_never_fails_anothers_loads(group_daemon_users: tuple[Group, User, User],
+                                                             public_dir: Path) -> None:
+    """The attacker, a shell-only member, holds ``flock`` LOCK_EX on the victim's group-readable
+    file (``flock FILE sleep 600``); the victim's acquire through the daemon (inspection, then
+    a load) is still ready within the deadline with the file's rows, as is a whole-file load
+    of a second key. HDF5's own shared lock would fail both ("unable to lock file, errno = 11")."""
+    group, victim, attacker = group_daemon_users
+    owned = make_h5(public_dir / "victim.h5")
+    os.chown(owned, victim.uid, group.gid)
+    owned.chmod(0o640)
+    with h5py.File(owned) as f:
+        expected = f["x"][:].tobytes()
+    d = _group_daemon(group)
+    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(owned), "sleep", "600"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
+    try:
+        assert wait_for(lambda: _locked_exclusively(owned) or lock.poll() is not None, 30)
+        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def load() -> tuple[str, str, bytes]:
+            with DaemonClient(runtime_dir, timeout=10) as client:
+                deadline = time.monotonic() + 60
+                sharded = client.acquire(Acquire(str(owned), "x", 2, 1), deadline=deadline)
+                whole = client.acquire(Acquire(str(owned), "y", 1, 0, "global"), deadline=deadline)
+            backend, rows = _rows(owned, "x", runtime_dir)
+            return f"{sharded.state} {whole.state}", backend, rows
+
+        status, out = as_user(victim, load, timeout=90)
+        assert status == "ok", out
+        assert out == ("ready ready", "shm", expected)
+        assert _locked_exclusively(owned) and lock.poll() is None  # the lock held all along
+    finally:
+        lock.kill()
+        lock.wait(timeout=30)
+        d.stop()
+
+
+def test_a_members_exclusive_flock_on_a_linked_file_never_fails_a_load(group_daemon_users: tuple[Group, User, User],
+                                                                      public_dir: Path) -> None:
+    """The files HDF5 opens by itself take no lock either: with the attacker's LOCK_EX on the
+    victim's file, the victim's load of an external link to it and root's load of a virtual
+    dataset whose source it is (root's own: virtual datasets are served to root) are ready."""
+    group, victim, attacker = group_daemon_users
+    target = make_h5(public_dir / "target.h5")
+    linked = public_dir / "linked.h5"
+    with h5py.File(linked, "w") as f:
+        f["x"] = h5py.ExternalLink(str(target), "x")
+    for path in (target, linked):
+        os.chown(path, victim.uid, group.gid)
+        path.chmod(0o640)
+    layout = h5py.VirtualLayout(shape=(1000,), dtype="int64")
+    layout[:] = h5py.VirtualSource(str(target), "y", shape=(1000,))
+    vds = public_dir / "vds.h5"
+    with h5py.File(vds, "w") as f:
+        f.create_virtual_dataset("v", layout)
+    with h5py.File(target) as f:
+        expected = f["x"][:].tobytes()
+    d = _group_daemon(group)
+    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(target), "sleep", "600"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
+    try:
+        assert wait_for(lambda: _locked_exclusively(target) or lock.poll() is not None, 30)
+        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def load() -> tuple[str, str, bytes]:
+            with DaemonClient(runtime_dir, timeout=10) as client:
+                state = client.acquire(Acquire(str(linked), "x", 1, 0), deadline=time.monotonic() + 60).state
+            return (state, *_rows(linked, "x", runtime_dir))
+
+        assert as_user(victim, load, timeout=90) == ("ok", ("ready", "shm", expected))
+        with DaemonClient(runtime_dir, timeout=10) as client:
+            assert client.acquire(Acquire(str(vds), "v", 1, 0), deadline=time.monotonic() + 60).state == "ready"
+        assert _locked_exclusively(target) and lock.poll() is None
+    finally:
+        lock.kill()
+        lock.wait(timeout=30)
         d.stop()
