@@ -1,8 +1,12 @@
-"""``h5serve inspect``'s report (cli/inspect_report.py) as text for a terminal."""
+"""``h5serve inspect``'s report (cli/inspect_report.py) as text for a terminal. The file's
+path, its keys, dtypes and filter names are whoever wrote the file's (inspecting another
+user's file is what the command is for): they are escaped as the log escapes them
+(util/logtext.py ``printable``), every line of the report one line; ``--json`` keeps them exact."""
 
 from __future__ import annotations
 
 from ..order.sharding import GLOBAL, NODE
+from ..util.logtext import printable
 from ..util.units import format_bytes
 from .inspect_report import DatasetReport, InspectReport, held_keys
 
@@ -23,6 +27,7 @@ def _dataset_line(d: DatasetReport) -> list[str]:
 
 
 def _table(rows: list[list[str]]) -> list[str]:
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(len(r) for r in rows))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -33,7 +38,7 @@ def _not_fitting(report: InspectReport, mode: str) -> str:
 
 def format_report(report: InspectReport) -> str:
     """The report as text for a terminal."""
-    lines = [f"{report.file} ({format_bytes(report.file_bytes)})", "datasets:"]
+    lines = [f"{printable(report.file)} ({format_bytes(report.file_bytes)})", "datasets:"]
     lines += _table([["key", "rows", "row", "size", "layout", "filters"], *map(_dataset_line, report.datasets)])
     where = (f"world size {report.world_size}, {report.ranks_per_node} of its ranks on this node"
              if report.world_size > 1 else "one rank")
@@ -47,25 +52,26 @@ def format_report(report: InspectReport) -> str:
     else:
         w = report.stream
         held = held_keys(report.datasets, w)
-        beside = f"; {', '.join(held)} held whole beside it, {format_bytes(w.whole_bytes)}" if held else ""
+        beside = f"; {printable(', '.join(held))} held whole beside it, {format_bytes(w.whole_bytes)}" if held else ""
         lines.append(f"recommended: mode 'stream', window {format_bytes(w.window)} ({w.capacity} of {w.blocks} blocks "
                      f"of {w.block_rows:,} rows, {format_bytes(w.block_bytes)} each{beside})")
     shm = report.shm
     notes = {"docker-64m": "Docker's default 64 MiB", "slurm-job-tmpfs": "a SLURM per-job tmpfs"}
-    lines.append(f"{shm.path}: {format_bytes(shm.size)}, {format_bytes(shm.free)} free"
+    lines.append(f"{printable(shm.path)}: {format_bytes(shm.size)}, {format_bytes(shm.free)} free"
                  + "".join(f"; {notes[n]}" for n in shm.notes))
     d = report.daemon
     if d.running:
         seen = {True: "visible from here", False: "NOT visible from here", None: "visibility unknown"}[d.shm_visible]
-        lines.append(f"daemon: pid {d.pid} on {d.runtime_dir}, shm {d.shm_dir} {seen} ({d.how})")
+        lines.append(f"daemon: pid {d.pid} on {printable(d.runtime_dir)}, shm {printable(d.shm_dir)} {seen} "
+                     f"({printable(d.how)})")
     else:
-        lines.append(f"daemon: not running on {d.runtime_dir}")
+        lines.append(f"daemon: not running on {printable(d.runtime_dir)}")
     soft = "unlimited" if report.nofile_soft < 0 else str(report.nofile_soft)
     hard = "unlimited" if report.nofile_hard < 0 else str(report.nofile_hard)
     lines.append(f"open files: soft limit {soft}, hard limit {hard}")
     if report.advice:
         lines.append("advice:")
-        lines += [f"- {a.text}" for a in report.advice]
+        lines += [f"- {printable(a.text)}" for a in report.advice]
     else:
         lines.append("advice: none; the layout suits h5serve")
     return "\n".join(lines)

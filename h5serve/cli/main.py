@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 from .. import __version__
 from ..errors import ConfigError, H5ServeError, host_error
+from ..util.logtext import printable_lines
 from .common import EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_OK, EXIT_USAGE
 from .plan import add_plan_arguments, run_plan
 from .preload import cmd_preload
@@ -209,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _environment_errors(args.command):
             return int(args.func(args))
     except H5ServeError as exc:
-        print(f"h5serve: error: {exc}", file=sys.stderr)
+        # a message may quote a path or key as it came (another user's file name): escaped, its lines indented
+        print(f"h5serve: error: {printable_lines(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
         # `h5serve status | head -1`: quiet, and no second error when Python flushes stdout at exit

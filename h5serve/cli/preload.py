@@ -9,6 +9,7 @@ import sys
 import time
 
 from ..errors import ConfigError
+from ..util.logtext import printable
 from ..util.units import format_bytes
 from .common import EXIT_OK, daemon_client
 
@@ -84,6 +85,6 @@ def cmd_preload(args: argparse.Namespace) -> int:
             bar.close()
         status = client.status()
     loaded = [s for s in status["segments"] if s["file"] == os.path.realpath(path) and s["state"] == "ready"]
-    print(f"preloaded {len(requests)} segments of {path} for ranks {ranks} in {time.monotonic() - start:.2f}s "
-          f"({format_bytes(sum(s['bytes'] for s in loaded))} for this file in shm)")
+    print(f"preloaded {len(requests)} segments of {printable(path)} for ranks {ranks} "
+          f"in {time.monotonic() - start:.2f}s ({format_bytes(sum(s['bytes'] for s in loaded))} for this file in shm)")
     return EXIT_OK

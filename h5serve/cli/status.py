@@ -1,5 +1,9 @@
 """``h5serve status``'s text: the segment table, and ``--verify``'s re-read of every segment
-against the checksum recorded at load time (``cmd_status`` runs the command)."""
+against the checksum recorded at load time (``cmd_status`` runs the command).
+
+Paths and keys are the members' (a root or service-account daemon shows everyone's to root):
+the text escapes them as the log does (util/logtext.py ``printable``), so an ESC, CR, BEL or
+newline in a file name or key never reaches the terminal raw; ``--json`` keeps them exact."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 from ..errors import DaemonUnavailable, SegmentError
 from ..segments import verify_content
 from ..segments.handout import opens_by_name, request_descriptor
+from ..util.logtext import printable, printable_lines
 from ..util.units import format_bytes
 from ..wire.runtime import HANDOUT_SOCKET_NAME
 from .common import EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_OK, daemon_client
@@ -47,11 +52,14 @@ def shown_ranks(segment: dict[str, Any]) -> str:
 
 
 def format_status(info: dict[str, Any]) -> str:
+    """The daemon, its memory and one row per segment, every string from the daemon escaped
+    (``printable``): each segment is one line however its file and key are named."""
     mem = info["memory"]
     lines = [
-        f"h5serve {info['version']} pid {info['pid']} on {info['runtime_dir']} (shm {info['shm_dir']})",
+        f"h5serve {printable(info['version'])} pid {info['pid']} on {printable(info['runtime_dir'])} "
+        f"(shm {printable(info['shm_dir'])})",
         f"memory: {format_bytes(mem['used'])} used of {format_bytes(mem['budget'])} budget "
-        f"({mem.get('budget_rule', '--max-memory')}); "
+        f"({printable(mem.get('budget_rule', '--max-memory'))}); "
         f"{format_bytes(mem['shm_free'])} free in shm",
         f"stream: mode='stream' with window=None streams through a window of the budget, "
         f"{format_bytes(mem['budget'])}, shared by the node's ranks (less the small keys it holds whole: labels)",
@@ -62,10 +70,11 @@ def format_status(info: dict[str, Any]) -> str:
         return "\n".join(lines)
     header = ("file", "key", "ranks or rows", "mode", "dtype", "size", "holders", "hits", "age", "state")
     rows = [
-        (shown_file(s), s["key"], shown_ranks(s),
-         "global" if s.get("whole_file") else s["mode"], s["dtype"], format_bytes(s["bytes"]),
-         str(s.get("holders", 0)), str(s["hits"]), format_age(s["age_s"]),
-         s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")
+        tuple(map(printable, (
+            shown_file(s), s["key"], shown_ranks(s),
+            "global" if s.get("whole_file") else s["mode"], s["dtype"], format_bytes(s["bytes"]),
+            str(s.get("holders", 0)), str(s["hits"]), format_age(s["age_s"]),
+            s["state"] if s["state"] != "loading" else f"loading {100 * s['rows_done'] // max(s['rows'], 1)}%")))
         for s in sorted(segments, key=lambda s: (s["file"], s["key"], s["mode"] == "stream", s["world_size"], s["rank"],
                                                  _first_row(s)))
     ]
@@ -123,8 +132,9 @@ def format_verify(report: dict[str, Any], shm_dir: str) -> str:
         return summary + ": every one matches what was loaded"
     lines = [summary + f": {len(report['damaged'])} DAMAGED"]
     for d in report["damaged"]:
-        lines.append(f"  {d['name']} ({d['file']}[{d['key']}] rank {d['rank']}/{d['world_size']}): {d['problem']}")
-    names = " ".join(str(Path(shm_dir) / d["name"]) for d in report["damaged"])
+        lines.append(f"  {printable(d['name'])} ({printable(d['file'])}[{printable(d['key'])}] "
+                     f"rank {d['rank']}/{d['world_size']}): {printable(d['problem'])}")
+    names = " ".join(printable(Path(shm_dir) / d["name"]) for d in report["damaged"])
     lines.append("Something wrote into these after they were loaded; jobs that use them read wrong rows. Remove "
                  f"them (as the daemon's user or root: rm {names}) so the daemon loads them again at the next "
                  "request, and restart the jobs that use them (they keep the damaged copy they mapped).")
@@ -137,7 +147,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             info = client.status()
         except DaemonUnavailable as exc:
             stopped = {"running": False, "runtime_dir": str(client.location.directory)}
-            print(json.dumps(stopped) if args.json else str(exc))
+            print(json.dumps(stopped) if args.json else printable_lines(str(exc)))
             return EXIT_NOT_RUNNING
     report = verify_segments(info, client.location.directory, client.daemon_uid) if args.verify else None
     if args.json:

@@ -13,6 +13,8 @@ one place, each with why and what it depends on (the client's are in h5serve/cli
   ``h5serve-spare``, a loader kept for the next stream block as ``h5serve-kept``) in ps, top
   and /proc/PID/comm;
 - ``quiet_blas``: the daemon and its forkserver start numpy with one OpenBLAS thread;
+- ``no_hdf5_file_locking``: HDF5 in the forkserver and everything it starts (loaders, part
+  processes, inspectors) takes no file lock, on any file it opens;
 - ``unshare_inherited_pages``: a spare, while it waits, takes private copies of the memory it
   shares copy-on-write with the forkserver.
 """
@@ -34,7 +36,7 @@ from typing import Any
 __all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "quiet_blas",
            "unshare_inherited_pages", "SPARE_NAME", "LOADER_NAME", "KEPT_NAME", "start_from_root", "safe_sys_path",
            "package_root", "LoaderContext", "LoaderProcess", "loader_output", "clean_preparation",
-           "SAFE_PYTHON_FLAGS", "OUTPUT_TAIL_BYTES", "safe_python_env", "SAFE_DIR"]
+           "SAFE_PYTHON_FLAGS", "OUTPUT_TAIL_BYTES", "safe_python_env", "SAFE_DIR", "no_hdf5_file_locking"]
 
 _PR_SET_PDEATHSIG = 1  # prctl options (linux/prctl.h)
 _PR_SET_NAME = 15
@@ -105,6 +107,21 @@ def quiet_blas(env: os._Environ[str] | dict[str, str]) -> None:
     once, when the library loads; a process that already imported numpy keeps its threads.
     """
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def no_hdf5_file_locking(env: os._Environ[str] | dict[str, str]) -> None:
+    """Tell HDF5 in every process started with ``env`` to take no file lock
+    (``HDF5_USE_FILE_LOCKING=FALSE``, whatever it was).
+
+    Why: HDF5 takes a shared ``flock`` on each file it opens and fails the open while another
+    process holds an exclusive one, which anyone who can read the file can take (``flock FILE
+    sleep 600``): a member of ``--group`` would fail every load of another member's file. The
+    daemon's own opens already ask for no lock (hdf5/identity.py ``open_h5_verified``); this
+    also covers the files HDF5 opens by itself (external link targets, virtual sources) and
+    HDF5 versions without that option. Version: HDF5 reads the variable once, when the library
+    starts (1.10.1 and later): it must be set before the forkserver imports h5py.
+    """
+    env["HDF5_USE_FILE_LOCKING"] = "FALSE"
 
 
 def _shared_runs() -> Iterator[tuple[int, int]]:

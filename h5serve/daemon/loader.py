@@ -141,10 +141,11 @@ def start_forkserver() -> None:
     node), so that the first load does not stall the control loop while it starts."""
     from multiprocessing import forkserver
 
-    from ._process import clean_preparation, safe_python_env
+    from ._process import clean_preparation, no_hdf5_file_locking, safe_python_env
 
     quiet_blas(os.environ)  # the forkserver starts with this process's environment
     safe_python_env(os.environ)
+    no_hdf5_file_locking(os.environ)
     loader_context()
     with clean_preparation():  # the sys.path it is handed (Python >= 3.12 uses it), never a main module
         forkserver.ensure_running()

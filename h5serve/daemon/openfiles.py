@@ -31,12 +31,11 @@ class OpenFiles:
         identity. Raised as it is."""
         if self._file is None or self._identity != meta.source:
             self.close()
-            # without HDF5's shared flock (HDF5 >= 1.10 takes one on every file it opens): the
-            # file kept open between blocks would make every writer of it fail ("unable to lock
-            # file") until this loader exits, where a one-load loader held it for one load. The
-            # rows read are checked against the file's identity after every load (a write
-            # changes its mtime), as in any loader, so the lock guards nothing here.
-            self._file = open_h5_verified((meta.source_path, meta.source_dev, meta.source_ino), locking=False)
+            # without HDF5's shared flock, as every open of the daemon's (open_h5_verified): with
+            # it, the file kept open between blocks would make every writer of it fail ("unable
+            # to lock file") until this loader exits. The rows read are checked against the
+            # file's identity after every load (a write changes its mtime), as in any loader.
+            self._file = open_h5_verified((meta.source_path, meta.source_dev, meta.source_ino))
             self._identity = meta.source
         return self._file
 

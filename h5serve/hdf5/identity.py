@@ -119,6 +119,19 @@ def _still(path: str, dev: int, ino: int) -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
+def _without_file_locking() -> dict[str, object]:
+    """h5py's option for an open without HDF5's file lock: ``locking=False`` on HDF5 >= 1.12.1
+    or 1.10.7, {} on older ones, which have no such option (there HDF5_USE_FILE_LOCKING=FALSE,
+    which the daemon sets for its loaders, daemon/_process.py, is the only switch).
+
+    Why: HDF5 takes a shared ``flock`` on every file it opens and fails at once ("unable to
+    lock file, errno = 11") while another process holds an exclusive one, which anyone who can
+    open the file for reading can take: one member would fail every load of another's file.
+    The daemon only reads, and checks each file's identity after every load."""
+    version = h5py.version.hdf5_version_tuple
+    return {"locking": False} if version >= (1, 12, 1) or (1, 10, 7) <= version < (1, 11) else {}
+
+
 def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File:
     """Open the file ``ident`` describes (a FileIdentity or its ``as_tuple()``) with h5py, and
     check that HDF5 opened that very file (same device and inode), not whatever was swapped
@@ -144,7 +157,7 @@ def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File
     if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
         raise _replaced(path)
     try:
-        f = h5py.File(path, "r", **kwargs)
+        f = h5py.File(path, "r", **{**_without_file_locking(), **kwargs})
     except OSError as exc:
         # it was readable a moment ago: HDF5 refused, found no file or another one (HDF5's own
         # "st_ino or st_dev fields changed"), so it was swapped between the two opens

@@ -6,10 +6,14 @@ need root and skip elsewhere.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import signal
 import stat
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -28,7 +32,17 @@ from h5serve.wire.protocol import Acquire, AcquireResult
 from h5serve.wire.runtime import resolve_runtime, signal_daemon
 
 from ..helpers import Daemon, make_h5, wait_for
-from ..users import Group, PortablePython, User, as_user, root_only, run_as, throwaway_group, throwaway_user
+from ..users import (
+    Group,
+    PortablePython,
+    User,
+    as_user,
+    root_only,
+    run_as,
+    setpriv,
+    throwaway_group,
+    throwaway_user,
+)
 
 pytestmark = [root_only, pytest.mark.timeout(300)]
 
@@ -318,3 +332,154 @@ def test_a_newline_in_a_file_name_forges_no_log_line(group_daemon_users: tuple[G
     finally:
         d.stop()
         planted.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- the admin's terminal
+
+
+FORGED_ROW = "/data/secret.h5  x  all  global  float32  1.0 GiB  0  0  1s  ready"
+TERMINAL_BYTES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # ESC, CR, BEL...: every control but the newline
+
+
+def test_a_members_file_name_and_key_never_reach_the_admins_terminal_raw(
+        group_daemon_users: tuple[Group, User, User], public_dir: Path) -> None:
+    """A member loads a file whose name holds ESC (a title-setting OSC sequence), BEL, CR and a
+    newline followed by a fake ``ready`` row, through a key holding the same; root's `h5serve
+    status` shows the segment on one line, escaped as the log escapes it (no control byte, no
+    forged row), and `status --json` has the exact name and key."""
+    group, member, _ = group_daemon_users
+    odd_dir = public_dir / "evil\x1b]0;owned\x07\r\n" / "data"  # the path goes on with "/data/secret.h5  x  all ..."
+    odd_dir.mkdir(parents=True)
+    for d in (odd_dir, odd_dir.parent):
+        d.chmod(0o755)
+    odd = odd_dir / FORGED_ROW.removeprefix("/data/")
+    key = "x\x1b[2J\x07\r\n" + FORGED_ROW
+    with h5py.File(odd, "w") as f:
+        f.create_dataset(key, data=np.arange(64, dtype=np.float32))
+    os.chown(odd, member.uid, member.gid)
+    odd.chmod(0o644)
+    assert str(odd).split("\n")[1].startswith(FORGED_ROW)  # raw, the name would start a line with the fake row
+    d = _group_daemon(group)
+    try:
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def load() -> str:
+            with DaemonClient(runtime_dir, timeout=10) as client:
+                return client.acquire(Acquire(str(odd), key, 1, 0), deadline=time.monotonic() + 60).state
+
+        assert as_user(member, load) == ("ok", "ready")
+        raw = subprocess.run([sys.executable, "-m", "h5serve", "status"], env=d.env, capture_output=True, timeout=60)
+        assert raw.returncode == 0, raw.stderr
+        text = raw.stdout.decode()  # bytes: text mode would turn the CR of "\r\n" into a newline unseen
+        for byte in "\x1b\r\x07":
+            assert byte not in text, repr(text)
+        assert not TERMINAL_BYTES.search(text), repr(text)
+        assert not [line for line in text.splitlines() if line.startswith(FORGED_ROW[:15])], text
+        rows = [line for line in text.splitlines() if line.startswith(str(public_dir))]
+        assert len(rows) == 1 and rows[0].endswith("ready"), text  # one segment, one line
+        assert "evil\\x1b]0;owned\\x07\\x0d\\x0a/data/secret.h5" in rows[0], rows
+        assert "x\\x1b[2J\\x07\\x0d\\x0a/data/secret.h5" in rows[0], rows
+        done = d.cli("status", "--json")
+        assert done.returncode == 0, done.stderr
+        (segment,) = json.loads(done.stdout)["segments"]
+        assert (segment["file"], segment["key"], segment["state"]) == (str(odd), key, "ready")
+    finally:
+        d.stop()
+
+
+# --------------------------------------------------------------------------- file locks
+
+
+def _locked_exclusively(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_members_exclusive_flock_never_fails_anothers_loads(group_daemon_users: tuple[Group, User, User],
+                                                             public_dir: Path) -> None:
+    """The attacker, a shell-only member, holds ``flock`` LOCK_EX on the victim's group-readable
+    file (``flock FILE sleep 600``); the victim's acquire through the daemon (inspection, then
+    a load) is still ready within the deadline with the file's rows, as is a whole-file load
+    of a second key. HDF5's own shared lock would fail both ("unable to lock file, errno = 11")."""
+    group, victim, attacker = group_daemon_users
+    owned = make_h5(public_dir / "victim.h5")
+    os.chown(owned, victim.uid, group.gid)
+    owned.chmod(0o640)
+    with h5py.File(owned) as f:
+        expected = f["x"][:].tobytes()
+    d = _group_daemon(group)
+    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(owned), "sleep", "600"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
+    try:
+        assert wait_for(lambda: _locked_exclusively(owned) or lock.poll() is not None, 30)
+        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def load() -> tuple[str, str, bytes]:
+            with DaemonClient(runtime_dir, timeout=10) as client:
+                deadline = time.monotonic() + 60
+                sharded = client.acquire(Acquire(str(owned), "x", 2, 1), deadline=deadline)
+                whole = client.acquire(Acquire(str(owned), "y", 1, 0, "global"), deadline=deadline)
+            backend, rows = _rows(owned, "x", runtime_dir)
+            return f"{sharded.state} {whole.state}", backend, rows
+
+        status, out = as_user(victim, load, timeout=90)
+        assert status == "ok", out
+        assert out == ("ready ready", "shm", expected)
+        assert _locked_exclusively(owned) and lock.poll() is None  # the lock held all along
+    finally:
+        lock.kill()
+        lock.wait(timeout=30)
+        d.stop()
+
+
+def test_a_members_exclusive_flock_on_a_linked_file_never_fails_a_load(group_daemon_users: tuple[Group, User, User],
+                                                                      public_dir: Path) -> None:
+    """The files HDF5 opens by itself take no lock either: with the attacker's LOCK_EX on the
+    victim's file, the victim's load of an external link to it and root's load of a virtual
+    dataset whose source it is (root's own: virtual datasets are served to root) are ready."""
+    group, victim, attacker = group_daemon_users
+    target = make_h5(public_dir / "target.h5")
+    linked = public_dir / "linked.h5"
+    with h5py.File(linked, "w") as f:
+        f["x"] = h5py.ExternalLink(str(target), "x")
+    for path in (target, linked):
+        os.chown(path, victim.uid, group.gid)
+        path.chmod(0o640)
+    layout = h5py.VirtualLayout(shape=(1000,), dtype="int64")
+    layout[:] = h5py.VirtualSource(str(target), "y", shape=(1000,))
+    vds = public_dir / "vds.h5"
+    with h5py.File(vds, "w") as f:
+        f.create_virtual_dataset("v", layout)
+    with h5py.File(target) as f:
+        expected = f["x"][:].tobytes()
+    d = _group_daemon(group)
+    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(target), "sleep", "600"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
+    try:
+        assert wait_for(lambda: _locked_exclusively(target) or lock.poll() is not None, 30)
+        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def load() -> tuple[str, str, bytes]:
+            with DaemonClient(runtime_dir, timeout=10) as client:
+                state = client.acquire(Acquire(str(linked), "x", 1, 0), deadline=time.monotonic() + 60).state
+            return (state, *_rows(linked, "x", runtime_dir))
+
+        assert as_user(victim, load, timeout=90) == ("ok", ("ready", "shm", expected))
+        with DaemonClient(runtime_dir, timeout=10) as client:
+            assert client.acquire(Acquire(str(vds), "v", 1, 0), deadline=time.monotonic() + 60).state == "ready"
+        assert _locked_exclusively(target) and lock.poll() is None
+    finally:
+        lock.kill()
+        lock.wait(timeout=30)
+        d.stop()

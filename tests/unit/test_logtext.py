@@ -43,3 +43,10 @@ def test_the_filter_escapes_messages_and_indents_tracebacks() -> None:
     assert not [line for line in lines if line.startswith("FORGED")], lines
     assert lines[1:3] == ["failed", "Traceback (most recent call last):"], lines
     assert all(line.startswith("    ") for line in lines[3:]), lines
+
+
+def test_printable_lines_keeps_lines_escapes_each_and_indents_the_rest() -> None:
+    from h5serve.util.logtext import printable_lines
+
+    text = printable_lines("cannot read '/x\\ny': no such file\nhint: check /a\x1b]0;t\x07\rFORGED")
+    assert text == "cannot read '/x\\ny': no such file\n    hint: check /a\\x1b]0;t\\x07\\x0dFORGED"
