@@ -11,10 +11,11 @@ reads from. Real throwaway users, a real root daemon, real /dev/shm; root only.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import secrets
-import signal
-import threading
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,9 +23,11 @@ import h5py
 import numpy as np
 import pytest
 
+from h5serve.daemon.loader import LoadError, LoadJob, LoadOk, run_load
 from h5serve.errors import AccessDenied, H5ServeError, UnsupportedDataset
 from h5serve.hdf5.identity import pinned_rows
-from h5serve.segments.naming import segment_prefix
+from h5serve.segments import SegmentMeta
+from h5serve.segments.naming import segment_prefix, temporary_name
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import resolve_runtime
@@ -136,61 +139,53 @@ def test_a_file_rewritten_in_place_as_a_virtual_dataset_is_inspected_again(publi
             d.stop()
 
 
-def _pids_named(name: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and Path(f"/proc/{entry}/comm").read_text().strip() == name:
-                found.append(int(entry))
-        except OSError:
-            pass
-    return found
+def _job(path: Path, shm_dir: Path, virtual_ok: bool) -> LoadJob:
+    """The daemon's job for the whole of ``path``'s ``x`` as resolved now (its identity)."""
+    st = os.stat(path)
+    meta = SegmentMeta(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, "x", "contiguous", 1, 0,
+                       ROWS, ROWS, (), "<i8", "<i8")
+    return LoadJob(shm_dir, temporary_name("h5s-test"), f"h5s-test-{secrets.token_hex(8)}", meta,
+                   virtual_ok=virtual_ok)
 
 
-@root_only
-def test_a_file_rewritten_after_its_check_is_refused_by_the_loader(public_dir: Path) -> None:
-    """The rewrite after the check, before the load: the load is handed to a spare loader that
-    is held stopped meanwhile; the loader finds the virtual dataset in the file it opened and
-    refuses it. No segment ever holds root's rows."""
-    with throwaway_group() as group, throwaway_user((group,)) as member:
-        allowed, secret, marker = _setup(public_dir, member)
-        f = allowed / "mine" / "f.h5"
-        as_user(member, lambda: _plain(f))
-        d = Daemon("--group", group.name, "--allow-root", str(allowed), "--loaders", "1")
-        d.dir.chmod(0o755)
-        held: list[int] = []
-        try:
-            d.start()
-            prefix = segment_prefix(resolve_runtime(d.runtime_dir).namespace)
-            assert wait_for(lambda: bool(_pids_named("h5serve-spare")), 30), "no spare loader started"
-            held = _pids_named("h5serve-spare")
-            for pid in held:
-                os.kill(pid, signal.SIGSTOP)
-            answer: dict[str, object] = {}
+def _run_loader(job: LoadJob) -> object:
+    """Run the daemon's loader (``run_load``) in a forked process, as the daemon starts one; its reply."""
+    ctx = multiprocessing.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run_load, args=(job, sender), daemon=True)
+    process.start()
+    sender.close()
+    try:
+        assert receiver.poll(60), "the loader never answered"
+        return receiver.recv()
+    finally:
+        process.kill()
+        process.join(10)
 
-            def ask() -> None:
-                answer["out"] = as_user(member, lambda: _acquire(d.runtime_dir, f, 1), timeout=120)
 
-            asker = threading.Thread(target=ask, daemon=True)
-            asker.start()
-            assert wait_for(lambda: any(s["file"] == str(f) for s in d.status()["segments"]), 30), \
-                "the member's load never started"
-            status, _ = as_user(member, lambda: _rewrite_as_virtual(f, secret))
-            assert status == "ok"
-            for pid in held:
-                os.kill(pid, signal.SIGCONT)
-            held = []
-            asker.join(120)
-            assert not asker.is_alive()
-            status, out = answer["out"]  # type: ignore[misc]
-            assert status == "ok" and str(out).startswith("AccessDenied"), out
-            assert "virtual dataset" in str(out)
-            assert wait_for(lambda: all(s["state"] != "loading" for s in d.status()["segments"]), 30)
-            assert _segments_holding(prefix, marker) == []
-        finally:
-            for pid in held:
-                os.kill(pid, signal.SIGCONT)
-            d.stop()
+def test_a_file_rewritten_after_its_check_is_refused_by_the_loader(tmp_path: Path) -> None:
+    """The rewrite after the check, before the load (same inode, size and mtime: the identity
+    the daemon resolved still matches): a load for anyone but the daemon's user and root
+    (``virtual_ok`` False) finds the virtual dataset in the file it opened and refuses it,
+    leaving nothing in shm; the daemon's own load of the same file reads it."""
+    vault = tmp_path / "vault"
+    vault.mkdir(mode=0o700)
+    secret, marker = _secret(vault)
+    shm = Path(tempfile.mkdtemp(prefix="h5s-load-", dir="/dev/shm"))
+    try:
+        f = tmp_path / "f.h5"
+        _plain(f)
+        member_job, own_job = _job(f, shm, virtual_ok=False), _job(f, shm, virtual_ok=True)
+        _rewrite_as_virtual(f, secret)
+        refused = _run_loader(member_job)
+        assert isinstance(refused, LoadError) and refused.code == "access_denied", refused
+        assert "virtual dataset" in refused.message
+        assert [p for p in shm.iterdir() if marker in p.read_bytes()] == []
+        served = _run_loader(own_job)
+        assert isinstance(served, LoadOk), served
+        assert marker in (shm / served.name).read_bytes()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_the_loaders_layout_check_refuses_virtual_and_external_storage(tmp_path: Path) -> None:
