@@ -70,7 +70,7 @@ from .fileset import read_files_part
 from .openfiles import OpenFiles
 from .parts import DaemonGone, PartResult, Parts, error_of
 from .reserve import Reservation
-from .vlenload import load_vlen
+from .vlenload import Room, load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
            "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES",
@@ -99,6 +99,9 @@ class LoadJob:
     # loader need not open the file before it forks; None: the loader plans them itself
     spans: tuple[tuple[int, int], ...] | None = None
     keep: bool = False  # the loader stays for more jobs on its job pipe (streamloader.py)
+    # variable-length rows: the bytes the segment may take, its share of the budget (vlenload.py); None for
+    # fixed rows, whose segment's size is known before the load (the store counted exactly that)
+    room: Room | None = None
 
 
 @dataclass(frozen=True)
@@ -367,7 +370,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         with nullcontext(files.open(meta)) if kept and files is not None else open_source(meta) as source:
             if meta.vlen:
                 reservation.wait()
-                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum)[0])
+                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum, job.room)[0])
             else:
                 first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, reservation.wait, source,
                                    job.drop_page_cache, files.places if kept and files is not None else None)
