@@ -207,7 +207,7 @@ def recommended_block(path: Path, budget: int) -> int:
     with h5py.File(path) as f:
         keys = [f[k] for k in ("x", "y")]
         chunks = [d.chunks[0] if d.chunks else 1 for d in keys]
-        row_bytes = sum(int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize for d in keys)
+        row_bytes = [int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize for d in keys]
         rows = keys[0].shape[0]
     window = plan_window(chunks, row_bytes, rows, budget)
     assert window is not None, budget

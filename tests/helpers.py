@@ -283,3 +283,77 @@ def torchrun_two_ranks(job: Path, args: list[str], out: Path, runtime_dir: Path,
             process.wait()
     assert process.returncode == 0, output[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def vlen_file(path: Path, mib: dict[str, float], first_rows: int = 1024, rows: int = 1100,
+              first_length: int = 0) -> Path:
+    """A file of variable-length float32 keys of ``rows`` rows whose first ``first_rows`` (all
+    the daemon's estimate of a key's mean row length reads: hdf5/vlen.ESTIMATE_ROWS) hold
+    ``first_length`` values each and whose last rows hold about ``mib[key]`` MiB of values
+    (row ``i``'s values are ``i``); world-readable."""
+    with h5py.File(path, "w") as f:
+        for key, size in mib.items():
+            v = f.create_dataset(key, (rows,), dtype=h5py.vlen_dtype(np.float32))
+            long = int(size * (1 << 20)) // 4 // (rows - first_rows)
+            for i in range(rows):
+                v[i] = np.full(first_length if i < first_rows else long, i, dtype=np.float32)
+    path.chmod(0o644)
+    return path
+
+
+class MemoryPeaks:
+    """The most the daemon's budget counted (``used``: ``ping``'s, as ``status``'s memory used) and the most its
+    files in its shm dir took in tmpfs (``allocated``: st_blocks * 512 of every file under its
+    prefix, temporaries included), each sampled every few milliseconds."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.allocated = 0
+        self.samples = 0
+
+
+def daemon_files_allocated(d: DaemonProcess, shm_dir: Path = Path("/dev/shm")) -> int:
+    """What ``d``'s files in ``shm_dir`` (segments and temporaries) take in tmpfs now."""
+    from h5serve.segments import segment_prefix
+    from h5serve.wire.runtime import resolve_runtime
+
+    prefix = segment_prefix(resolve_runtime(d.runtime_dir).namespace)
+    total = 0
+    with os.scandir(shm_dir) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefix):
+                try:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except FileNotFoundError:  # evicted, or a temporary published or removed, meanwhile
+                    pass
+    return total
+
+
+@contextlib.contextmanager
+def watch_memory(d: DaemonProcess, shm_dir: Path = Path("/dev/shm"), every: float = 0.01) -> Iterator[MemoryPeaks]:
+    """Sample ``d``'s budget and what its files take in tmpfs (MemoryPeaks) in a thread for the
+    duration of the block, and once more at its end."""
+    import threading
+
+    from h5serve.wire.connection import DaemonClient
+
+    peaks, done = MemoryPeaks(), threading.Event()
+
+    def sample(client: DaemonClient) -> None:
+        peaks.allocated = max(peaks.allocated, daemon_files_allocated(d, shm_dir))
+        peaks.used = max(peaks.used, int(client.ping()["used"]))  # status's segment list would load the daemon
+        peaks.samples += 1
+
+    def loop() -> None:
+        with DaemonClient(d.runtime_dir, timeout=30) as client:
+            while not done.wait(every):
+                sample(client)
+            sample(client)
+
+    thread = threading.Thread(target=loop, name="watch-memory", daemon=True)
+    thread.start()
+    try:
+        yield peaks
+    finally:
+        done.set()
+        thread.join(60)

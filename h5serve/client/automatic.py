@@ -34,7 +34,7 @@ import torch
 
 from ..errors import CapacityError, ConfigError, H5ServeError, ShmFull
 from ..hdf5.description import DatasetDescription
-from ..segments import HEADER_SIZE
+from ..order.stream_plan import segment_cost
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from .spec import BackendSpec
@@ -138,7 +138,7 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
     except ConfigError:  # not even one block fits: the lazy fallback
         return None
     rows = len(spec.selection.rows(infos[0].rows))
-    need = sum(rows * stream_row_bytes(i) + HEADER_SIZE for i in infos)
+    need = sum(segment_cost(rows * stream_row_bytes(i)) for i in infos)
     reason = "shm" if isinstance(error, ShmFull) or limit < budget else "budget"
     return StreamPlan(need, budget, limit, config.capacity * config.block_bytes, config.layout.block_rows,
                       config.block_bytes, config.capacity, reason, tuple(whole))

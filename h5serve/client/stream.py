@@ -9,8 +9,9 @@ served in the stream sampler's order (client/stream_sampler.py), from one of two
 
 ``window``: bytes (``"2GiB"``, h5serve/units.parse_size). Capacity (blocks) is ``window //
 block bytes`` either way, so one ``window`` gives one order with or without a daemon. With a
-daemon, the window must fit its budget (``ping`` says it) counting a header page per key and
-block; None: as many blocks as the budget holds. Without one, every rank (and every
+daemon, the window must fit its budget (``ping`` says it) counting a segment per key and
+block, its header page and rows in whole pages (as the daemon counts them); None: as many
+blocks as the budget holds. Without one, every rank (and every
 DataLoader worker) holds its own window; None: its share of a quarter of the node's memory
 (``default_window``: physical memory or the cgroup's limit, divided by the job's ranks on the
 node). The order depends on the window, so a default is made of what every rank of a node
@@ -39,8 +40,7 @@ from ..errors import ConfigError, H5ServeError, falls_back
 from ..hdf5.description import DatasetDescription
 from ..hdf5.source import DatasetInfo
 from ..order.stream_order import BlockLayout, block_unit, check_block_rows
-from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole, held_whole_bytes
-from ..segments import HEADER_SIZE
+from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole, held_whole_bytes, segment_cost
 from ..segments.format import VALUES_ALIGN
 from ..util.checks import is_int
 from ..util.units import format_bytes, parse_size, row_nbytes
@@ -65,7 +65,7 @@ class StreamConfig:
     block_bytes: int  # one block of every key, in the source dtypes
     capacity: int  # blocks a window holds
     window_bytes: int  # what was asked for (or picked)
-    block_cost: int = 0  # with a daemon: one block of every key in shared memory, headers included
+    block_cost: int = 0  # with a daemon: one block of every key in shared memory, headers included, whole pages
     budget: int = 0  # with a daemon: its budget
 
 
@@ -203,14 +203,15 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     asked = window_bytes(window)
     if block_rows is None:  # whole chunks, smaller than the default when the window would hold few
         limit = asked or budget or default_window(ranks)
-        rows = fitted_block_rows(unit, row_bytes, max(file_rows, default=total), limit, len(infos))
+        rows = fitted_block_rows(unit, [stream_row_bytes(i) for i in infos], max(file_rows, default=total), limit)
     else:
         chunks = chunks_said or ", ".join(f"{i.key}: {i.chunk_rows} rows a chunk" for i in each if i.chunked)
         rows = check_block_rows(block_rows, unit, chunks)
     layout = BlockLayout(total, rows, tuple(file_rows))
     block = rows * row_bytes
-    # the daemon's segments: a header page each (and vlen: one more offset, the values aligned)
-    cost = block + len(infos) * HEADER_SIZE + sum(8 + VALUES_ALIGN for i in infos if i.vlen)
+    # the daemon's segments: a header page each and the rows (vlen: one more offset, the values aligned), each in
+    # whole pages, as the daemon's budget counts them
+    cost = sum(segment_cost(rows * stream_row_bytes(i) + (8 + VALUES_ALIGN if i.vlen else 0)) for i in infos)
     if budget is not None and asked is not None and asked > budget:
         raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
                           f"{format_bytes(budget)}: pass a window of at most that (window=None: what the budget "

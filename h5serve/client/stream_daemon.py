@@ -384,13 +384,13 @@ def _arrays(segment: AttachedSegment) -> Arrays:
 
 def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:
     """Raised when a window of ``capacity`` blocks costing ``block_cost`` each in shared memory
-    (``block_bytes`` of rows and a header page per key) does not fit the daemon's ``budget``:
+    (``block_bytes`` of rows and a header page per key, in whole pages) does not fit the daemon's ``budget``:
     ConfigError naming them."""
     if capacity * block_cost > budget:
         fits = budget // block_cost
         raise ConfigError(
             f"window={format_bytes(window)} holds {capacity} blocks (those in use and those prefetched ahead of "
             f"them), which take {capacity} x {format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in "
-            f"the daemon's shared memory (rows and a header page per key), more than its budget of "
+            f"the daemon's shared memory (rows and a header page per key, in whole pages), more than its budget of "
             f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
             "window=None for what the budget holds, or start the daemon with a larger --max-memory")

@@ -63,9 +63,22 @@ class Entry:
     stamp: PublishStamp = UNKNOWN_STAMP  # inode and ctime as published, checked before each hit and by clients
     granted: set[int] = field(default_factory=set)  # uids (not the daemon's, not root) answered for it: they
     # may have its descriptor (handout.py) and see it in status
+    # a variable-length load in flight: the bytes its segment may grow to (its loader stops past them), set
+    # when its loader starts (store._room_of); 0 otherwise
+    room: int = 0
 
     def __post_init__(self) -> None:
         self.file = self.file or self.name
+
+    @property
+    def charge(self) -> int:
+        """What it counts against the budget: its segment's pages in tmpfs (``allocated_size``:
+        the real size once loaded; a variable-length load waiting for a loader, its estimate),
+        or, while a variable-length load runs, the room its loader may fill. Every budget check
+        of the store sums this and nothing else."""
+        if self.state == "loading":
+            return max(self.room, self.meta.allocated_size)
+        return self.meta.allocated_size
 
     def label(self) -> tuple[str, int, int]:
         """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""

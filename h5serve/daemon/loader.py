@@ -70,7 +70,7 @@ from .fileset import read_files_part
 from .openfiles import OpenFiles
 from .parts import DaemonGone, PartResult, Parts, error_of
 from .reserve import Reservation
-from .vlenload import load_vlen
+from .vlenload import Room, load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
            "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES",
@@ -102,6 +102,9 @@ class LoadJob:
     # a virtual dataset may be read (HDF5 opens its sources by name): only for loads the daemon's
     # own user or root asked for; anyone else's load refuses one found in the file as opened
     virtual_ok: bool = False
+    # variable-length rows: the bytes the segment may take, its share of the budget (vlenload.py); None for
+    # fixed rows, whose segment's size is known before the load (the store counted exactly that)
+    room: Room | None = None
 
 
 @dataclass(frozen=True)
@@ -374,7 +377,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         with nullcontext(files.open(meta)) if kept and files is not None else open_source(meta) as source:
             if meta.vlen:
                 reservation.wait()
-                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum,
+                first = PartResult(0, load_vlen(source, meta, writer, progress, job.checksum, job.room,
                                                 virtual_ok=job.virtual_ok)[0])
             else:
                 first = _read_part(meta, rows, writer, spans[0], progress, job.checksum, reservation.wait, source,

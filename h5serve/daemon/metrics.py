@@ -159,7 +159,8 @@ class _SnapshotCollector:
             segments.add_metric([state], n)
         yield segments
         memory = snap.get("memory", {})
-        yield GaugeMetricFamily("h5serve_memory_used_bytes", "Bytes of all segments", value=memory.get("used", 0))
+        yield GaugeMetricFamily("h5serve_memory_used_bytes", "Bytes the budget counts: the segments' pages in shared "
+                                "memory, a variable-length load's room while it runs", value=memory.get("used", 0))
         yield GaugeMetricFamily("h5serve_memory_budget_bytes", "The daemon's memory budget",
                                 value=memory.get("budget", 0))
         for name, key, doc in (

@@ -117,8 +117,9 @@ class LoadReaper:
 
     def _loaded(self, entry: Entry, stats: LoadStats, name: str) -> None:
         entry.file = name or entry.file  # a fresh name if the one planned was taken meanwhile
-        if entry.meta.vlen:  # the values the loader wrote, in place of the estimate
+        if entry.meta.vlen:  # the values the loader wrote, in place of the estimate: counted from now on, not the room
             entry.meta = replace(entry.meta, values=stats.values)
+        entry.room = 0
         try:  # the header, inode and ctime as published: every later hit compares the file with them
             entry.header, entry.stamp = check_published(self.shm_dir / entry.file, entry.meta)
         except SegmentError as exc:

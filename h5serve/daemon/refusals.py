@@ -4,11 +4,12 @@ gets (and falls back on, or raises with ``fallback="error"``), so each says what
 from __future__ import annotations
 
 from ..errors import BudgetExceeded
+from ..hdf5.vlen import ESTIMATE_ROWS
 from ..segments import SegmentMeta
 from ..util.units import format_bytes
 from .config import FAILURE_MEMORY_S
 
-__all__ = ["over_budget", "stalled_load"]
+__all__ = ["over_budget", "over_room", "stalled_load"]
 
 
 def over_budget(meta: SegmentMeta, needed: int, used: int, budget: int, rule: str) -> BudgetExceeded:
@@ -23,6 +24,21 @@ def over_budget(meta: SegmentMeta, needed: int, used: int, budget: int, rule: st
         f"{what}; the daemon's budget is {format_bytes(budget)} ({rule}) and {format_bytes(used)} of it is held by "
         f"segments jobs are using ({format_bytes(budget - used)} free); finish those jobs, or restart the daemon "
         "with a larger --max-memory")
+
+
+def over_room(meta: SegmentMeta, needed: int, room: int, budget: int, rule: str) -> BudgetExceeded:
+    """A variable-length load stopped when its segment would have taken ``needed`` bytes (at
+    least: rows were still to come), more than the ``room`` the budget (``budget``, set by
+    ``rule``) gave it when it started: longer rows than the first ones said."""
+    what = (f"{meta.source_path}[{meta.key}] {meta.shard_label()} needs at least {format_bytes(needed)} of shared "
+            f"memory (variable-length rows, longer than its first {ESTIMATE_ROWS:,} rows said), more than the "
+            f"{format_bytes(room)} the daemon's budget of {format_bytes(budget)} ({rule}) had room for when its load "
+            "started; the load was stopped and its segment removed")
+    if needed > budget:
+        return BudgetExceeded(f"{what}. Restart the daemon with --max-memory of more than {format_bytes(needed)}, "
+                              "or use a mode that holds fewer rows per node")
+    return BudgetExceeded(f"{what}. Ask again once other loads are done or jobs release their segments, or "
+                          "restart the daemon with a larger --max-memory")
 
 
 def stalled_load(meta: SegmentMeta, rows_done: int, stall_timeout: float) -> str:

@@ -24,7 +24,8 @@ def visible_to(entries: Iterable[Entry], viewer: int | None) -> list[Entry]:
 
 
 def segments_status(entries: list[Entry], shm_dir: Path) -> list[dict[str, Any]]:
-    """``status``'s row of each entry: file, key, ranks, mode, dtype, sizes, state, holders
+    """``status``'s row of each entry: file, key, ranks, mode, dtype, sizes (the file's, what the
+    budget counts), state, holders
     (shared leases, from /proc/locks), hits, age and how its load went."""
     rows = []
     now = time.time()
@@ -42,7 +43,10 @@ def segments_status(entries: list[Entry], shm_dir: Path) -> list[dict[str, Any]]
             "dtype": str(m.np_dtype) if not m.vlen else  # variable-length rows: "vlen float32", "str utf-8"
             f"vlen {m.np_dtype}" if m.vlen == "seq" else f"str {m.vlen}",
             "source_dtype": str(np.dtype(m.source_dtype)),
-            "rows": m.rows, "rows_done": done, "bytes": m.file_size, "state": shown_state(entry, shm_dir),
+            # bytes: the file's size; charged: what the budget counts for it (its pages in tmpfs, or the room
+            # of a variable-length load in flight)
+            "rows": m.rows, "rows_done": done, "bytes": m.file_size, "charged": entry.charge,
+            "state": shown_state(entry, shm_dir),
             "hits": entry.hits, "holders": holders.get(shm_dir / entry.file, 0),
             "age_s": round(now - entry.created, 3), "load_s": round(entry.load_seconds, 3),
             "load_read_s": round(entry.load_read_seconds, 4),

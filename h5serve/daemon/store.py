@@ -40,7 +40,7 @@ from ..segments import (
 )
 from ..util.logtext import printable
 from ..util.safeio import remove_if
-from ..util.units import format_bytes
+from ..util.units import PAGE_BYTES, format_bytes
 from ..wire.protocol import Acquire, AcquireResult
 from ..wire.runtime import RuntimeLocation
 from .access import Peer
@@ -65,6 +65,7 @@ from .resolve import RESOLVE_TIMEOUT_S, Resolver
 from .resolved import Resolved, ResolvedFiles
 from .secret import load_secret
 from .sweep import StaleSweep
+from .vlenload import Room
 
 __all__ = ["SegmentStore"]
 
@@ -292,7 +293,7 @@ class SegmentStore(LoadReaper):
 
     def _start(self, name: str, meta: SegmentMeta, uid: int,
                spans: tuple[tuple[int, int], ...] | None = None, prefetch: bool = False) -> Entry:
-        self._make_room(meta.file_size, meta, prefetch)
+        self._make_room(meta.allocated_size, meta, prefetch)  # variable-length rows: their estimate
         entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
@@ -322,16 +323,20 @@ class SegmentStore(LoadReaper):
             entry, self._last_uid = next_queued(self.entries.values(), self._last_uid)
             if entry is None:
                 return
+            room = self._room_of(entry) if entry.meta.vlen else None
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
                           self.load_processes, self.checksum,
                           self._drops_pages(entry), entry.spans,
                           keep=entry.meta.mode == STREAM and entry.spans is not None and len(entry.spans) == 1,
-                          virtual_ok=entry.requester in (os.geteuid(), 0))
+                          room=room, virtual_ok=entry.requester in (os.geteuid(), 0))
             entry.process, entry.reply = self.pool.launch(job)
+            entry.room = 0 if room is None else room.limit  # counted from now on, until the load is done
             entry.load_started = entry.active_at = time.monotonic()
             running += 1
+            size = format_bytes(entry.meta.nbytes) if room is None else (
+                f"estimated {format_bytes(entry.meta.nbytes)}, room {format_bytes(room.limit)}")
             log.log(load_log_level(entry.meta), "loading %s[%s] %s (%s) into %s", printable(entry.meta.source_path),
-                     printable(entry.meta.key), entry.meta.shard_label(), format_bytes(entry.meta.nbytes), entry.file)
+                    printable(entry.meta.key), entry.meta.shard_label(), size, entry.file)
 
     def _drops_pages(self, entry: Entry) -> bool:
         """Whether ``entry``'s loader drops the source's cached pages of its rows: not while a
@@ -340,8 +345,20 @@ class SegmentStore(LoadReaper):
         return (self.drop_page_cache and entry.meta.mode != STREAM
                 and not read_again_soon(self.entries.values(), entry))
 
+    def _room_of(self, entry: Entry) -> Room:
+        """The room of a variable-length load about to start (counted once it runs: ``Entry.charge``):
+        its estimate, counted since it was asked for, and half of what the budget has free now
+        (a lone load may grow well past a short estimate; the other half stays for the loads
+        asked next). Rooms are counted like segments, so loads side by side never share the
+        same free bytes and every segment together stays within the budget."""
+        free = max(self.max_memory - self.used_bytes(), 0)  # ``entry`` counted at its estimate (queued)
+        room = entry.meta.allocated_size + free // 2 // PAGE_BYTES * PAGE_BYTES  # whole pages
+        return Room(room, self.max_memory, self.budget_rule)
+
     def used_bytes(self) -> int:
-        return sum(e.meta.file_size for e in self.entries.values())
+        """What the budget counts now: every segment's pages in tmpfs, a variable-length load
+        in flight its room (``Entry.charge``)."""
+        return sum(e.charge for e in self.entries.values())
 
     def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False) -> None:
         """Evict least-recently-used segments no client holds until ``needed`` fits the budget
@@ -358,7 +375,7 @@ class SegmentStore(LoadReaper):
                 return
             if entry.state in ("ready", "stale") and try_evict(self.shm_dir / entry.file):
                 del self.entries[entry.name]
-                used -= entry.meta.file_size
+                used -= entry.charge
                 self.counters["evictions"] += 1
                 log.log(load_log_level(entry.meta), "evicted %s to make room", entry.file)
         if used + needed > self.max_memory:
@@ -410,7 +427,9 @@ class SegmentStore(LoadReaper):
         return {
             "segments": segments,
             "memory": {
+                # used: what the budget counts (pages; a variable-length load's room); segment_bytes: the files' sizes
                 "used": self.used_bytes(), "budget": self.max_memory, "budget_rule": self.budget_rule,
+                "segment_bytes": sum(e.meta.file_size for e in self.entries.values()),
                 "shm_free": st.f_bavail * st.f_frsize,
             },
             "counters": dict(self.counters),

@@ -12,6 +12,14 @@ full /dev/shm is a ShmFull naming the bytes, never a SIGBUS, and the segment gro
 exact size. Nothing here writes through a mapping; the header's metadata gets the number of
 values at the end (``SegmentWriter.set_values``), before the loader publishes.
 
+The budget: the store counted the load by an estimate (the mean length of the first rows),
+which a file can make as small as it likes (empty first rows, long last ones). So the store
+gives the loader a ``Room``, the bytes its segment may take in tmpfs (whole pages), counted
+against the budget while the load runs; before a block's values are reserved the segment's
+pages with them are checked against it, and past it the load stops with BudgetExceeded
+naming the file, the key and the budget (the loader removes the temporary). Rows still to
+come are never read into the segment, so it never holds more than its room.
+
 Many files as one dataset: each file's rows of the shard are read in turn (each file opened
 and checked to be the one resolved, as daemon/fileset.py does for fixed rows) into the same
 values and offsets, offsets running on across files: the segment is what one file holding
@@ -27,12 +35,13 @@ meanwhile. The cost is HDF5's conversion, a few microseconds a row.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import h5py
 import numpy as np
 
-from ..errors import SourceChanged
+from ..errors import BudgetExceeded, SourceChanged
 from ..hdf5.files import pieces
 from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import write_all
@@ -41,12 +50,31 @@ from ..hdf5.vlen import read_vlen
 from ..order.sharding import RowRange
 from ..segments import SegmentMeta, SegmentWriter, values_offset
 from ..util.crc import LOAD_CRC
+from ..util.units import allocated_bytes
+from .refusals import over_room
 
-__all__ = ["load_vlen", "BLOCK_VALUE_BYTES"]
+__all__ = ["load_vlen", "BLOCK_VALUE_BYTES", "Room"]
 
 BLOCK_VALUE_BYTES = 4 * 1024 * 1024  # about this many bytes of values are read per h5py call
 _FIRST_BLOCK_ROWS = 4096  # when the mean row length is not known yet
 _MAX_BLOCK_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Room:
+    """``limit``: the bytes a variable-length load's segment may take in tmpfs (whole pages,
+    header and offsets included), what the store counts for it against ``budget`` (set by
+    ``rule``) until the load is done."""
+
+    limit: int
+    budget: int
+    rule: str = "--max-memory"
+
+    def check(self, meta: SegmentMeta, file_size: int) -> None:
+        """Raised when a segment of ``file_size`` bytes would take more than the room:
+        BudgetExceeded, naming ``meta``'s file and key, the room and the budget."""
+        if allocated_bytes(file_size) > self.limit:
+            raise BudgetExceeded(over_room(meta, allocated_bytes(file_size), self.limit, self.budget, self.rule))
 
 
 def _block_rows(value_bytes: float) -> int:
@@ -102,13 +130,15 @@ def _sources(f: h5py.File, meta: SegmentMeta, stored: np.dtype,
 
 
 def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: Callable[[int], None],
-              checksum: bool, *, virtual_ok: bool) -> tuple[int, int]:
+              checksum: bool, room: Room | None = None, *, virtual_ok: bool) -> tuple[int, int]:
     """Read the shard ``meta`` describes out of ``f`` (many files: out of each file of
     ``meta.files`` in turn, their rows one after the other) into ``writer``'s segment (created
-    for no values yet): offsets, then values. Returns ``(the LOAD_CRC of the data area or -1, values)``.
+    for no values yet): offsets, then values, never past ``room`` (None: no limit). Returns
+    ``(the LOAD_CRC of the data area or -1, values)``.
 
     Raised when a dataset is no longer what the request saw: SourceChanged. Raised when rows
-    cannot be read: DataError; when /dev/shm is full: ShmFull.
+    cannot be read: DataError; when /dev/shm is full: ShmFull; when the values outgrow
+    ``room``: BudgetExceeded.
     """
     stored = meta.np_dtype
     fd, data_at = writer.data_target()
@@ -125,6 +155,8 @@ def load_vlen(f: h5py.File, meta: SegmentMeta, writer: SegmentWriter, progress: 
             offsets[k + 1:k + 1 + n] += offsets[k]  # shifted past every earlier row, of this file and those before
             if values.size:
                 at = first_value + count * stored.itemsize
+                if room is not None:  # before a byte of it is reserved: the segment never takes more
+                    room.check(meta, data_at + at + values.nbytes)
                 writer.reserve(at, values.nbytes)
                 raw = values.view(np.uint8).data
                 write_all(fd, raw, data_at + at)

@@ -5,8 +5,9 @@ does not fit. Pure arithmetic (no I/O, no torch), so both give the same numbers.
 The block is stream_order's default (whole chunks of every key, about 8 MiB), or smaller
 whole chunks when the default would leave the window fewer than ``MIN_BLOCKS`` blocks (a
 shuffle across a handful of blocks barely mixes). The window is the blocks ``limit`` holds,
-each costing its rows and a header page per key in shared memory (as the daemon counts them),
-once the small keys held whole (labels: ``held_whole``) have taken their room.
+each costing a segment per key in shared memory, a header page and its rows in whole pages
+(``segment_cost``: tmpfs allocates pages, and the daemon's budget counts them), once the small
+keys held whole (labels: ``held_whole``) have taken their room.
 """
 
 from __future__ import annotations
@@ -15,15 +16,28 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..util.units import PAGE_BYTES, allocated_bytes
 from ..util.units import SEGMENT_HEADER_BYTES as HEADER_SIZE
 from .sharding import GLOBAL, NODE, STREAM
 from .stream_order import BlockLayout, block_unit, default_block_rows
 
-__all__ = ["MIN_BLOCKS", "WHOLE_KEY_SHARE", "KeyShape", "StreamWindow", "daemon_window", "fitted_block_rows",
-           "held_whole", "held_whole_bytes", "plan_window", "recommend"]
+__all__ = ["MIN_BLOCKS", "WHOLE_KEY_SHARE", "KeyShape", "StreamWindow", "block_cost", "daemon_window",
+           "fitted_block_rows", "held_whole", "held_whole_bytes", "plan_window", "recommend", "segment_cost"]
 
 MIN_BLOCKS = 8
 WHOLE_KEY_SHARE = 16  # with a daemon: keys whose rows take at most 1/16 of its budget are held whole (labels)
+
+
+def segment_cost(data_bytes: int) -> int:
+    """What a segment of ``data_bytes`` bytes of rows costs in the daemon's budget: its header
+    page and its rows in whole pages of tmpfs, as the daemon counts it (SegmentMeta.allocated_size)."""
+    return allocated_bytes(HEADER_SIZE + data_bytes)
+
+
+def block_cost(rows: int, row_bytes: Sequence[int]) -> int:
+    """What a block of ``rows`` rows costs in the daemon's budget: a segment per key
+    (``row_bytes``: each key's bytes a row)."""
+    return sum(segment_cost(rows * b) for b in row_bytes)
 
 
 @dataclass(frozen=True)
@@ -38,8 +52,8 @@ class KeyShape:
 
     @property
     def whole_cost(self) -> int:
-        """Its rows held whole in the daemon's shared memory: one segment, rows and a header page."""
-        return self.rows * self.row_bytes + HEADER_SIZE
+        """Its rows held whole in the daemon's shared memory: one segment (``segment_cost``)."""
+        return segment_cost(self.rows * self.row_bytes)
 
 
 def held_whole_bytes(keys: Sequence[KeyShape], whole: Sequence[bool]) -> int:
@@ -81,24 +95,27 @@ class StreamWindow:
     whole_bytes: int = 0
 
 
-def fitted_block_rows(unit: int, row_bytes: int, total_rows: int, limit: int, keys: int) -> int:
+def fitted_block_rows(unit: int, row_bytes: Sequence[int], total_rows: int, limit: int) -> int:
     """The default block (stream_order.default_block_rows: whole ``unit``s, about 8 MiB), or
     smaller whole units when ``limit`` bytes would hold fewer than MIN_BLOCKS of them, each
-    costing its rows and a header page per key of ``keys`` (at least one unit)."""
-    rows = default_block_rows(unit, row_bytes, total_rows)
-    if limit // (rows * row_bytes + keys * HEADER_SIZE) < MIN_BLOCKS:
-        small = (limit // MIN_BLOCKS - keys * HEADER_SIZE) // max(row_bytes, 1)
+    costing a segment per key (``row_bytes``: each key's bytes a row; ``block_cost``); at least
+    one unit."""
+    together, keys = sum(row_bytes), len(row_bytes)
+    rows = default_block_rows(unit, together, total_rows)
+    if limit // block_cost(rows, row_bytes) < MIN_BLOCKS:
+        # a key's segment is its header and rows and less than a page more (its last page's rest)
+        small = (limit // MIN_BLOCKS - keys * (HEADER_SIZE + PAGE_BYTES - 1)) // max(together, 1)
         rows = min(rows, unit * max(small // unit, 1))
     return rows
 
 
-def plan_window(chunk_rows: Sequence[int], row_bytes: int, total_rows: int, limit: int) -> StreamWindow | None:
+def plan_window(chunk_rows: Sequence[int], row_bytes: Sequence[int], total_rows: int,
+                limit: int) -> StreamWindow | None:
     """The window of at most ``limit`` bytes of shared memory for keys chunked by ``chunk_rows``
-    rows (1 for a contiguous key) whose rows take ``row_bytes`` together; None when not even
-    one block (one chunk of every key) fits."""
-    keys = len(chunk_rows)
-    rows = fitted_block_rows(block_unit(chunk_rows), row_bytes, total_rows, limit, keys)
-    block, cost = rows * row_bytes, rows * row_bytes + keys * HEADER_SIZE
+    rows (1 for a contiguous key) whose rows take ``row_bytes`` each (per key, in the same
+    order); None when not even one block (one chunk of every key) fits."""
+    rows = fitted_block_rows(block_unit(chunk_rows), row_bytes, total_rows, limit)
+    block, cost = rows * sum(row_bytes), block_cost(rows, row_bytes)
     capacity = min(limit // cost, BlockLayout(total_rows, rows).n_blocks)
     if capacity < 1:
         return None
@@ -112,7 +129,7 @@ def daemon_window(keys: Sequence[KeyShape], limit: int, many_files: bool = False
     inspect`` recommends."""
     whole = held_whole(keys, limit, many_files)
     whole_bytes = held_whole_bytes(keys, whole)
-    window = plan_window([k.chunk_rows for k in keys], sum(k.row_bytes for k in keys), max(k.rows for k in keys),
+    window = plan_window([k.chunk_rows for k in keys], [k.row_bytes for k in keys], max(k.rows for k in keys),
                          limit - whole_bytes)
     return None if window is None else dataclasses.replace(window, whole=tuple(whole), whole_bytes=whole_bytes)
 

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ConfigError, SegmentError
 from ..order.sharding import STREAM, RowRange, Selection
 from ..util.safeio import NOFOLLOW_FLAGS, describe_file, is_own_file
-from ..util.units import SEGMENT_HEADER_BYTES, row_nbytes
+from ..util.units import SEGMENT_HEADER_BYTES, allocated_bytes, row_nbytes
 
 __all__ = [
     "MAGIC",
@@ -182,6 +182,12 @@ class SegmentMeta:
     @functools.cached_property
     def file_size(self) -> int:
         return self.header_size + self.nbytes
+
+    @functools.cached_property
+    def allocated_size(self) -> int:
+        """The memory the segment takes in tmpfs: ``file_size`` in whole pages (a one-row block
+        of 4,097 bytes takes 8 KiB). What the daemon's budget counts for it, never ``file_size``."""
+        return allocated_bytes(self.file_size)
 
     @property
     def row_range(self) -> RowRange:

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.util.units import format_bytes
+from h5serve.util.units import allocated_bytes, format_bytes
 from h5serve.wire.connection import DaemonClient
 
-from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon, short_tmpdir, torchrun_two_ranks
-from .test_stream_daemon import memory_sampler
+from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon, short_tmpdir, torchrun_two_ranks, watch_memory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,8 +54,8 @@ def runtime_env(runtime_dir: Path) -> Iterator[None]:
             os.environ["H5SERVE_RUNTIME_DIR"] = old
 
 
-def need_bytes() -> int:
-    return ROWS * (1024 + 8) + 2 * 4096  # rows of x and y, a header page each
+def need_bytes() -> int:  # rows of x and y, a header page each, each segment in whole pages
+    return allocated_bytes(4096 + ROWS * 1024) + allocated_bytes(4096 + ROWS * 8)
 
 
 def check_warning(texts: list[str]) -> None:
@@ -87,7 +86,7 @@ def epoch_rows(ds: SharedH5Dataset, x_all: np.ndarray, epoch: int = 0, workers: 
 
 
 def test_ddp_global_over_budget_is_streamed_from_shared_memory(h5: Path, tmp_path: Path) -> None:
-    with daemon() as d, memory_sampler(d) as memory:
+    with daemon() as d, watch_memory(d) as memory:
         reports = torchrun_two_ranks(JOB, [str(h5), str(tmp_path / "out")], tmp_path / "out", d.runtime_dir, 280)
     for r in reports:
         check_warning([text for kind, text in r["warnings"] if kind == "RuntimeWarning"])
@@ -103,7 +102,7 @@ def test_ddp_global_over_budget_is_streamed_from_shared_memory(h5: Path, tmp_pat
         assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * BATCH
         assert len(per_rank[0]) == len(per_rank[1])
     assert reports[0]["epochs"][0] != reports[0]["epochs"][1]  # shuffled anew each epoch
-    assert memory["samples"] > 5 and 0 < memory["max"] <= BUDGET
+    assert memory.samples > 5 and 0 < memory.used <= BUDGET and memory.allocated <= BUDGET, vars(memory)
 
 
 def test_one_rank_streams_and_auto_stream_false_keeps_lazy_reads(h5: Path) -> None:
@@ -183,7 +182,7 @@ def test_inspect_recommends_stream_with_the_window_auto_mode_uses(h5: Path) -> N
     assert stream["block_rows"] % 64 == 0 and stream["blocks"] == -(-ROWS // stream["block_rows"])
     assert stream["block_bytes"] == stream["block_rows"] * (1024 + 8)
     (advice,) = [a["text"] for a in report["advice"] if a["code"] == "stream"]
-    assert stream["whole"] == [False, True] and stream["whole_bytes"] == ROWS * 8 + 4096  # y held whole beside it
+    assert stream["whole"] == [False, True] and stream["whole_bytes"] == allocated_bytes(ROWS * 8 + 4096)  # y beside it
     assert stream["capacity"] * stream["block_cost"] + stream["whole_bytes"] <= BUDGET
     assert "mode='stream') with a daemon of this budget picks that window and block, and holds y whole" in advice
     with daemon() as d, runtime_env(d.runtime_dir):  # what automatic stream mode serves: the same window

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.util.units import format_bytes
+from h5serve.util.units import allocated_bytes, format_bytes
 
 from ..helpers import Daemon, h5serve_cli, make_h5, wait_for
 
@@ -41,7 +41,10 @@ def test_status_exit_codes_and_json(daemon: Daemon, h5file: Path) -> None:
     held.close()
     rows = {(s["key"], s["rank"], s["world_size"], s["mode"], s["dtype"], s["state"]) for s in info["segments"]}
     assert rows == {("x", 1, 2, "contiguous", "uint8", "ready"), ("y", 1, 2, "contiguous", "int64", "ready")}
-    assert info["memory"]["used"] == sum(s["bytes"] for s in info["segments"]) > 0
+    # the budget counts each segment's pages in tmpfs, the files' sizes are shown beside them
+    assert all(s["charged"] == allocated_bytes(s["bytes"]) for s in info["segments"])
+    assert info["memory"]["used"] == sum(s["charged"] for s in info["segments"]) > 0
+    assert info["memory"]["segment_bytes"] == sum(s["bytes"] for s in info["segments"])
     table = h5serve_cli("status", env=daemon.env).stdout
     assert "x" in table and "1/2" in table and "ready" in table
     assert "holders" in table and "age" in table

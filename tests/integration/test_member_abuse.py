@@ -7,6 +7,7 @@ need root and skip elsewhere.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.client import SharedH5Dataset
+from h5serve.client import SharedH5Dataset, collate
 from h5serve.daemon.config import MAX_QUEUED_LOADS_PER_UID
 from h5serve.errors import AccessDenied, CapacityError, H5ServeError
 from h5serve.segments import is_published_as, segment_prefix
@@ -31,7 +32,7 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire, AcquireResult
 from h5serve.wire.runtime import resolve_runtime, signal_daemon
 
-from ..helpers import Daemon, make_h5, wait_for
+from ..helpers import Daemon, make_h5, vlen_file, wait_for, watch_memory
 from ..users import (
     Group,
     PortablePython,
@@ -187,6 +188,62 @@ def test_a_member_queuing_hundreds_of_loads_never_starves_another(
               "still waiting")
         assert waiting >= 100, waiting  # the queue was real
         assert waited < 5, f"the victim waited {waited:.1f}s behind the attacker's queue"
+    finally:
+        d.stop()
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+def _digests(path: Path, key: str, rows: list[int]) -> list[str]:
+    with h5py.File(path) as f:
+        return [hashlib.sha256(f[key][r].astype(np.float32).tobytes()).hexdigest() for r in rows]
+
+
+def test_a_members_rows_longer_than_the_estimate_never_take_more_than_the_budget(
+        group_daemon_users: tuple[Group, User, User], public_dir: Path) -> None:
+    """Finding 3, acted by a member of a root daemon's --group: a file whose first 1,024 rows
+    (all the daemon's estimate reads) are empty and whose last 76 hold 48 MiB of values, under
+    a 4 MiB budget (the daemon loaded all of it: 52 MiB counted). Its load is stopped at the
+    room the budget gave it (BudgetExceeded naming the key and the budget, its temporary
+    removed), the member reads the right rows lazily, and the victim is served from shared
+    memory next; neither the budget's count nor the daemon's files in /dev/shm ever pass the
+    budget."""
+    group, victim, attacker = group_daemon_users
+    budget = 4 << 20
+    hostile = vlen_file(public_dir / "hostile.h5", {"tokens": 48})
+    rows = [0, 1023, 1024, 1099]
+    d = _group_daemon(group, "--max-memory", str(budget))
+    try:
+        d.start()
+        runtime_dir = d.runtime_dir
+
+        def read_hostile() -> dict[str, object]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ds = SharedH5Dataset(hostile, "tokens", runtime_dir=runtime_dir, fallback="lazy")
+            try:
+                got = collate(ds.__getitems__(rows))
+                return {"backend": ds.backend, "warnings": [str(w.message) for w in caught],
+                        "rows": [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in got]}
+            finally:
+                ds.close()
+
+        def victim_reads() -> str:
+            return SharedH5Dataset(public_dir / "data.h5", "x", runtime_dir=runtime_dir, fallback="error").backend
+
+        with watch_memory(d) as peaks:
+            status, out = as_user(attacker, read_hostile, timeout=120)
+            assert status == "ok", out
+            assert isinstance(out, dict) and out["backend"] == "lazy", out
+            assert [w for w in out["warnings"] if re.search(  # type: ignore[union-attr]
+                r"hostile.h5\[tokens\] all ranks \(global\) needs at least 4\d.\d MiB .* the daemon's budget of "
+                r"4.0 MiB \(--max-memory\) had room for", w)], out
+            assert out["rows"] == _digests(hostile, "tokens", rows)
+            assert as_user(victim, victim_reads) == ("ok", "shm")
+        assert d.status()["counters"]["load_errors"] == 1
+        assert not [n for n in d.segment_files() if "tmp-" in n], d.segment_files()  # the stopped load's is gone
+        assert peaks.samples > 0 and peaks.used <= budget and peaks.allocated <= budget, vars(peaks)
     finally:
         d.stop()
 

@@ -301,7 +301,9 @@ def test_foreign_files_at_ready_names_neither_hang_clients_nor_kill_eviction(
     file there: a regular file it keeps locked (LOCK_EX), or a FIFO. The next request loads the
     segment again under a fresh name, in time; evicting it for room (--max-memory) or because its source changed drops
     it from the registry and leaves the file alone; the daemon keeps serving."""
-    served.extra = ("--max-memory", "70000")  # x (52,096 B) and y (12,096 B), not a third
+    # x (52,096 B: 13 pages), y (12,096 B: 3 pages) and other.h5's y (5,696 B: 2 pages), 73,728 B in tmpfs; not a
+    # fourth of x's size
+    served.extra = ("--max-memory", "80000")
     other = make_h5(workdir / "other.h5", rows=200)
     other.chmod(0o644)
     served.start()

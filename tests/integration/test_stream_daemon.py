@@ -15,8 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import h5py
@@ -26,7 +25,7 @@ import pytest
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.wire.connection import DaemonClient
 
-from ..helpers import Daemon, make_h5, running_daemon, torchrun_two_ranks, wait_for
+from ..helpers import Daemon, make_h5, running_daemon, torchrun_two_ranks, wait_for, watch_memory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,28 +45,6 @@ def h5(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def daemon(budget: int = BUDGET) -> AbstractContextManager[Daemon]:
     return running_daemon("--max-memory", str(budget), "--loaders", "2")
-
-
-@contextmanager
-def memory_sampler(d: Daemon) -> Iterator[dict[str, int]]:
-    """The daemon's used memory, sampled every 20 ms while the block runs: ``{"max", "samples"}``."""
-    seen = {"max": 0, "samples": 0}
-    stop = threading.Event()
-
-    def sample() -> None:
-        with DaemonClient(d.runtime_dir) as client:
-            while not stop.is_set():
-                used = client.status()["memory"]["used"]
-                seen["max"], seen["samples"] = max(seen["max"], used), seen["samples"] + 1
-                stop.wait(0.02)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        stop.set()
-        thread.join(30)
 
 
 def counters(d: Daemon) -> dict[str, int]:
@@ -91,7 +68,7 @@ def check_epoch(per_rank: list[list[list[int]]]) -> None:
 
 
 def test_ddp_job_streams_4x_the_budget_from_shared_memory(h5: Path, tmp_path: Path) -> None:
-    with daemon() as d, memory_sampler(d) as memory:
+    with daemon() as d, watch_memory(d) as memory:
         reports = torchrun_two_ranks(JOB, job_args(h5, tmp_path / "out", "--epochs", "1", "--loaders",
                                                    ",".join(LOADERS)), tmp_path / "out", d.runtime_dir, 280)
         after = counters(d)
@@ -102,19 +79,19 @@ def test_ddp_job_streams_4x_the_budget_from_shared_memory(h5: Path, tmp_path: Pa
         assert r["runs"]["make:2"] == r["runs"]["make:0"] == r["runs"]["make:1:spawn"]
         assert r["peak_blocks"] <= r["capacity"] < BLOCKS
         assert r["rest"] == r["whole"][7:]  # a mid-epoch checkpoint resumes the same rest
-    assert memory["samples"] > 10 and 0 < memory["max"] <= BUDGET
+    assert memory.samples > 10 and 0 < memory.used <= BUDGET and memory.allocated <= BUDGET, vars(memory)
     assert after["evictions"] > 0 and after["load_errors"] == 0
 
 
 def test_blocks_load_once_per_node_and_jobs_share_them(h5: Path, tmp_path: Path) -> None:
     args = ("--epochs", "1", "--loaders", "make:0", "--resume-at", "0")
     with daemon() as d:
-        with memory_sampler(d) as memory:
+        with watch_memory(d) as memory:
             first = torchrun_two_ranks(JOB, job_args(h5, tmp_path / "a", *args), tmp_path / "a", d.runtime_dir, 200)
         loads = counters(d)["loads"]
         # every block of every key once for the node: the two ranks share them (each alone: twice)
         assert loads == BLOCKS * KEYS, loads
-        assert memory["max"] <= BUDGET
+        assert memory.used <= BUDGET and memory.allocated <= BUDGET, vars(memory)
         assert all(r["backend"] == "shm" for r in first)
         check_epoch([r["runs"]["make:0"][0] for r in first])
         table = d.cli("status").stdout  # the blocks still resident, as a user reads them
@@ -129,7 +106,7 @@ def test_blocks_load_once_per_node_and_jobs_share_them(h5: Path, tmp_path: Path)
                                             d.runtime_dir, 250)
 
         threads = [threading.Thread(target=run, args=(name,)) for name in ("b", "c")]
-        with memory_sampler(d) as memory:
+        with watch_memory(d) as memory:
             for t in threads:
                 t.start()
             for t in threads:
@@ -141,7 +118,7 @@ def test_blocks_load_once_per_node_and_jobs_share_them(h5: Path, tmp_path: Path)
         # is loaded again: 258-265 seen against 260 for two jobs alone). What must never happen is
         # thrashing: the deeper prefetch tried in issue 22 had them evict each other (386)
         assert both <= 2.2 * BLOCKS * KEYS, both
-        assert memory["max"] <= BUDGET
+        assert memory.used <= BUDGET and memory.allocated <= BUDGET, vars(memory)
         for name in ("b", "c"):
             assert [r["runs"] for r in outs[name]] == [r["runs"] for r in first]
     # without a daemon (lazy blocks read in each rank): the same rows in the same order
@@ -202,7 +179,7 @@ def test_a_stopped_rank_never_stops_the_other(h5: Path, tmp_path: Path) -> None:
     ends too once it goes on, every row once, and the node stays usable."""
     out = tmp_path / "out"
     with daemon(TIGHT_BUDGET) as d:
-        with memory_sampler(d) as memory:
+        with watch_memory(d) as memory:
             job = _start_stop_job(h5, out, d.runtime_dir, WINDOW, 60.0)
             try:
                 assert wait_for(lambda: _step(out, 1) >= 4 or job.poll() is not None, 120), "rank 1 never started"
@@ -227,7 +204,7 @@ def test_a_stopped_rank_never_stops_the_other(h5: Path, tmp_path: Path) -> None:
                 if job.poll() is None:
                     os.killpg(job.pid, signal.SIGKILL)
                 job.wait(30)
-        assert 0 < memory["max"] <= TIGHT_BUDGET, memory
+        assert 0 < memory.used <= TIGHT_BUDGET and memory.allocated <= TIGHT_BUDGET, vars(memory)
         _node_still_serves(h5, d)
 
 

@@ -6,6 +6,7 @@ window; the daemon keeps serving, and the next job streams the file."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.errors import BudgetExceeded, ShmFull
 from h5serve.wire.connection import DaemonClient
 
-from ..helpers import Daemon, make_h5, running_daemon, tmpfs, wait_for
+from ..helpers import Daemon, make_h5, running_daemon, tmpfs, wait_for, watch_memory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -136,3 +137,32 @@ def test_a_budget_held_full_by_another_job_fails_the_rank_by_its_timeout(h5: Pat
         finally:
             hog.close()
         check_node_serves(h5, d)  # the other job gone, its segments are evicted for the blocks
+
+
+def test_tiny_stream_blocks_never_take_more_than_the_budget_in_shared_memory(tmp_path: Path) -> None:
+    """Finding 7: 1,200 one-row blocks of one byte are 4,097-byte segments, which tmpfs holds in
+    two pages each; the budget counted 4,097 bytes a block and the daemon's files took twice
+    its 4 MiB (8,184 KiB). Every segment now costs its pages: the window holds the blocks the
+    budget holds pages for, the daemon's files in /dev/shm never take more than the budget (nor
+    does its count), and the epoch has every row."""
+    budget = 4 << 20
+    path = tmp_path / "tiny.h5"
+    x = (np.arange(1200) * 7 % 251).astype(np.uint8)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x, chunks=(1,))
+    with running_daemon("--max-memory", str(budget)) as d, watch_memory(d) as peaks:
+        ds = SharedH5Dataset(path, "x", mode="stream", block_rows=1, rank=0, world_size=1, runtime_dir=d.runtime_dir,
+                             timeout=120, fallback="error")
+        try:
+            assert ds.backend == "shm" and ds.stream is not None
+            got: list[int] = []
+            for xb in make_loader(ds, 64, seed=1):
+                got += xb.tolist()
+            assert sorted(got) == sorted(x.tolist())
+            config = ds.stream.config
+        finally:
+            ds.close()
+    assert peaks.allocated > budget // 2, vars(peaks)  # the window filled the budget: what is measured happened
+    assert peaks.allocated <= budget and peaks.used <= budget, vars(peaks)
+    page = mmap.PAGESIZE  # what tmpfs allocates a file's memory in
+    assert (config.block_cost, config.capacity) == (2 * page, budget // (2 * page))  # the window counts pages too

@@ -23,7 +23,17 @@ from h5serve.client.ragged import Padded, RaggedList
 from h5serve.errors import BudgetExceeded, ConfigError, DataError, ShmFull, UnsupportedDataset
 from h5serve.order.sharding import GLOBAL, NODE
 
-from ..helpers import WORLD_4, Daemon, open_ds, rank_args, short_tmpdir, wait_for
+from ..helpers import (
+    WORLD_4,
+    Daemon,
+    open_ds,
+    rank_args,
+    running_daemon,
+    short_tmpdir,
+    vlen_file,
+    wait_for,
+    watch_memory,
+)
 
 ROWS = 29  # odd: uneven shards
 WORLD = WORLD_4  # node mode: 2 nodes of 2 ranks
@@ -315,23 +325,24 @@ def test_restart_after_kill_adopts_vlen_segments(vfile: Path, daemon: Daemon) ->
 
 def test_capacity_errors(tmp_path: Path) -> None:
     """The budget counts the values (estimated from the first rows before the load); a
-    /dev/shm that fills while the values grow is ShmFull (root: a 1 MiB tmpfs), never a SIGBUS,
-    and leaves no temporary."""
+    /dev/shm that fills while the values grow is ShmFull (root: a 1 MiB tmpfs under a 4 MiB
+    budget, whose room for the load is more than the tmpfs holds), never a SIGBUS, and leaves
+    no temporary."""
     big = tmp_path / "big.h5"
     with h5py.File(big, "w") as f:
-        v = f.create_dataset("tokens", (64,), dtype=VLEN_F4)
-        for i in range(64):
-            v[i] = np.ones(8192, dtype=np.float32)  # 2 MiB of values, 520 bytes of offsets
+        v = f.create_dataset("tokens", (256,), dtype=VLEN_F4)
+        for i in range(256):
+            v[i] = np.ones(8192, dtype=np.float32)  # 8 MiB of values, 2 KiB of offsets
     sneaky = tmp_path / "sneaky.h5"
     with h5py.File(sneaky, "w") as f:
         v = f.create_dataset("tokens", (1100,), dtype=VLEN_F4)
         for i in range(1030, 1100):  # the estimate reads the first 1024 rows: empty
             v[i] = np.ones(4096, dtype=np.float32)  # 1.1 MiB in all > a 1 MiB tmpfs
     mnt = _mount_small_tmpfs()
-    d = Daemon("--max-memory", "1M", *(("--shm-dir", str(mnt)) if mnt else ()))
+    d = Daemon("--max-memory", "4M", *(("--shm-dir", str(mnt)) if mnt else ()))
     try:
         d.start()
-        with pytest.raises(BudgetExceeded, match="needs 2.0 MiB"):
+        with pytest.raises(BudgetExceeded, match="needs 8.0 MiB"):
             SharedH5Dataset(big, "tokens", runtime_dir=d.runtime_dir, fallback="error")
         if mnt is None:
             pytest.skip("the ShmFull half mounts a small tmpfs: root only")
@@ -344,6 +355,46 @@ def test_capacity_errors(tmp_path: Path) -> None:
         if mnt is not None:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
             os.rmdir(mnt)
+
+
+def test_longer_rows_than_the_estimate_never_take_more_than_the_budget(tmp_path: Path) -> None:
+    """Finding 3: the budget counted a variable-length load by the mean length of its first
+    1,024 rows, and a file whose first rows are empty loaded 48 MiB into a 4 MiB budget. Now
+    each load may grow only to the room the budget gave it when it started, counted meanwhile:
+    two such loads side by side (two loaders) are both stopped with BudgetExceeded naming the
+    key and the budget, their temporaries removed, and the client reads the rows lazily; a
+    file whose real rows do fit, though longer than its first rows said, is loaded and
+    counted at its real size. The budget's count and the daemon's files in /dev/shm never
+    pass the budget."""
+    budget = 4 << 20
+    hostile = vlen_file(tmp_path / "hostile.h5", {"a": 24, "b": 24})
+    skewed = vlen_file(tmp_path / "skewed.h5", {"tokens": 1.5}, first_length=1)  # 1.5 MiB, estimated at 8 KiB
+    with running_daemon("--max-memory", str(budget), "--loaders", "2") as d, watch_memory(d) as peaks:
+        with pytest.warns(RuntimeWarning, match=r"hostile.h5\[a\] all ranks \(global\) needs at least 2[34].\d MiB "
+                                                r".* the daemon's budget of 4.0 MiB \(--max-memory\)"):
+            ds = SharedH5Dataset(hostile, keys=["a", "b"], runtime_dir=d.runtime_dir, fallback="lazy")
+        try:
+            assert ds.backend == "lazy"
+            rows = [0, 1023, 1024, 1099, 1050]
+            a, b = collate(ds.__getitems__(rows))
+            assert_rows(a, [h5_rows(hostile, "a")[r] for r in rows])
+            assert_rows(b, [h5_rows(hostile, "b")[r] for r in rows])
+        finally:
+            ds.close()
+        # both loads ran (side by side: --loaders 2) and were stopped, not only the first
+        assert wait_for(lambda: d.status()["counters"]["load_errors"] == 2, 30), d.status()
+        assert d.segment_files() == []  # no temporary left
+        ok = SharedH5Dataset(skewed, "tokens", runtime_dir=d.runtime_dir, fallback="error")
+        try:
+            assert ok.backend == "shm"
+            assert_rows(collate(ok.__getitems__(list(range(1100)))), h5_rows(skewed, "tokens"))
+            (segment,) = d.status()["segments"]
+            st = os.stat(f"/dev/shm/{segment['name']}")
+            assert segment["charged"] == st.st_blocks * 512 >= 3 << 19  # its real size, as tmpfs holds it
+            assert d.status()["memory"]["used"] == segment["charged"]
+        finally:
+            ok.close()
+    assert peaks.samples > 0 and peaks.used <= budget and peaks.allocated <= budget, vars(peaks)
 
 
 # ----- errors -----------------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""What the daemon's budget counts (security findings 3 and 7: "budgets count what is
+allocated"): a segment costs its pages in tmpfs, never its file size (a one-row block of 4,097
+bytes takes two pages); a variable-length load costs, while it runs, the room its loader may
+fill, so loads side by side never take the same free bytes; once loaded, its real pages. The
+store is built here without a loader or a daemon: only its accounting runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from h5serve.daemon.entries import Entry
+from h5serve.daemon.store import SegmentStore
+from h5serve.daemon.vlenload import Room
+from h5serve.errors import BudgetExceeded
+from h5serve.order.sharding import STREAM
+from h5serve.segments import HEADER_SIZE, values_offset
+from h5serve.util.units import PAGE_BYTES, allocated_bytes
+from h5serve.wire.runtime import RuntimeLocation
+
+from ..helpers import make_meta, short_workdir
+
+pytestmark = pytest.mark.timeout(60)
+
+BUDGET = 4 << 20
+
+
+@pytest.fixture
+def store() -> Iterator[SegmentStore]:
+    with short_workdir("h5s-budget-") as tmp:
+        shm = tmp / "shm"
+        shm.mkdir()
+        yield SegmentStore(RuntimeLocation(tmp / "rt"), shm, BUDGET, loaders=2)
+
+
+def _block(start: int) -> object:
+    """A stream block of one row of one byte: a 4,097-byte segment."""
+    return make_meta(rows=1, row_shape=(), dtype="uint8", mode=STREAM, world_size=1, rank=0, total_rows=1200,
+                     start=start)
+
+
+def test_a_segment_costs_its_pages() -> None:
+    meta = _block(0)
+    assert meta.file_size == HEADER_SIZE + 1 and meta.allocated_size == 2 * PAGE_BYTES
+    assert allocated_bytes(0) == 0 and allocated_bytes(PAGE_BYTES) == PAGE_BYTES
+    assert allocated_bytes(PAGE_BYTES + 1) == 2 * PAGE_BYTES
+    whole = make_meta(rows=PAGE_BYTES, row_shape=(), dtype="uint8")  # rows of whole pages: nothing more
+    assert whole.allocated_size == whole.file_size == HEADER_SIZE + PAGE_BYTES
+
+
+def test_the_budget_counts_pages_and_makes_room_by_them(store: SegmentStore) -> None:
+    """1,200 ready one-row blocks count 1,200 x 8 KiB, not 1,200 x 4,097 bytes; making room for
+    the next one evicts (least recently used first: their files are gone already) until its
+    pages fit, leaving as many blocks as the budget holds pages for."""
+    for start in range(1200):
+        entry = Entry(f"b{start}", _block(start), "ready", last_used=float(start))
+        store.entries[entry.name] = entry
+    assert store.used_bytes() == 1200 * 2 * PAGE_BYTES
+    assert store.status()["memory"]["segment_bytes"] == 1200 * (HEADER_SIZE + 1)
+    store._make_room(_block(1200).allocated_size, _block(1200))
+    assert len(store.entries) == BUDGET // (2 * PAGE_BYTES) - 1  # and the new block's pages
+    assert store.used_bytes() + 2 * PAGE_BYTES == BUDGET
+    assert min(int(name[1:]) for name in store.entries) == 1200 - len(store.entries)  # the oldest went
+
+
+def _vlen(key: str, estimate: int) -> Entry:
+    """A variable-length load asked for and waiting for a loader, estimated at ``estimate`` values."""
+    meta = make_meta(rows=1100, row_shape=(), dtype="float32", key=key, mode="global", world_size=1, rank=0,
+                     total_rows=1100, vlen="seq", values=estimate)
+    return Entry(key, meta, "loading")
+
+
+def test_variable_length_loads_count_their_room_while_they_run(store: SegmentStore) -> None:
+    """Two loads estimated at almost nothing start side by side: each gets its estimate and half
+    of what is free when it starts, counted until it is done, so together they stay within
+    the budget whatever their rows turn out to be; once loaded, each counts its real pages."""
+    first, second = _vlen("a", 0), _vlen("b", 16)
+    store.entries.update(a=first, b=second)
+    estimates = first.meta.allocated_size + second.meta.allocated_size
+    assert store.used_bytes() == estimates  # waiting for a loader: their estimates
+    for entry in (first, second):  # as _launch_pending does when it starts each one's loader
+        entry.room = store._room_of(entry).limit
+    assert first.room == first.meta.allocated_size + (BUDGET - estimates) // 2
+    assert second.meta.allocated_size < second.room < first.room
+    assert first.room % PAGE_BYTES == second.room % PAGE_BYTES == 0
+    assert store.used_bytes() == first.room + second.room <= BUDGET
+    with pytest.raises(BudgetExceeded):  # nothing else fits beside them now but what they left
+        store._make_room(BUDGET - first.room - second.room + 1, make_meta())
+    # the first one loaded 300,000 values, 1.1 MiB: counted at its real pages from now on
+    first.meta, first.state, first.room = replace(first.meta, values=300_000), "ready", 0
+    real = allocated_bytes(HEADER_SIZE + values_offset(1100) + 300_000 * 4)
+    assert first.charge == real and store.used_bytes() == real + second.room
+
+
+def test_a_room_stops_the_load_that_outgrows_it() -> None:
+    meta = _vlen("tokens", 0).meta
+    room = Room(3 * PAGE_BYTES, BUDGET)
+    room.check(meta, 3 * PAGE_BYTES)  # every page of it may be used
+    with pytest.raises(BudgetExceeded, match=r"/data/train.h5\[tokens\] all ranks \(global\) needs at least "
+                                             r"16.0 KiB .* more than the 12.0 KiB the daemon's budget of 4.0 MiB "
+                                             r"\(--max-memory\) had room for when its load started"):
+        room.check(meta, 3 * PAGE_BYTES + 1)
+    with pytest.raises(BudgetExceeded, match=r"more than 4.0 MiB, or use a mode that holds fewer rows"):
+        room.check(meta, BUDGET + 1)
