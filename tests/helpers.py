@@ -279,7 +279,13 @@ def torchrun_two_ranks(job: Path, args: list[str], out: Path, runtime_dir: Path,
         output = f"killed after {deadline} s: a rank waited in a collective (unequal batches?)"
     finally:
         if process.poll() is None:
+            ranks = descendant_pids(process.pid)  # torchrun starts each rank in a session of its own
             os.killpg(process.pid, signal.SIGKILL)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             process.wait()
     assert process.returncode == 0, output[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

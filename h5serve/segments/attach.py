@@ -95,6 +95,17 @@ class AttachedSegment:
             os.close(self._fd)  # releases the flock once no forked child shares the fd
             self._fd = -1
 
+    def __del__(self) -> None:
+        # freed unclosed (a dataset nobody closed, collected): its descriptor, and with it the
+        # lease, goes too, or the daemon could not evict the segment until this process exits.
+        # Never blocks; in a forked child this closes the child's copy only (the parent's lease stays)
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
 
 def check_segment_name(name: str) -> None:
     """Raised when ``name`` cannot be a published segment's (a temporary, a path): SegmentError."""

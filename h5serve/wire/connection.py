@@ -1,9 +1,19 @@
 """Talking to the daemon: a ZeroMQ DEALER socket with request ids and timeouts.
 
-Fork-safe in the redis-py way: the socket remembers the pid that made it; after a fork the
-child drops the inherited objects untouched (closing a parent's ZeroMQ context in a child can
-hang) and builds its own. Every receive is bounded by a timeout; a timed-out socket is
-destroyed (``linger=0``) and rebuilt, so a late reply can never be taken for the next one.
+Never blocks the process's exit or its garbage collector: every client's socket comes from one
+ZeroMQ context per process (``_process_context``), which is never terminated, and is closed
+with ``linger=0`` by ``close()`` or, for a client nobody closed, by a ``weakref.finalize`` when
+the client is freed (by the collector, in a reference cycle) or at exit. ``Context.term()``
+blocks until every socket of its context is closed, and pyzmq's ``Context.__del__`` calls it: a
+client in a reference cycle, freed by the collector with its own context, hung there forever
+(the collector clears the context's weak references to its sockets before any finalizer runs, so
+``destroy()`` found no socket to close and ``term()`` waited for the open one).
+
+Fork-safe in the redis-py way: the socket (and the process's context) remembers the pid that
+made it; after a fork the child drops the inherited objects untouched (closing a parent's
+ZeroMQ socket or context in a child can hang) and builds its own. Every receive is bounded by a
+timeout; a timed-out socket is closed (``linger=0``) and rebuilt, so a late reply can never be
+taken for the next one.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +58,46 @@ ARRIVED_POLL_S = 0.0005
 WATCHED_POLL_S = 0.2
 
 
+class _ProcessContext(zmq.Context):
+    """The ZeroMQ context of every DaemonClient of one process: never terminated (the process's
+    end frees its I/O thread), so nothing ever waits in ``term()`` for a socket left open."""
+
+    def __del__(self) -> None:
+        pass  # not pyzmq's: that one terms, and would block while any socket of it is open
+
+
+_contexts: dict[int, zmq.Context] = {}  # by pid: a forked child never uses (or closes) its parent's
+_inherited: list[zmq.Socket] = []  # a forked child's copies of its parent's sockets (_close_socket)
+
+
+def _process_context() -> zmq.Context:
+    """This process's context for daemon connections, made at its first use (in a forked child:
+    its own, the parent's left untouched).
+
+    Raised when ZeroMQ cannot make one (no open files left): zmq.ZMQError."""
+    pid = os.getpid()
+    context = _contexts.get(pid)
+    if context is None:
+        made = _ProcessContext()
+        context = _contexts.setdefault(pid, made)  # atomic: two threads keep the same one
+        if context is not made:
+            made.term()  # no socket was made on it: returns at once
+    return context
+
+
+def _close_socket(sock: zmq.Socket, pid: int) -> None:
+    """Close ``sock`` without waiting (``linger=0``) if this process made it: a client's
+    ``close()``, or its finalizer when the client is freed unclosed or the interpreter exits.
+    A forked child's copy of its parent's socket is never closed, nor freed (pyzmq warns)."""
+    if os.getpid() != pid:
+        _inherited.append(sock)
+        return
+    try:
+        sock.close(linger=0)
+    except zmq.ZMQError:
+        pass  # closed already
+
+
 def poll_pause(waited: float) -> float:
     """The pause before polling a load again, ``waited`` seconds into the wait: a tenth of it,
     FIRST_POLL_S to POLL_INTERVAL_S (a publication ends it early: ``acquire``)."""
@@ -69,8 +120,8 @@ class DaemonClient:
         self.daemon_uid: int | None = None
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self._pid = -1
-        self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._closer: weakref.finalize | None = None  # closes _sock, also when this client is freed unclosed
         self._next_id = 0
 
     def __enter__(self) -> DaemonClient:
@@ -80,20 +131,27 @@ class DaemonClient:
         self.close()
 
     def close(self) -> None:
-        if self._ctx is not None and self._pid == os.getpid():
-            self._ctx.destroy(linger=0)
-        self._ctx, self._sock = None, None
+        """Close the connection (at once: nothing waits to be sent); the next request opens
+        another. In a forked child, the parent's socket is dropped untouched."""
+        closer, self._closer, self._sock = self._closer, None, None
+        if closer is not None:
+            closer()
 
     def _socket(self) -> zmq.Socket:
-        if self._pid != os.getpid():  # new process: never touch the parent's context
-            self._ctx, self._sock = None, None
+        if self._pid != os.getpid():  # new process: never touch the parent's socket or context
+            self.close()
         if self._sock is None:
+            sock = _process_context().socket(zmq.DEALER)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+                sock.connect(self.location.endpoint)
+            except BaseException:
+                sock.close(linger=0)
+                raise
             self._pid = os.getpid()
-            self._ctx = zmq.Context()
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-            self._sock.connect(self.location.endpoint)
+            self._sock = sock
+            self._closer = weakref.finalize(self, _close_socket, sock, self._pid)
         return self._sock
 
     def available(self) -> bool:
@@ -140,7 +198,7 @@ class DaemonClient:
         self._next_id += 1
         request_id = self._next_id
         try:
-            sock = self._socket()  # inside: a new context can fail too (no open files left)
+            sock = self._socket()  # inside: a new socket (or context) can fail too (no open files left)
             sock.send(encode_request(request_id, request), zmq.NOBLOCK)
             deadline = time.monotonic() + timeout
             while (remaining := deadline - time.monotonic()) > 0:
