@@ -106,6 +106,33 @@ def make_h5(path: Path, rows: int = ROWS, row_shape: tuple[int, ...] = ROW_SHAPE
     return path
 
 
+def write_small_h5(path: Path) -> Path:
+    """x: 4,096 rows of 16 float32 in chunks of 256 rows, y: their row numbers."""
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.arange(4096 * 16, dtype=np.float32).reshape(4096, 16), chunks=(256, 16))
+        f.create_dataset("y", data=np.arange(4096))
+    return path
+
+
+def truncated(tmp_path: Path) -> tuple[Path, int, int]:
+    """A file cut to half its bytes (a copy stopped early), the bytes it holds and should hold."""
+    whole = write_small_h5(tmp_path / "whole.h5").read_bytes()
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(whole[: len(whole) // 2])
+    return cut, len(whole) // 2, len(whole)
+
+
+def damaged_header(tmp_path: Path) -> Path:
+    """A file whose dataset x's object header is overwritten with garbage."""
+    path = write_small_h5(tmp_path / "damaged.h5")
+    with h5py.File(path, "r") as f:
+        address = h5py.h5o.get_info(f["x"].id).addr  # where x's object header starts
+    with open(path, "r+b") as raw:
+        raw.seek(address)
+        raw.write(b"\xde\xad\xbe\xef" * 8)
+    return path
+
+
 def descendant_pids(pid: int) -> list[int]:
     """``pid``'s children, theirs, ... (from /proc, parents found in each process's stat)."""
     children: dict[int, list[int]] = {}

@@ -26,7 +26,8 @@ from ..hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
 from ..hdf5.identity import open_h5
 from ..hdf5.links import dataset_names
 from ..hdf5.source import inspect_dataset
-from ..order.sharding import ALL_MODES, GLOBAL, NODE, Selection
+from ..order.sharding import ALL_MODES, GLOBAL, NODE, STREAM, Selection
+from ..order.stream_order import block_unit
 from ..order.stream_plan import KeyShape, StreamWindow, recommend
 from ..segments import HEADER_SIZE
 from ..util.units import format_bytes, row_nbytes
@@ -130,6 +131,17 @@ def mode_needs(datasets: tuple[DatasetReport, ...], modes: tuple[str, ...], worl
             nbytes += n * d.row_bytes + segments * HEADER_SIZE
         needs.append(ModeNeed(mode, rows, nbytes, nbytes <= budget))
     return tuple(needs)
+
+
+def stream_need(window: StreamWindow | None, keys: list[KeyShape]) -> ModeNeed:
+    """Stream mode's shared memory on this node: its window and the keys held whole beside it
+    (``window``: what a daemon of the budget picks), or, when not even one block fits (None),
+    the least it would take: one block of whole chunks of every key, a header page per key."""
+    if window is not None:
+        rows = min(window.capacity * window.block_rows, max((k.rows for k in keys), default=0))
+        return ModeNeed(STREAM, rows, window.capacity * window.block_cost + window.whole_bytes, True)
+    unit = block_unit([k.chunk_rows for k in keys]) if keys else 0
+    return ModeNeed(STREAM, unit, unit * sum(k.row_bytes for k in keys) + len(keys) * HEADER_SIZE, False)
 
 
 # ----- the node ---------------------------------------------------------------------------
@@ -252,6 +264,14 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
     for need in checked:
         if need.fits:
             continue
+        if need.mode == STREAM:
+            out.append(Advice("over_budget", None, (
+                f"mode 'stream' needs at least {format_bytes(need.bytes)} of shared memory on this node, one block "
+                f"({need.rows:,} rows: whole chunks of every key) with a header page per key, over what a daemon "
+                f"can give it ({format_bytes(budget)} budget: {rule}; {shm.path} holds {format_bytes(shm.size)}): "
+                "SharedH5Dataset(mode='stream') refuses it with that daemon; raise the budget with `h5serve start "
+                "--max-memory SIZE`, or rewrite the file with smaller chunks")))
+            continue
         node = next((n for n in needs if n.mode == NODE and n.fits and need.mode == GLOBAL), None)
         other = (f"; or mode 'node' across more nodes (each node holds its ranks' rows: "
                  f"{format_bytes(node.bytes)} here)" if node is not None and report_parts["world_size"] >
@@ -272,12 +292,21 @@ def _advice(report_parts: dict[str, Any]) -> tuple[Advice, ...]:
                f"and holds {', '.join(held)} whole beside it ({format_bytes(window.whole_bytes)}, loaded once: "
                f"an asked window= keeps every key in blocks)" if held else
                f"SharedH5Dataset(..., mode='stream', window={window.window}, block_rows={window.block_rows})")
+        pin = (f"without a daemon, window=None sizes the window (and the block) by this node's memory, ranks and "
+               f"DataLoader workers instead, another order whenever that gives other blocks or another window: pass "
+               f"window={window.window}, block_rows={window.block_rows} for this order with a daemon and without")
+        fits = (f"the data does not fit this node's shared memory ({format_bytes(budget)} budget, {shm.path} of "
+                f"{format_bytes(shm.size)})")
+        if asked == STREAM:
+            lead = (f"mode 'stream' with a daemon of this budget ({format_bytes(budget)}, {shm.path} of "
+                    f"{format_bytes(shm.size)})")
+            then = pin
+        else:
+            lead = f"use mode 'stream': {fits}"
+            then = f"mode={asked!r} streams so automatically, with a warning"
         out.append(Advice("stream", None, (
-            f"use mode 'stream': the data does not fit this node's shared memory ({format_bytes(budget)} budget, "
-            f"{format_bytes(shm.free)} free in {shm.path}); a window of {format_bytes(window.window)} holds "
-            f"{window.capacity} of its {window.blocks} blocks of {window.block_rows:,} rows "
-            f"({format_bytes(window.block_bytes)}): {how}; mode={asked!r} streams so automatically, with a "
-            "warning")))
+            f"{lead}; a window of {format_bytes(window.window)} holds {window.capacity} of its {window.blocks} blocks "
+            f"of {window.block_rows:,} rows ({format_bytes(window.block_bytes)}): {how}; {then}")))
     if "docker-64m" in shm.notes:
         out.append(Advice("docker_shm", None, (
             f"{shm.path} is 64 MiB, Docker's default: a container's own /dev/shm holds almost nothing and is not "
@@ -314,8 +343,8 @@ def inspect_file(
 ) -> InspectReport:
     """The preflight report for ``path`` (``keys``: these datasets only; default every dataset).
 
-    Raised when the file is missing or not HDF5: SourceNotFound. Raised when a key is not a
-    dataset there: KeyNotFound. Raised for a bad world size, ranks per node, mode or shm dir:
+    Raised when the file is missing or not HDF5: SourceNotFound; damaged or truncated: DataError.
+    Raised when a key is not a dataset there: KeyNotFound. Raised for a bad world size, ranks per node, mode or shm dir:
     ConfigError.
     """
     if world_size < 1:
@@ -323,8 +352,8 @@ def inspect_file(
     ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
     if not 1 <= ranks_per_node <= world_size:
         raise ConfigError(f"--ranks-per-node must be in 1..{world_size} (the world size), got {ranks_per_node}")
-    if mode is not None and mode not in ALL_MODES:
-        raise ConfigError(f"--mode must be one of {', '.join(ALL_MODES)}, got {mode!r}")
+    if mode is not None and mode not in (*ALL_MODES, STREAM):
+        raise ConfigError(f"--mode must be one of {', '.join((*ALL_MODES, STREAM))}, got {mode!r}")
     with open_h5(path) as f:
         names = list(keys) if keys else dataset_names(f, MAX_LISTED)
         if not names:
@@ -339,12 +368,16 @@ def inspect_file(
     else:
         budget = int(shm.free * DEFAULT_MEMORY_FRACTION)
         rule = f"a daemon started now: {DEFAULT_MEMORY_FRACTION:.0%} of the free space in {shm.path}"
-    modes = (mode,) if mode else ALL_MODES
+    modes = () if mode == STREAM else (mode,) if mode else ALL_MODES
     needs = mode_needs(datasets, modes, world_size, ranks_per_node, budget)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    shapes = [KeyShape(d.chunk_rows or 1, d.row_bytes, d.rows, d.vlen) for d in datasets if d.counted]
+    # the window a daemon's budget holds, within the size of its shm filesystem (never what is free
+    # at the moment: automatic stream mode sizes it so, client/automatic.py)
     recommended, window = recommend({n.mode: n.bytes for n in needs}, mode, world_size > ranks_per_node,
-                                    min(budget, shm.free), [KeyShape(d.chunk_rows or 1, d.row_bytes, d.rows, d.vlen)
-                                                            for d in datasets if d.counted])
+                                    min(budget, shm.size), shapes)
+    if mode == STREAM:
+        needs = (stream_need(window, shapes),)
     parts: dict[str, Any] = {
         "file": os.path.abspath(path), "file_bytes": os.path.getsize(path), "world_size": world_size,
         "ranks_per_node": ranks_per_node, "mode": mode, "datasets": datasets, "needs": needs, "budget": budget,

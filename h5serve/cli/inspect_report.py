@@ -89,7 +89,7 @@ class InspectReport:
     file_bytes: int
     world_size: int
     ranks_per_node: int
-    mode: str | None  # the mode asked about (None: every mode)
+    mode: str | None  # the mode asked about (None: every mode but stream)
     datasets: tuple[DatasetReport, ...]
     needs: tuple[ModeNeed, ...]
     budget: int
@@ -99,7 +99,7 @@ class InspectReport:
     nofile_soft: int
     nofile_hard: int
     recommended_mode: str  # the mode asked about (else global, or node) when it fits, else "stream"
-    stream: StreamWindow | None  # "stream": its window, what min(budget, free shm) holds, and block
+    stream: StreamWindow | None  # "stream": its window, what min(budget, shm size) holds, and block
     advice: tuple[Advice, ...]
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ user's file is what the command is for): they are escaped as the log escapes the
 
 from __future__ import annotations
 
-from ..order.sharding import GLOBAL, NODE
+from ..order.sharding import GLOBAL, NODE, STREAM
 from ..util.logtext import printable
 from ..util.units import format_bytes
 from .inspect_report import DatasetReport, InspectReport, held_keys
@@ -33,6 +33,8 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def _not_fitting(report: InspectReport, mode: str) -> str:
+    if mode == STREAM:
+        return "NO: not one block"
     return "NO: streamed" if report.stream is not None and mode in (GLOBAL, NODE) else "NO: lazy reads"
 
 

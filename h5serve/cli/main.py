@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_at_least_one, default=1, metavar="W", help="ranks in the job (default 1)")
     p.add_argument("--ranks-per-node", type=_at_least_one, metavar="R",
                    help="of them on this node (default: all W)")
-    p.add_argument("--mode", choices=["contiguous", "interleave", "node", "global"],
-                   help="the mode the job will use (default: show every mode; advice for global)")
+    p.add_argument("--mode", choices=["contiguous", "interleave", "node", "global", "stream"],
+                   help="the mode the job will use (default: show every mode; advice for global; stream: the "
+                        "window and block a daemon of this budget picks)")
     p.add_argument("--max-memory", metavar="SIZE",
                    help="check against this budget (default: the running daemon's, else 80%% of the free shm space)")
     p.add_argument("--shm-dir", help="the daemon's shm dir (default: $H5SERVE_SHM_DIR, else /dev/shm)")

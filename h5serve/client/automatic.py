@@ -8,8 +8,9 @@ The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sa
   BudgetExceeded, ShmFull) and the data can be read (one file or many, fixed-size or
   variable-length rows); no daemon (DaemonUnavailable) is not a reason: the lazy fallback
   stays, bounded by its cache;
-- every rank whose daemon answered reports its *limit*: the daemon's budget, or the free
-  space of its /dev/shm when that is smaller;
+- every rank whose daemon answered reports its *limit*: the daemon's budget, or the size of
+  its /dev/shm when that is smaller (never its free space: what other files take at that
+  moment would change the window, and with it the order, from job to job);
 - with torch.distributed initialised over more than one rank, one all-reduce (MAX of
   ``[wants, -limit]``) makes every rank take the same decision and the same window: stream
   if any rank wants it, with the smallest limit of any node. Without a process group, ranks
@@ -51,12 +52,12 @@ class StreamPlan:
 
     need: int  # bytes the full mode needs in shared memory (rows and a header page per key)
     budget: int  # the daemon's budget (agreed: the smallest of any rank's)
-    limit: int  # what the window may take: the budget, or /dev/shm's free space when smaller
+    limit: int  # what the window may take: the budget, or /dev/shm's size when smaller
     window: int  # bytes of rows of the window's blocks (capacity x block bytes)
     block_rows: int
     block_bytes: int
     capacity: int
-    reason: str  # "budget" or "shm"
+    reason: str  # "budget", or "shm" (/dev/shm smaller than the budget, or full of other files)
     whole: tuple[bool, ...] = ()  # per key: held whole beside the window (with a daemon: stream.whole_keys)
 
 
@@ -72,7 +73,9 @@ def streamable(describe: Callable[[], DatasetDescription]) -> StreamSource | Non
 
 
 def _limit(spec: BackendSpec) -> tuple[int, int] | None:
-    """(budget, what a window may take) from the node's daemon; None when none answers."""
+    """(budget, what a window may take: the budget, or the size of the daemon's shm filesystem
+    when smaller) from the node's daemon; None when none answers. Never the free space, which
+    changes with what else is on the node: the window, and so the order, would too."""
     try:
         with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
             info = client.ping()
@@ -84,7 +87,7 @@ def _limit(spec: BackendSpec) -> tuple[int, int] | None:
     limit = budget
     try:
         st = os.statvfs(str(info.get("shm_dir", "/dev/shm")))
-        limit = min(limit, st.f_bavail * st.f_frsize)
+        limit = min(limit, st.f_blocks * st.f_frsize)
     except OSError:
         pass
     return budget, limit
@@ -149,8 +152,10 @@ def warning_text(plan: StreamPlan, mode: str, shown_path: str) -> str:
     order = ("DistributedShuffleSampler's (or DistributedSampler's) permutation" if mode == "global"
              else "the node permutation")
     budget = format_bytes(plan.budget)
-    if plan.reason == "shm":
-        room = f"the free space of /dev/shm ({format_bytes(plan.limit)}; the daemon's budget is {budget})"
+    if plan.reason == "shm" and plan.limit < plan.budget:
+        room = f"the size of /dev/shm ({format_bytes(plan.limit)}; the daemon's budget is {budget})"
+    elif plan.reason == "shm":
+        room = f"what other files leave free in /dev/shm (the daemon's budget is {budget})"
     elif plan.need > plan.budget:
         room = f"the daemon's budget of {budget}"
     else:

@@ -10,6 +10,12 @@ the batches are spread over DataLoader workers and whatever the resume point. Ba
 without that hint (plain indices from another sampler) evict the least recently used block,
 still within ``capacity``.
 
+Every DataLoader worker holds a cache of its own. A cache given ``worker_room`` (the blocks the
+default window holds: stream mode without a daemon and ``window=None``) takes only its share of
+it in a worker, ``worker_capacity(worker_room, blocks, num_workers)``, so that a rank's workers
+together hold no more than the rank would alone; make_loader sizes the sampler's window by the
+same function (client/loader.py), so the window each worker is handed fits its share.
+
 Every read goes through ``H5Handle.dataset``, which checks that the file has not been
 truncated or rewritten since this process opened it (SourceChanged), as the lazy path does.
 """
@@ -23,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from ..hdf5.reads import read_block_into
 from ..hdf5.source import DatasetInfo
@@ -35,7 +42,7 @@ from .files import FileHandles
 from .gather import as_column
 from .ragged import RaggedColumn
 
-__all__ = ["Arrays", "StreamBatch", "BlockCache", "block_nbytes", "gather_by_block"]
+__all__ = ["Arrays", "StreamBatch", "BlockCache", "block_nbytes", "gather_by_block", "worker_capacity"]
 
 
 Arrays = np.ndarray | tuple[np.ndarray, np.ndarray]  # a key's rows of a block: fixed, or (offsets, values)
@@ -121,6 +128,13 @@ class StreamBatch:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def worker_capacity(room: int, blocks: int, workers: int) -> int:
+    """The blocks one of ``workers`` DataLoader workers (0: the rank's own process) may hold of
+    a window with room for ``room`` blocks, in a file of ``blocks`` blocks: an equal share,
+    at most every block (0 when the share holds none)."""
+    return min(int(room) // max(int(workers), 1), max(int(blocks), 1))
+
+
 def block_nbytes(arrays: list[Arrays]) -> int:
     """Bytes a block's arrays hold (variable-length rows: their offsets and values)."""
     return sum(sum(x.nbytes for x in a) if isinstance(a, tuple) else a.nbytes for a in arrays)
@@ -131,16 +145,23 @@ class BlockCache:
     dtype rows are held in, for many files the set's), and never more than ``limit`` bytes
     (variable-length rows: values counted as read) unless one batch needs more, read whole
     through ``handles``; ``gather`` returns rows in ``out_dtypes``. ``file_infos[k][i]``: key
-    ``k`` in file ``i`` (one file: ``[[info] for info in infos]``)."""
+    ``k`` in file ``i`` (one file: ``[[info] for info in infos]``).
+
+    ``worker_room`` (0: none): the blocks a window shared by a rank's DataLoader workers holds;
+    in a worker the cache then holds at most ``worker_capacity(worker_room, blocks, workers)``
+    blocks (and that share of ``limit``)."""
 
     def __init__(self, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout, capacity: int,
-                 handles: FileHandles, file_infos: list[list[DatasetInfo]] | None = None, limit: int = 0) -> None:
+                 handles: FileHandles, file_infos: list[list[DatasetInfo]] | None = None, limit: int = 0,
+                 worker_room: int = 0) -> None:
         self.infos, self.out_dtypes, self.layout = infos, [np.dtype(d) for d in out_dtypes], layout
         self.file_infos = file_infos or [[info] for info in infos]
         self.capacity = int(capacity)
         self.handles = handles
         self.block_bytes = layout.block_rows * sum(row_nbytes(i.row_shape, i.dtype) for i in infos)
         self.limit = int(limit) or self.capacity * self.block_bytes
+        self.worker_room = int(worker_room)
+        self._whole = (self.capacity, self.limit)  # what the rank's own process may hold
         self._blocks: OrderedDict[int, list[Arrays]] = OrderedDict()
         self._nbytes: dict[int, int] = {}
         self._pid = os.getpid()
@@ -159,9 +180,19 @@ class BlockCache:
         return sum(self._nbytes.values())
 
     def _check_pid(self) -> None:
-        if self._pid != os.getpid():  # a forked worker: the parent's blocks are not this process's to count
+        if self._pid != os.getpid():  # a worker: the parent's blocks are not this process's to count
             self._blocks, self._nbytes, self._pid, self.reads, self.peak = OrderedDict(), {}, os.getpid(), 0, 0
             self.peak_bytes = 0
+            self._share_among_workers()
+
+    def _share_among_workers(self) -> None:
+        """In a DataLoader worker of a cache with ``worker_room``: hold only this worker's share."""
+        worker = get_worker_info()
+        if not self.worker_room or worker is None:
+            return
+        capacity, limit = self._whole
+        self.capacity = max(worker_capacity(self.worker_room, self.layout.n_blocks, worker.num_workers), 1)
+        self.limit = limit * self.capacity // max(capacity, 1)
 
     def _drop(self, block: int) -> None:
         del self._blocks[block]

@@ -2,7 +2,9 @@
 from the daemon or read lazily.
 
 Both backends give the same ``indices`` and the same samples for the same local index, so a
-run without a daemon is the same run, only slower.
+run without a daemon is the same run, only slower; but for the order of ``mode="stream"`` with
+``window=None`` (the window is sized by what holds it) and of global or node data a daemon has
+no room for (it streams them): the fallback warning says which (``_fallback_order``).
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ class SharedH5Dataset(Dataset):
 
     ``mode="stream"``: data bigger than memory. Rows are addressed by their global number, as
     in global mode, and read in whole blocks (``block_rows``, a multiple of every key's chunk
-    rows; default about 8 MiB) into a window of at most ``window`` bytes (``"2GiB"``; None:
-    what the daemon's budget holds, or without one this rank's share of a quarter of the
-    node's memory, the same on every rank of the node); ``make_loader`` picks a
+    rows; default about 8 MiB) into a window of at most ``window`` bytes (``"2GiB"``: one order
+    with or without a daemon; None: what the daemon's budget holds, or without one this rank's
+    share of a quarter of the node's memory, shared again by make_loader's workers, the same on
+    every rank of the node; the order then differs with and without a daemon when the file does
+    not fit); ``make_loader`` picks a
     ``StreamSampler`` that draws each rank's rows across the blocks in the window
     (h5serve/order/stream_order.py). With a daemon, every block is a segment in the node's shared
     memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
@@ -295,12 +299,24 @@ class SharedH5Dataset(Dataset):
         self._backend = backend
 
     def _announce_fallback(self, exc: H5ServeError) -> None:
-        warnings.warn(
-            f"h5serve: {exc}. Reading {self._shown_path()} lazily through h5py instead (same rows, same "
-            "order, slower); pass fallback='error' to fail instead.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        warnings.warn(f"h5serve: {exc}. Reading {self._shown_path()} {self._fallback_order()}; pass fallback='error' "
+                      "to fail instead.", RuntimeWarning, stacklevel=4)
+
+    def _fallback_order(self) -> str:
+        """How the rows read here without the daemon compare with the daemon's, for the fallback
+        warning: the same rows, and the same order unless what the daemon would do differs."""
+        if self.mode == STREAM and self._stream_args[0] is None:
+            return ("through h5py instead (same rows, slower), in blocks and a window sized by this node's memory, "
+                    "its ranks and each rank's DataLoader workers (window=None) where a daemon sizes them by its "
+                    "budget: another order than a daemon's whenever that gives other blocks or another window. "
+                    "Pass window= (bytes; block_rows= too, to pin the block) for one order with or without a daemon")
+        if self.mode == STREAM:
+            return "through h5py instead (same rows, same order: the window you passed, slower)"
+        if self.mode in (GLOBAL, NODE) and self.auto_stream:
+            return ("lazily through h5py instead (same rows, same order as a daemon that holds them whole; a daemon "
+                    "without room for them streams them instead, block-shuffled: auto_stream=False keeps this "
+                    "order there; slower)")
+        return "lazily through h5py instead (same rows, same order, slower)"
 
     def _fallback_backend(self) -> Backend:
         return lazy_backend(self.spec, self._description())

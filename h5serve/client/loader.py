@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..order.sharding import GLOBAL, NODE
 from ..util.checks import is_int
 from . import ring
@@ -142,11 +142,14 @@ def node_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_l
                               drop_last=drop_last, arrays=arrays)
 
 
-def stream_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool) -> StreamSampler:
-    """The StreamSampler of a stream-mode dataset, placed by its layout, within its window."""
+def stream_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
+                   workers: int = 0) -> StreamSampler:
+    """The StreamSampler of a stream-mode dataset, placed by its layout, within its window (the
+    default window without a daemon: each of ``workers`` DataLoader workers' share of it, which
+    is what each worker's block cache holds: client/blockcache.py)."""
     layout, config = dataset.layout, dataset.stream.config
     place = NodePlace(layout.local_rank, layout.local_world_size, layout.node_rank, layout.num_nodes)
-    return StreamSampler(config.layout, batch_size, place, config.capacity, shuffle=shuffle, seed=seed,
+    return StreamSampler(config.layout, batch_size, place, config.capacity_for(workers), shuffle=shuffle, seed=seed,
                          drop_last=drop_last, block_bytes=config.block_bytes)
 
 
@@ -160,16 +163,33 @@ def _check_not_distributed(dataset: Any, sampler: Any) -> None:
             "DistributedSampler")
 
 
+def _check_has_rows(dataset: Any) -> None:
+    """Raised when ``dataset`` (one with ``total_rows``: SharedH5Dataset and its kin) has no rows:
+    DataError naming its files."""
+    if getattr(dataset, "total_rows", None) != 0:
+        return
+    files: tuple[str, ...] = tuple(getattr(dataset, "files", ()))
+    shown = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]} ... {files[-1]})" if files else "dataset"
+    raise DataError(f"{shown} has no rows: every epoch would have no batch, and training would silently do nothing. "
+                    "Check that the file was written completely (and that the keys are the ones with the samples), "
+                    "or pass the file that holds them")
+
+
 def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
                    sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler | None,
-                   arrays: bool) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler:
+                   workers: int) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler:
     """The batch sampler make_loader uses: DistributedShuffleSampler over a global dataset (or
     the one passed), a StreamSampler over a stream dataset, else an EpochBatchSampler over
-    ``sampler`` equalised across the shards."""
+    ``sampler`` equalised across the shards. With ``workers``, batches are arrays.
+
+    Raised when the dataset has no rows at all: DataError (an epoch of no batches would train
+    on nothing, silently)."""
     _check_not_distributed(dataset, sampler)
+    _check_has_rows(dataset)
+    arrays = workers > 0
     if getattr(dataset, "stream", None) is not None:
         if sampler is None:
-            return stream_sampler(dataset, batch_size, shuffle, seed, drop_last)
+            return stream_sampler(dataset, batch_size, shuffle, seed, drop_last, workers)
         if not isinstance(sampler, StreamSampler):
             raise ConfigError(f"a stream-mode dataset is read through its window in StreamSampler order; got a "
                               f"{type(sampler).__name__}: drop sampler= (make_loader builds the StreamSampler)")
@@ -261,6 +281,7 @@ def make_loader(
 
     Raised for a bad batch size, worker count or sampler, or when some rank would get no
     batch (``drop_last=True`` with a shard smaller than a batch; an empty shard): ConfigError.
+    Raised when the dataset has no rows at all (a 0-row file): DataError.
     """
     if not (isinstance(loader_class, type) and issubclass(loader_class, DataLoader)):
         raise ConfigError(f"loader_class must be DataLoader or a subclass (e.g. torchdata's StatefulDataLoader), "
@@ -272,7 +293,7 @@ def make_loader(
             raise ConfigError(f"make_loader sets {name} itself; build a DataLoader directly to choose your own")
     kwargs: dict[str, Any] = {
         # to workers, indices travel as arrays: a tensor would cost a shared-memory file per batch
-        "batch_sampler": _batch_sampler(dataset, batch_size, shuffle, seed, drop_last, sampler, num_workers > 0),
+        "batch_sampler": _batch_sampler(dataset, batch_size, shuffle, seed, drop_last, sampler, num_workers),
         "collate_fn": collate,
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,

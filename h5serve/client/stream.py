@@ -4,19 +4,25 @@ served in the stream sampler's order (client/stream_sampler.py), from one of two
 - the node's daemon, when one answers: every block a segment in shared memory, one copy per
   node whatever the ranks and jobs, prefetched ahead of use (client/stream_daemon.py);
 - else (or when it cannot serve them: ``falls_back``) whole blocks read through h5py into a
-  BlockCache of at most ``window`` bytes in this process (client/blockcache.py). Same rows,
-  same order: the order depends on the block layout and the window's capacity only.
+  BlockCache of at most ``window`` bytes in this process (client/blockcache.py).
 
-``window``: bytes (``"2GiB"``, h5serve/units.parse_size). Capacity (blocks) is ``window //
-block bytes`` either way, so one ``window`` gives one order with or without a daemon. With a
-daemon, the window must fit its budget (``ping`` says it) counting a segment per key and
-block, its header page and rows in whole pages (as the daemon counts them); None: as many
-blocks as the budget holds. Without one, every rank (and every
-DataLoader worker) holds its own window; None: its share of a quarter of the node's memory
-(``default_window``: physical memory or the cgroup's limit, divided by the job's ranks on the
-node). The order depends on the window, so a default is made of what every rank of a node
-sees alike (the daemon's budget, the node's memory, the file's layout), never of what is free
-at the moment; with torch.distributed initialised the ranks also take the smallest.
+The order is a function of the block layout and the window's capacity only. ``window``: bytes
+(``"2GiB"``, h5serve/units.parse_size). Capacity (blocks) is ``window // block bytes`` either
+way, and the block (``block_rows=None``) is fitted to ``window``, so one ``window`` gives one
+order with or without a daemon. With a daemon, the window must fit its budget (``ping`` says
+it) counting a segment per key and block, its header page and rows in whole pages (as the
+daemon counts them). Without one, every rank (and every DataLoader worker) holds its own window.
+
+``window=None`` takes what holds the window: with a daemon, as many blocks as its budget
+holds; without one, ``default_window`` (DEFAULT_WINDOW_FRACTION of the node's memory, physical
+or the cgroup's limit, divided among the job's ranks on the node and, when make_loader runs
+DataLoader workers, among each rank's workers: ``StreamConfig.capacity_for``). So the block and
+the window, and with them the order, differ between the two, and without a daemon with the
+number of workers when the file does not fit: ``window=`` (and ``block_rows=``) pin them. A
+default is made of what every rank of a node sees alike (the daemon's budget, the node's
+memory, the file's layout), never of what is free at the moment; with torch.distributed
+initialised the ranks also agree, on the smallest of every rank's memory for the window and
+then of every rank's capacity, so a rank with no daemon reads in the order of those with one.
 
 Many files: blocks are laid out per file (a block never spans two) and, with a daemon, each
 is a segment of the one file that holds it. Variable-length rows: a block is their offsets
@@ -44,7 +50,7 @@ from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole, held_wh
 from ..segments.format import VALUES_ALIGN
 from ..util.checks import is_int
 from ..util.units import format_bytes, parse_size, row_nbytes
-from .blockcache import BlockCache, StreamBatch
+from .blockcache import BlockCache, StreamBatch, worker_capacity
 from .chunkcache import local_ranks
 from .files import FileHandles
 from .spec import BackendSpec, describe_spec
@@ -67,16 +73,38 @@ class StreamConfig:
     window_bytes: int  # what was asked for (or picked)
     block_cost: int = 0  # with a daemon: one block of every key in shared memory, headers included, whole pages
     budget: int = 0  # with a daemon: its budget
+    worker_room: int = 0  # window=None without a daemon: the blocks it holds, shared by the rank's workers
+
+    def capacity_for(self, workers: int) -> int:
+        """Blocks the window holds in each of ``workers`` DataLoader workers (0: none, the rank
+        reads itself): ``capacity``, or for the default window without a daemon (shared among
+        the workers) each worker's share of it.
+
+        Raised when that share holds no block: ConfigError naming the numbers."""
+        if not self.worker_room or workers <= 1:
+            return self.capacity
+        share = worker_capacity(self.worker_room, self.layout.n_blocks, workers)
+        if share < 1:
+            raise ConfigError(
+                f"the default window without a daemon ({format_bytes(self.window_bytes)} a rank, shared by its "
+                f"DataLoader workers) holds {self.worker_room} blocks of {format_bytes(self.block_bytes)}, fewer than "
+                f"one for each of {workers} workers: use fewer workers, pass window= (bytes each process holds), or "
+                "start a daemon (one window per node)")
+        return share
 
 
 def window_bytes(window: object) -> int | None:
     """``window`` as bytes (None stays None).
 
-    Raised when it is not a size or is not positive: ConfigError."""
+    Raised when it is not a size or is not positive: ConfigError naming ``window=``."""
     if window is None:
         return None
     if isinstance(window, str):
-        size = parse_size(window)
+        try:
+            size = parse_size(window)
+        except ConfigError as exc:
+            raise ConfigError(f"window={window!r} is not a size: pass bytes as an int, or a string like '2GiB' or "
+                              "'512MiB' (window=None: the default window)") from exc
     elif is_int(window, numpy=True):
         size = int(window)
     else:
@@ -139,24 +167,26 @@ def node_memory() -> int:
 
 
 def default_window(ranks: int | None) -> int:
-    """The default window without a daemon: DEFAULT_WINDOW_FRACTION of ``node_memory()`` shared
-    by the job's ``ranks`` on the node (default: ``local_ranks()``, torchrun's ``LOCAL_WORLD_SIZE``);
-    the same on every rank of the node without any collective."""
+    """The default window of a rank without a daemon: DEFAULT_WINDOW_FRACTION of
+    ``node_memory()`` shared by the job's ``ranks`` on the node (default: ``local_ranks()``,
+    torchrun's ``LOCAL_WORLD_SIZE``); the same on every rank of the node without any collective.
+    A rank's DataLoader workers share it in turn (``StreamConfig.capacity_for``), so the node's
+    windows together stay within DEFAULT_WINDOW_FRACTION of its memory whatever the workers."""
     return int(node_memory() * DEFAULT_WINDOW_FRACTION) // (ranks or local_ranks())
 
 
-def _agreed(capacity: int, world_size: int) -> int:
-    """The smallest ``capacity`` of every rank when the dataset spans an initialised process
-    group of more than one rank (a collective: every rank builds the dataset), else ``capacity``."""
+def _agreed(value: int, world_size: int) -> int:
+    """The smallest ``value`` of every rank when the dataset spans an initialised process
+    group of more than one rank (a collective: every rank builds the dataset), else ``value``."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency
-        return capacity
+        return value
     if world_size <= 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return capacity
-    value = torch.tensor([capacity], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return int(value.item())
+        return value
+    reduced = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MIN)
+    return int(reduced.item())
 
 
 def key_shape(info: DatasetInfo) -> KeyShape:
@@ -191,51 +221,56 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     are whole numbers of (default ``infos``; ``chunks_said`` names them for messages). The
     default window (``window=None``) is what the daemon's budget holds, else
     ``default_window(ranks)``: both the same on every rank of a node; with a process group
-    over ``world_size > 1`` ranks they also take the smallest of every rank's (one
-    all-reduce), so a rank that reached no daemon while others did agrees.
+    over ``world_size > 1`` ranks every rank fits its block to the smallest of every rank's
+    (one all-reduce) and takes the smallest capacity (another), so a rank that reached no
+    daemon while others did reads the same blocks in the same order. ``block_rows`` larger
+    than the (longest) file is cut to the file's rows in whole chunks: one block a file.
 
-    Raised when ``block_rows`` is not whole chunks of every key, the window is smaller than
-    one block, or (with a daemon) larger than its budget: ConfigError naming the numbers."""
+    Raised when ``window`` is not a size, ``block_rows`` is not whole chunks of every key, the
+    window is smaller than one block, or (with a daemon) larger than its budget: ConfigError
+    naming the numbers."""
     total = infos[0].rows
+    longest = max(file_rows, default=total)
     each = list(chunked) or infos
     unit = block_unit([i.chunk_rows if i.chunked else 1 for i in each])
     row_bytes = sum(stream_row_bytes(i) for i in infos)
     asked = window_bytes(window)
+    if budget is not None and asked is not None and asked > budget:
+        raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
+                          f"{format_bytes(budget)}: pass a window of at most that (window=None: what the budget "
+                          "holds), or start the daemon with a larger --max-memory")
+    size = asked if asked is not None else budget if budget is not None else default_window(ranks)
     if block_rows is None:  # whole chunks, smaller than the default when the window would hold few
-        limit = asked or budget or default_window(ranks)
-        rows = fitted_block_rows(unit, [stream_row_bytes(i) for i in infos], max(file_rows, default=total), limit)
+        limit = size if asked is not None else _agreed(size, world_size)  # every rank the same block
+        rows = fitted_block_rows(unit, [stream_row_bytes(i) for i in infos], longest, limit)
     else:
         chunks = chunks_said or ", ".join(f"{i.key}: {i.chunk_rows} rows a chunk" for i in each if i.chunked)
-        rows = check_block_rows(block_rows, unit, chunks)
+        rows = min(check_block_rows(block_rows, unit, chunks), unit * max(-(-longest // unit), 1))
     layout = BlockLayout(total, rows, tuple(file_rows))
     block = rows * row_bytes
     # the daemon's segments: a header page each and the rows (vlen: one more offset, the values aligned), each in
     # whole pages, as the daemon's budget counts them
     cost = sum(segment_cost(rows * stream_row_bytes(i) + (8 + VALUES_ALIGN if i.vlen else 0)) for i in infos)
-    if budget is not None and asked is not None and asked > budget:
-        raise ConfigError(f"window={window!r} ({format_bytes(asked)}) is larger than the daemon's budget of "
-                          f"{format_bytes(budget)}: pass a window of at most that (window=None: what the budget "
-                          "holds), or start the daemon with a larger --max-memory")
-    if budget is not None and asked is None:
-        size, capacity = budget, budget // cost
-    else:
-        size = default_window(ranks) if asked is None else asked
-        capacity = size // max(block, 1)
+    own = size // max(cost if budget is not None and asked is None else block, 1)
+    capacity = own if asked is not None else _agreed(own, world_size)  # the order depends on it: one for all
     if capacity < 1:
         said = ("the default window (a quarter of the node's memory shared by its ranks)" if budget is None
                 else "the daemon's budget") if asked is None else f"window={window!r}"
+        if own >= 1:
+            said = f"another rank's {said.removeprefix('the ')} (the smallest of the job's ranks, which all take it)"
         values = " (variable-length rows: their mean length in the first rows)" if any(i.vlen for i in infos) else ""
+        smaller = (f", or smaller blocks (block_rows=, a multiple of {unit})" if rows > unit else
+                   f" (blocks are one chunk already: {unit} rows, the least a block can be; or rewrite the file with "
+                   "smaller chunks)")
         raise ConfigError(
             f"{said} is {format_bytes(size)}, smaller than one block ({rows} rows x {row_bytes} bytes{values} = "
             f"{format_bytes(block)}{'' if budget is None else f', {format_bytes(cost)} in shared memory'}): pass a "
-            f"window of at least {format_bytes(block if budget is None else cost)}, or smaller blocks (block_rows=, a "
-            f"multiple of {unit})")
-    if asked is None:  # the order depends on it: every rank must have the same
-        capacity = _agreed(capacity, world_size)
+            f"window of at least {format_bytes(block if budget is None else cost)}{smaller}")
+    room = capacity if asked is None and budget is None else 0  # the default window without a daemon: workers share it
     capacity = min(capacity, max(layout.n_blocks, 1))
     if budget is not None:
         check_window(size, capacity, block, cost, budget)
-    return StreamConfig(layout, block, capacity, size, cost, budget or 0)
+    return StreamConfig(layout, block, capacity, size, cost, budget or 0, room)
 
 
 @dataclass(frozen=True)
@@ -325,7 +360,7 @@ class StreamBackend:
     def _block_cache(self) -> BlockCache:
         c = self.config
         return BlockCache(self.infos, self.out_dtypes, c.layout, c.capacity, self.handles, self.source.file_infos,
-                          c.capacity * c.block_bytes)
+                          c.capacity * c.block_bytes, c.worker_room)
 
     def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
         try:

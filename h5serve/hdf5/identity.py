@@ -8,20 +8,22 @@ FIFO or device swapped in is refused without blocking, in the common case), then
 ``fstat`` of HDF5's own descriptor (its vfd handle); ``check_holder`` does the same for the
 file an external link led HDF5 to (the file holding a dataset).
 
-Raised errors are h5serve's (SourceNotFound, SourceChanged), never h5py's or the OS's.
+Raised errors are h5serve's (SourceNotFound, SourceChanged; DataError for a file HDF5 finds
+truncated or damaged: ``unreadable``), never h5py's or the OS's.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import h5py
 
-from ..errors import AccessDenied, SourceChanged, SourceNotFound
+from ..errors import AccessDenied, DataError, SourceChanged, SourceNotFound
 from .compound import FieldRows, rows_dataset
 from .filters import check_storage
 
@@ -35,7 +37,31 @@ __all__ = [
     "holder_identity",
     "check_holder",
     "pinned_rows",
+    "unreadable",
 ]
+
+# what HDF5 says of a file whose metadata it found damaged (not missing, not another format)
+_DAMAGED = ("bad superblock", "bad object header", "wrong b-tree signature", "bad b-tree", "checksum", "corrupt",
+            "bad local heap", "bad global heap", "bad heap", "incorrect metadata")
+_TRUNCATED_SIZES = re.compile(r"eof = (\d+).*stored_eof = (\d+)")
+
+
+def unreadable(path: str, exc: OSError) -> DataError | SourceNotFound:
+    """What h5py's failure ``exc`` to open ``path`` means for the user: a file cut short
+    (HDF5's "truncated file": a copy or write that stopped early) or damaged metadata is a
+    DataError saying so and what to do (no reader can serve it: no lazy fallback); anything
+    else (missing, unreadable, not HDF5) a SourceNotFound."""
+    text = str(exc)
+    if "truncated file" in text:
+        sizes = _TRUNCATED_SIZES.search(text)
+        held = (f": it holds {int(sizes[1]):,} bytes of the {int(sizes[2]):,} its superblock records" if sizes
+                else "")
+        return DataError(f"HDF5 file {path!r} is truncated{held}, so it was copied or written incompletely (a transfer "
+                         f"cut short, a full disk, a writer that died); copy or write it again ({text})")
+    if any(mark in text.lower() for mark in _DAMAGED):
+        return DataError(f"HDF5 file {path!r} is damaged: HDF5 cannot read its metadata ({text}); restore it from a "
+                         "good copy or write it again (h5dump shows how far it can be read)")
+    return SourceNotFound(f"{path!r} cannot be opened as an HDF5 file: {text}")
 
 
 @dataclass(frozen=True)
@@ -140,8 +166,8 @@ def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File
     swapped in is refused without blocking unless it is swapped in again in the moment
     between the two opens (then HDF5's open blocks: run this where a deadline applies).
 
-    Raised when it cannot be opened: SourceNotFound. Raised when it is no longer that file,
-    or HDF5 opened another file: SourceChanged.
+    Raised when it cannot be opened: SourceNotFound (truncated or damaged: DataError). Raised
+    when it is no longer that file, or HDF5 opened another file: SourceChanged.
     """
     path, dev, ino = (ident.path, ident.dev, ident.ino) if isinstance(ident, FileIdentity) else tuple(ident[:3])
     try:
@@ -163,7 +189,7 @@ def open_h5_verified(ident: FileIdentity | tuple, **kwargs: object) -> h5py.File
         # "st_ino or st_dev fields changed"), so it was swapped between the two opens
         if exc.errno in _SWAPPED_ERRNOS or "fields changed" in str(exc) or not _still(path, dev, ino):
             raise _replaced(path) from exc
-        raise SourceNotFound(f"{path!r} cannot be opened as an HDF5 file: {exc}") from exc
+        raise unreadable(path, exc) from exc
     try:
         if f.driver != "sec2":  # only sec2 has a descriptor to check: never open another driver here
             raise SourceNotFound(f"{path!r}: HDF5 driver {f.driver!r} cannot be checked; open it with the default one")
@@ -262,9 +288,10 @@ def identities_unchanged(identities: Iterable[tuple]) -> bool:
 
 
 def open_h5(path: str | os.PathLike[str], **kwargs: object) -> h5py.File:
-    """Open read-only. Raised when missing or not HDF5: SourceNotFound."""
+    """Open read-only. Raised when missing or not HDF5: SourceNotFound; truncated or damaged:
+    DataError (``unreadable``)."""
     file_identity(path)
     try:
         return h5py.File(path, "r", **kwargs)
     except OSError as exc:
-        raise SourceNotFound(f"{os.fspath(path)!r} cannot be opened as an HDF5 file: {exc}") from exc
+        raise unreadable(os.fspath(path), exc) from exc

@@ -3,7 +3,8 @@ component at a time (so a link behind another link is seen too), and the one oth
 external link may lead to: h5serve tracks a single linked file for changes.
 
 Every failure is a KeyNotFound or UnsupportedDataset naming the link and its target (a
-SourceChanged when a path changes while it is resolved).
+SourceChanged when a path changes while it is resolved; a DataError when the key's link is
+there but HDF5 cannot open the object it leads to: the file is damaged).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 
 import h5py
 
-from ..errors import KeyNotFound, SourceChanged, UnsupportedDataset
+from ..errors import DataError, KeyNotFound, SourceChanged, UnsupportedDataset
 
 __all__ = ["MAX_LINKS", "dataset_names", "follow"]
 
@@ -77,12 +78,19 @@ class _FileName:
         return format(os.path.basename(self.node.file.filename), spec)
 
 
+def _damaged(key: str, filename: str, what: str, exc: BaseException) -> DataError:
+    return DataError(f"key {key!r} in {filename}: {what} ({_message(exc)}): the file is damaged; restore it from a "
+                     "good copy or write it again (h5dump shows what can still be read)")
+
+
 def follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
     """The object at ``key`` and the realpath of the other file holding it ("" if none),
     following soft and external links one path component at a time, so that a link behind
     another link is seen too.
 
     Raised when the key, or a link's target on its path, does not exist: KeyNotFound.
+    Raised when an object on its path exists (a hard link names it) but cannot be opened:
+    DataError (the file is damaged).
     Raised when external links pass through more than one other file (h5serve tracks one
     linked file for changes), or through a file h5serve cannot tell: UnsupportedDataset.
     """
@@ -127,6 +135,8 @@ def follow(f: h5py.File, key: str) -> tuple[h5py.HLObject, str]:
                     f"{here!r} in {where} is an external link to {link.path!r} in file {link.filename!r}, "
                     f"which cannot be opened ({_message(exc)})"
                 ) from exc
+            if isinstance(link, h5py.HardLink):  # the object is there, HDF5 cannot read it
+                raise _damaged(key, f.filename, f"{here!r} in {where} exists but cannot be opened", exc) from exc
             raise broken(f"{here!r} in {where} cannot be opened: {_message(exc)}") from exc
         if isinstance(link, h5py.ExternalLink):
             opened = _realpath(target.file.filename)

@@ -197,10 +197,12 @@ def check_block_rows(block_rows: object, unit: int, chunks: str = "") -> int:
     chunks make up ``unit``)."""
     rows = _positive("block_rows", block_rows)
     if rows % unit:
-        lower, upper = max(rows // unit, 1) * unit, (rows // unit + 1) * unit
+        lower, upper = rows // unit * unit, (rows // unit + 1) * unit
+        fix = (f"use e.g. block_rows={lower} or {upper}" if lower else
+               f"use block_rows={unit} (the smallest block) or a multiple of it")
         raise ConfigError(
             f"block_rows={rows} is not a whole number of chunks: blocks must be multiples of {unit} rows"
-            f"{f' ({chunks})' if chunks else ''}; use e.g. block_rows={lower} or {upper}")
+            f"{f' ({chunks})' if chunks else ''}; {fix}")
     return rows
 
 

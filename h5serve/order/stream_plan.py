@@ -138,9 +138,12 @@ def recommend(needs: Mapping[str, int], mode: str | None, multi_node: bool, limi
               keys: Sequence[KeyShape]) -> tuple[str, StreamWindow | None]:
     """What ``h5serve inspect`` recommends: the mode asked about (None: global, else node across
     nodes) when its need (``needs``: bytes by mode) fits ``limit`` (the budget, or /dev/shm's
-    free space when smaller); else stream, with the window a daemon of ``limit`` takes for
+    size when smaller); else stream, with the window a daemon of ``limit`` takes for
     ``keys`` (``daemon_window``). A sharded mode asked about, or data where not even one block
-    fits, keeps the mode asked (read lazily where it does not fit)."""
+    fits, keeps the mode asked (read lazily where it does not fit). Stream asked about: stream,
+    with that window (None: not even one block fits)."""
+    if mode == STREAM:
+        return STREAM, daemon_window(keys, limit) if keys else None
     wanted = [mode] if mode else [GLOBAL, NODE] if multi_node else [GLOBAL]
     chosen = next((m for m in wanted if needs.get(m, limit + 1) <= limit), None)
     if chosen is not None or not keys or wanted[0] not in (GLOBAL, NODE):

@@ -22,7 +22,16 @@ from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.util.units import allocated_bytes, format_bytes
 from h5serve.wire.connection import DaemonClient
 
-from ..helpers import Daemon, h5serve_cli, make_h5, running_daemon, short_tmpdir, torchrun_two_ranks, watch_memory
+from ..helpers import (
+    Daemon,
+    h5serve_cli,
+    make_h5,
+    running_daemon,
+    short_tmpdir,
+    tmpfs,
+    torchrun_two_ranks,
+    watch_memory,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -165,6 +174,33 @@ def test_no_daemon_or_data_that_fits_stays_global(h5: Path) -> None:
             assert (ds.mode, ds.backend, caught) == ("global", "shm", [])
         finally:
             ds.close()
+
+
+def test_the_window_does_not_follow_what_is_free_in_shm_at_the_moment(h5: Path) -> None:
+    """Two jobs on a node, before and after another user's file takes most of the daemon's shm
+    filesystem: the same window, block and so order (the budget, or the filesystem's size; never
+    its free space of the moment)."""
+    with tmpfs("16m") as shm, daemon_on(shm) as d, runtime_env(d.runtime_dir):
+        first, caught = open_global(h5)
+        first.close()
+        check_warning([str(w.message) for w in caught])
+        plan = first.auto_streamed
+        assert plan is not None and plan.limit == plan.budget == BUDGET
+        filler = shm / "another-users-file"
+        filler.write_bytes(bytes(15 << 20))  # 1 MiB left free: less than the budget of 2 MiB
+        try:
+            second, _ = open_global(h5)
+            second.close()
+        finally:
+            filler.unlink()
+        assert second.auto_streamed == plan
+
+
+@contextmanager
+def daemon_on(shm: Path) -> Iterator[Daemon]:
+    """A daemon of BUDGET whose shm dir is ``shm``."""
+    with running_daemon("--max-memory", str(BUDGET), "--shm-dir", str(shm), "--loaders", "2") as d:
+        yield d
 
 
 def inspect_json(h5: Path, *args: str) -> dict:

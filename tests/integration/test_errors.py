@@ -17,6 +17,7 @@ from h5serve.errors import (
     ERROR_CODES,
     BudgetExceeded,
     ConfigError,
+    DataError,
     H5ServeError,
     KeyNotFound,
     LengthMismatch,
@@ -28,7 +29,7 @@ from h5serve.errors import (
     falls_back,
 )
 
-from ..helpers import Daemon, short_tmpdir, tmpfs
+from ..helpers import Daemon, damaged_header, short_tmpdir, tmpfs, truncated
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,32 @@ def test_missing_file(tmp_path: Path, where: dict) -> None:
     (tmp_path / "text.h5").write_text("not hdf5")
     with pytest.raises(SourceNotFound, match="cannot be opened as an HDF5 file"):
         SharedH5Dataset(tmp_path / "text.h5", "x", **where)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_truncated_and_damaged_files_say_so(tmp_path: Path, where: dict) -> None:
+    """From the daemon as from h5py: a DataError saying truncated (or damaged) and what to do,
+    not a SourceNotFound or KeyNotFound."""
+    cut, _, _ = truncated(tmp_path)
+    for mode in ("global", "stream"):
+        with pytest.raises(DataError, match="is truncated.*copy or write it again") as caught:
+            SharedH5Dataset(cut, "x", "y", mode=mode, rank=0, world_size=1, **where)
+        assert not isinstance(caught.value, SourceNotFound)
+    with pytest.raises(DataError, match="key 'x'.*exists but cannot be opened.*the file is damaged") as caught:
+        SharedH5Dataset(damaged_header(tmp_path), "x", "y", mode="global", rank=0, world_size=1, **where)
+    assert not isinstance(caught.value, KeyNotFound)
+
+
+def test_a_truncated_file_is_not_read_lazily_after_the_daemon_refused_it(tmp_path: Path,
+                                                                         shared_daemon: Daemon) -> None:
+    """The daemon's DataError does not fall back (h5py would fail the same way): no fallback warning."""
+    import warnings
+
+    cut, _, _ = truncated(tmp_path)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(DataError, match="is truncated"):
+        warnings.simplefilter("always")
+        SharedH5Dataset(cut, "x", "y", mode="global", rank=0, world_size=1, runtime_dir=shared_daemon.runtime_dir)
+    assert [str(w.message) for w in caught if "lazily" in str(w.message)] == []
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,36 @@ def codes_text(report: dict, code: str) -> str:
     return " ".join(a["text"] for a in report["advice"] if a["code"] == code)
 
 
+@pytest.mark.filterwarnings("ignore:h5serve. no h5serve daemon:RuntimeWarning")
+def test_mode_stream_shows_its_window_and_the_arguments_that_pin_its_order(plain: Path, nowhere: Path,
+                                                                            capsys) -> None:
+    report = inspect_json(capsys, str(plain), "--max-memory", "40K", "--mode", "stream")
+    stream = report["stream"]
+    assert (report["mode"], report["recommended_mode"]) == ("stream", "stream") and stream is not None
+    (need,) = report["needs"]
+    assert need["mode"] == "stream" and need["fits"]
+    assert need["bytes"] == stream["capacity"] * stream["block_cost"] + stream["whole_bytes"] <= 40 * 1024
+    pin = f"window={stream['window']}, block_rows={stream['block_rows']}"
+    assert pin in codes_text(report, "stream") and "without a daemon" in codes_text(report, "stream")
+    # those arguments give that window and block without a daemon too: the order a daemon of that budget reads
+    ds = SharedH5Dataset(plain, "x", "y", mode="stream", window=stream["window"], block_rows=stream["block_rows"],
+                         runtime_dir=nowhere)
+    try:
+        assert ds.stream is not None
+        assert (ds.stream.config.layout.block_rows, ds.stream.config.capacity) == (stream["block_rows"],
+                                                                                  stream["capacity"])
+    finally:
+        ds.close()
+    assert main(["inspect", str(plain), "--max-memory", "40K", "--mode", "stream"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: mode 'stream', window" in text and "\n  stream " in text
+    # not even one block (64 rows of x and y, a header page each) fits: said, with what it needs
+    tiny = inspect_json(capsys, str(plain), "--max-memory", "8K", "--mode", "stream")
+    assert tiny["stream"] is None and tiny["needs"] == [{"mode": "stream", "rows": 64, "bytes": 64 * 56 + 2 * 4096,
+                                                        "fits": False}]
+    assert "SharedH5Dataset(mode='stream') refuses it" in codes_text(tiny, "over_budget")
+
+
 def test_a_missing_filter_plugin_names_the_extra(tmp_path: Path, nowhere: Path) -> None:
     path = tmp_path / "blosc.h5"
     with h5py.File(path, "w") as f:
