@@ -50,7 +50,8 @@ from ..errors import BudgetExceeded, ConfigError, SegmentError, ShmFull
 from ..hdf5.source import DatasetInfo
 from ..order.sharding import GLOBAL, STREAM
 from ..order.stream_order import BlockLayout
-from ..segments import AttachedSegment
+from ..segments import HEADER_SIZE, AttachedSegment
+from ..segments.stitch import can_stitch
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from ..wire.protocol import Acquire, AcquireResult
@@ -59,6 +60,7 @@ from .blockcache import Arrays, gather_by_block
 from .gather import as_column
 from .ragged import RaggedColumn
 from .spec import BackendSpec
+from .stitched import StitchedBlocks
 
 __all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
 
@@ -102,10 +104,14 @@ class DaemonBlocks:
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
         self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
+        # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
+        self._stitch = bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0]) and can_stitch(
+            HEADER_SIZE)
         self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
+        self._stitched = StitchedBlocks(self.layout, len(self._streamed[0]), self.capacity) if self._stitch else None
         self._client: DaemonClient | None = None
         self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
@@ -122,7 +128,10 @@ class DaemonBlocks:
         if self._pid != os.getpid():
             # a forked worker: the parent's mappings and socket are not this process's to use or
             # close (closing an inherited fd would not drop the parent's lease, but the parent's
-            # ZeroMQ context must never be touched here); dropped, the worker maps its own
+            # ZeroMQ context must never be touched here); dropped, the worker maps its own (its
+            # copy of the stitched blocks' address range unmapped: the parent's stays)
+            if self._stitched is not None:
+                self._stitched.close()
             self._reset()
 
     @property
@@ -176,6 +185,8 @@ class DaemonBlocks:
             self._close(int(block))
 
     def _close(self, block: int) -> None:
+        if self._stitched is not None:
+            self._stitched.remove(block)
         for segment in self._held.pop(block, []):
             segment.close()
 
@@ -231,6 +242,13 @@ class DaemonBlocks:
             for segment in segments:
                 segment.close()
             raise
+        if self._stitched is not None:
+            try:
+                self._stitched.place(block, segments)
+            except BaseException:
+                for segment in segments:
+                    segment.close()
+                raise
         self._held[block] = segments
         self.attaches += 1
         self.peak = max(self.peak, len(self._held))
@@ -338,8 +356,8 @@ class DaemonBlocks:
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        streamed = gather_by_block(rows, self.layout, *self._streamed,
-                                   lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
+        streamed = self._gather_stitched(rows) if self._stitched is not None else gather_by_block(
+            rows, self.layout, *self._streamed, lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
         if len(streamed) == len(self.infos):
             return streamed
         columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
@@ -353,7 +371,31 @@ class DaemonBlocks:
             columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
         return columns
 
+    def _gather_stitched(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
+        """The streamed keys' rows ``rows``: the blocks not placed yet mapped (``_block``), then
+        one gather per key across every block (stitched.py)."""
+        assert self._stitched is not None
+        stitched = self._stitched
+        ids = self.layout.block_of(rows)
+        missing = stitched.missing(ids)
+        parts = None
+        if len(missing):
+            needed = set(np.unique(ids).tolist())
+            for block in missing.tolist():
+                self._block(int(block), needed)
+            if len(stitched.missing(ids)):  # it waited for room and let this batch's blocks go meanwhile
+                parts = stitched.gather_each(ids, rows, lambda block: self._block(block, needed))
+        columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
+        for taken, info, wanted in zip(parts or stitched.gather(ids, rows), *self._streamed):
+            taken = taken if taken.dtype == info.dtype else taken.astype(info.dtype)  # as gather_by_block casts
+            columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
+        return columns
+
     def close(self) -> None:
+        if self._stitched is not None and self._pid == os.getpid():
+            for block in list(self._held):
+                self._close(block)
+            self._stitched.close()
         if self._pid == os.getpid():
             for block in list(self._held):
                 self._close(block)
@@ -365,7 +407,8 @@ class DaemonBlocks:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={},  # a spawned worker maps its own
+        # a spawned worker maps its own
+        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None,
                      _whole_asked=False)
         return state
 

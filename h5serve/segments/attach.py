@@ -85,6 +85,18 @@ class AttachedSegment:
         if self.values is not None:
             self.values.flags.writeable = False
 
+    def fileno(self) -> int:
+        """The segment's descriptor (the one its lease is held on), to map its rows elsewhere
+        (segments/stitch.py); -1 once closed."""
+        return self._fd
+
+    def unmap(self) -> None:
+        """Drop this object's own mapping (``data`` and ``values`` go with it), keeping the
+        descriptor and its lease: its rows are mapped elsewhere (a stitch's slot)."""
+        self.data = None  # type: ignore[assignment]
+        self.values = None
+        self._map = None  # type: ignore[assignment]
+
     def close(self) -> None:
         """Drop this object's references. Python's mmap holds its own dup of the fd, so the
         lease lasts exactly as long as the mapping: until the last array viewing it is gone."""
