@@ -37,7 +37,8 @@ class StitchedBlocks:
         self.slots = int(capacity) + SLACK_SLOTS
         self.slot_of = np.full(max(layout.n_blocks, 1), -1, dtype=np.int64)
         self._stitches: list[Stitch] = []
-        self._views: list[np.ndarray] = []
+        self._views: list[np.ndarray] = []  # each key's slots: [slot, row, ...]
+        self._flats: list[np.ndarray] = []  # the same rows as one axis: [slot * rows a slot + row, ...]
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # the lowest slot first
         self._pid = os.getpid()
 
@@ -50,9 +51,11 @@ class StitchedBlocks:
         """One range per key, shaped by its first block's segment (rows, dtype)."""
         for segment in segments:
             m = segment.meta
-            stitch = Stitch(self.slots, self.layout.block_rows * row_nbytes(m.row_shape, m.np_dtype))
+            row = row_nbytes(m.row_shape, m.np_dtype)
+            stitch = Stitch(self.slots, self.layout.block_rows * row, row)
             self._stitches.append(stitch)
             self._views.append(stitch.view(m.np_dtype, m.row_shape))
+            self._flats.append(stitch.flat(m.np_dtype, m.row_shape))
 
     def place(self, block: int, segments: list[AttachedSegment]) -> None:
         """Map ``block``'s segments (one per key, in key order) into a free slot of every key's
@@ -100,12 +103,12 @@ class StitchedBlocks:
 
     def gather(self, ids: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
         """Each key's rows ``rows`` (global) of the blocks ``ids`` (every one placed), in order:
-        one fancy index per key, fresh arrays of the segments' dtype."""
+        one ``take`` per key (global mode's gather), fresh arrays of the segments' dtype."""
         slots = self.slot_of[ids]
         if len(slots) and int(slots.min()) < 0:
             raise SegmentError("a stream block was gathered before it was placed")
         local = rows - self.layout.bounds[ids]
-        return [view[slots, local] for view in self._views]
+        return [flat.take(slots * view.shape[1] + local, axis=0) for flat, view in zip(self._flats, self._views)]
 
     def gather_each(self, ids: np.ndarray, rows: np.ndarray, place: Callable[[int], object]) -> list[np.ndarray]:
         """As ``gather``, a block at a time, each placed (``place(block)``) right before its rows
@@ -127,7 +130,7 @@ class StitchedBlocks:
 
     def close(self) -> None:
         """Unmap every key's range (in a forked child: its copies only)."""
-        self._views = []
+        self._views, self._flats = [], []
         for stitch in self._stitches:
             stitch.close()
         self._stitches = []

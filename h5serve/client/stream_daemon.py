@@ -62,10 +62,12 @@ from .ragged import RaggedColumn
 from .spec import BackendSpec
 from .stitched import StitchedBlocks
 
-__all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "check_window", "daemon_window"]
+__all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "STITCH_ENV", "check_window", "daemon_window"]
 
 log = logging.getLogger("h5serve.client")
 
+_NONE, _ASKED, _HELD = 0, 1, 2  # what a process has of a block (DaemonBlocks._state)
+STITCH_ENV = "H5SERVE_STITCH"  # "0": gather a block at a time (the benchmark compares both)
 DEFAULT_WAIT_S = 120.0  # how long a needed block may wait for room in the daemon's budget (timeout= overrides)
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
 
@@ -105,8 +107,8 @@ class DaemonBlocks:
         self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
-        self._stitch = bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0]) and can_stitch(
-            HEADER_SIZE)
+        self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
+                        and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
         self._reset()
 
     def _reset(self) -> None:
@@ -114,6 +116,9 @@ class DaemonBlocks:
         self._stitched = StitchedBlocks(self.layout, len(self._streamed[0]), self.capacity) if self._stitch else None
         self._client: DaemonClient | None = None
         self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
+        # per block: _NONE, _ASKED (in _asked) or _HELD (in _held), so that a step's window is
+        # compared with what this process has in numpy, not a Python loop over the window
+        self._state = np.zeros(max(self.layout.n_blocks, 1), dtype=np.int8)
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
         self._whole: dict[int, AttachedSegment] = {}  # keys held whole, mapped (by key index)
         self._whole_asked = False  # their acquires sent (their loads started)
@@ -171,11 +176,17 @@ class DaemonBlocks:
                        None if dtype is None else dtype.str)
 
     # ----- the window -------------------------------------------------------------------------
+    def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
+        """The blocks in ``state`` that none of ``windows`` holds."""
+        inside = np.zeros(len(self._state), dtype=bool)
+        for window in windows:
+            inside[np.asarray(window, dtype=np.int64)] = True
+        return np.flatnonzero((self._state == state) & ~inside)
+
     def retain(self, alive: np.ndarray) -> None:
         """Close every mapped block not in ``alive`` (the node's window at this step)."""
         self._check_pid()
-        keep = set(np.asarray(alive).tolist())
-        for block in [b for b in self._held if b not in keep]:
+        for block in self._outside(_HELD, alive).tolist():
             self._close(block)
 
     def release(self, done: np.ndarray) -> None:
@@ -187,6 +198,8 @@ class DaemonBlocks:
     def _close(self, block: int) -> None:
         if self._stitched is not None:
             self._stitched.remove(block)
+        if self._state[block] == _HELD:
+            self._state[block] = _NONE
         for segment in self._held.pop(block, []):
             segment.close()
 
@@ -196,10 +209,10 @@ class DaemonBlocks:
         for again when needed). Forgets the prefetches outside ``alive`` and ``ahead`` (the
         window has passed them: nothing held, nothing to close)."""
         self._check_pid()
-        ahead_list = np.asarray(ahead).tolist()
-        keep = set(ahead_list) | set(np.asarray(alive).tolist())
-        for block in [b for b in self._asked if b not in keep]:
+        ahead, alive = np.asarray(ahead, dtype=np.int64), np.asarray(alive, dtype=np.int64)
+        for block in self._outside(_ASKED, ahead, alive).tolist():
             del self._asked[block]
+            self._state[block] = _NONE
         client = self.client()
         if not self._whole_asked and any(self.whole):  # the keys held whole: their loads start now
             self._whole_asked = True
@@ -211,16 +224,16 @@ class DaemonBlocks:
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
         # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
         # prefetches, which the daemon refuses rather than evict another rank's next block for
-        alive_list = np.asarray(alive).tolist()
-        for prefetch, blocks in ((False, alive_list), (True, ahead_list)):
-            for block in blocks:
-                if block in self._held or block in self._asked:
-                    continue
+        for prefetch, blocks in ((False, alive), (True, ahead)):
+            for block in blocks[self._state[blocks] == _NONE].tolist():
+                if self._state[block] != _NONE:
+                    continue  # listed twice
                 try:
                     self._asked[block] = [AcquireResult.from_wire(client.request(r))
                                           for r in self._requests(block, prefetch)]
                 except (BudgetExceeded, ShmFull):
                     return
+                self._state[block] = _ASKED
 
     # ----- gathering --------------------------------------------------------------------------
     def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
@@ -234,6 +247,7 @@ class DaemonBlocks:
                 break  # one batch spans more blocks than the window: map them, the daemon's budget decides
             self._close(victim)
         asked = self._asked.pop(block, None)
+        self._state[block] = _NONE
         segments = []
         try:
             for i, request in enumerate(self._requests(block)):
@@ -250,6 +264,7 @@ class DaemonBlocks:
                     segment.close()
                 raise
         self._held[block] = segments
+        self._state[block] = _HELD
         self.attaches += 1
         self.peak = max(self.peak, len(self._held))
         return segments

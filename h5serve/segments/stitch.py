@@ -20,6 +20,7 @@ its parent's stitch (``close`` in the child unmaps the child's copy only). Linux
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import numpy as np
@@ -30,7 +31,8 @@ from ..util.units import PAGE_BYTES
 __all__ = ["Stitch", "can_stitch"]
 
 _PROT_NONE, _PROT_READ = 0, 1
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+_MAP_NORESERVE, _MAP_POPULATE = 0x4000, 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -57,13 +59,16 @@ def can_stitch(data_offset: int) -> bool:
 
 
 class Stitch:
-    """``slots`` slots of ``slot_bytes`` (rounded up to whole pages) in one reserved range."""
+    """``slots`` slots of ``slot_bytes`` in one reserved range, each rounded up to whole pages
+    and to whole ``row_bytes`` (so that the slots' rows are one evenly strided run of rows:
+    ``flat``)."""
 
-    def __init__(self, slots: int, slot_bytes: int) -> None:
+    def __init__(self, slots: int, slot_bytes: int, row_bytes: int = 1) -> None:
         if _LIBC is None:
             raise SegmentError("stitching segments needs Linux")
         self.slots = int(slots)
-        self.slot_bytes = _pages(max(int(slot_bytes), 1))
+        unit = math.lcm(PAGE_BYTES, max(int(row_bytes), 1))
+        self.slot_bytes = -(-max(int(slot_bytes), 1) // unit) * unit
         self.size = self.slots * self.slot_bytes
         self._pid = os.getpid()
         self._used = np.zeros(self.slots, dtype=bool)
@@ -89,7 +94,8 @@ class Stitch:
 
     def place(self, fd: int, offset: int, length: int, slot: int | None = None) -> int:
         """Map ``length`` bytes of the file ``fd`` from ``offset`` (whole pages) read-only into
-        ``slot`` (None: the lowest free one), which must be free; returns the slot.
+        ``slot`` (None: the lowest free one), which must be free; returns the slot. Its pages are
+        faulted in at once (``MAP_POPULATE``: one call, not a fault per page as rows are read).
 
         Raised when no slot is free, the rows do not fit a slot, or the kernel refuses: SegmentError."""
         self._own()
@@ -103,7 +109,8 @@ class Stitch:
         elif not 0 <= slot < self.slots or self._used[slot]:
             raise SegmentError(f"slot {slot} of the stream's window holds a block already (or does not exist)")
         if length:
-            self._map(self._address + slot * self.slot_bytes, _pages(length), _PROT_READ, _MAP_SHARED | _MAP_FIXED,
+            self._map(self._address + slot * self.slot_bytes, _pages(length), _PROT_READ,
+                      _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE,
                       fd, offset, "map a block into the stream's window")
         self._used[slot] = True
         return slot
@@ -132,6 +139,15 @@ class Stitch:
                            strides=(self.slot_bytes, row, *inner))
         array.flags.writeable = False
         return array
+
+    def flat(self, dtype: np.dtype, row_shape: tuple[int, ...]) -> np.ndarray:
+        """``view`` with its slot and row axes as one: row ``r`` of slot ``s`` is row
+        ``s * rows_per_slot + r`` (``rows_per_slot = slot_bytes // row bytes``), so a gather is one
+        ``take`` along the first axis. Raised when a slot is not whole rows: SegmentError."""
+        view = self.view(dtype, row_shape)
+        if self.slot_bytes % view.strides[1]:
+            raise SegmentError(f"a slot of {self.slot_bytes} bytes is not whole rows of {view.strides[1]} bytes")
+        return view.reshape((-1, *row_shape))
 
     def close(self) -> None:
         """Unmap the whole range (every slot's block let go); in a forked child, its copy only."""
