@@ -99,7 +99,8 @@ class StitchedBlocks:
 
     def missing(self, ids: np.ndarray) -> np.ndarray:
         """The blocks of ``ids`` not placed (each once, ascending)."""
-        return np.unique(ids[self.slot_of[ids] < 0])
+        absent = self.slot_of[ids] < 0
+        return np.unique(ids[absent]) if absent.any() else ids[:0]
 
     def gather(self, ids: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
         """Each key's rows ``rows`` (global) of the blocks ``ids`` (every one placed), in order:

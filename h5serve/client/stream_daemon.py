@@ -106,6 +106,7 @@ class DaemonBlocks:
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
         self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
+        self._keeps_all = self.capacity >= self.layout.n_blocks  # the window holds every block: kept mapped
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
@@ -184,14 +185,22 @@ class DaemonBlocks:
         return np.flatnonzero((self._state == state) & ~inside)
 
     def retain(self, alive: np.ndarray) -> None:
-        """Close every mapped block not in ``alive`` (the node's window at this step)."""
+        """Close every mapped block not in ``alive`` (the node's window at this step); none when
+        the window holds every block (``release``)."""
         self._check_pid()
+        if self._keeps_all:
+            return
         for block in self._outside(_HELD, alive).tolist():
             self._close(block)
 
     def release(self, done: np.ndarray) -> None:
-        """Close the blocks of ``done``: this rank has used them for the last time this epoch."""
+        """Close the blocks of ``done``: this rank has used them for the last time this epoch.
+        A window that holds every block keeps them mapped for the next epoch instead (as global
+        mode keeps its segment: nothing else of this stream will need their room, and mapping
+        them again each epoch is most of an epoch's cost)."""
         self._check_pid()
+        if self._keeps_all:
+            return
         for block in np.asarray(done).tolist():
             self._close(int(block))
 
