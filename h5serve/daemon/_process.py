@@ -7,9 +7,10 @@ one place, each with why and what it depends on (the client's are in h5serve/cli
   forkserver and inherit it). They all share the daemon's process group;
 - ``start_from_root``: the daemon works from ``/`` with no implicit working-directory or script
   directory entry on ``sys.path``, and every Python it starts (the forkserver) does too;
-- ``LoaderContext``: loaders are started (``clean_preparation``) with preparation data that never
-  names the daemon's main module (it is not imported again in them), ``sys.path`` without implicit entries and
-  ``/`` as their directory; each loader's stderr goes into a file of its own (``loader_output``);
+- ``LoaderContext``: loaders are started (``clean_preparation``) with preparation data that
+  never names the daemon's main module (it is not imported again in them), ``sys.path`` without
+  implicit entries and ``/`` as their directory; each loader's stderr goes into a file of its
+  own (``loader_output``);
 - ``drop_forkserver_alive_fd``: a loader closes its inherited copy of the forkserver's
   "alive" pipe;
 - ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies;
@@ -115,7 +116,7 @@ def _dumpable() -> bool:
         return True
 
 
-# run first by each Python an undumpable process starts through multiprocessing (``_undumpable_spawn``)
+# run first by each Python an undumpable process starts through multiprocessing (``_swapped_preparation``)
 _UNDUMPABLE_PROLOGUE = (
     "try:\n"
     "    import ctypes\n"
