@@ -52,6 +52,17 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _idle_seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0, 0 meaning never (anything else is bad usage: exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds (0: never), got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (0: never), got {text!r}")
+    return value
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
@@ -118,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-timeout", type=_positive_seconds, metavar="SECONDS",
                    help="kill a load that makes no progress for this long (a stopped loader, a hung file system) "
                    "and fail it, so jobs read lazily and later loads run (default 120)")
+    p.add_argument("--idle-exit", type=_idle_seconds, metavar="SECONDS",
+                   help="exit (segments unlinked, as `h5serve stop` does) after SECONDS with no request but "
+                   "`status`, no segment mapped by any process and no load running or queued; checked every "
+                   "second (default 0: never)")
     p.add_argument("--no-checksum", action="store_true",
                    help="do not store a checksum (crc32c, else crc32) of each segment's rows (hashed during the copy; "
                    "`status --verify` then cannot check content)")

@@ -116,7 +116,7 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
 
     cmd = [sys.executable, *SAFE_PYTHON_FLAGS, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
     for flag in ("shm_dir", "max_memory", "loaders", "load_processes", "log_level", "group", "user",
-                 "metrics_port", "metrics_addr", "metrics_textfile", "stall_timeout"):
+                 "metrics_port", "metrics_addr", "metrics_textfile", "stall_timeout", "idle_exit"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -152,7 +152,7 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
 
 def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     from ..daemon import DaemonConfig, serve
-    from ..daemon._process import start_from_root
+    from ..daemon._process import set_undumpable, start_from_root
     from ..daemon.config import DEFAULT_STALL_TIMEOUT_S
     from ..daemon.privileges import drop_privileges, lookup_group, lookup_user
     from ..util.units import parse_size
@@ -165,6 +165,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     if args.user:
         drop_privileges(lookup_user(args.user))  # a no-op when cmd_start already did
         _check_interpreter(args.user)
+    set_undumpable()  # as its final user, before it reads its secret or opens anything: no ptrace by that user
     config = DaemonConfig(
         location=location,
         shm_dir=resolve_shm_dir(args.shm_dir),
@@ -180,6 +181,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         checksum=not args.no_checksum,
         drop_page_cache=not args.keep_page_cache,
         metrics_paths=args.metrics_paths,
+        idle_exit=args.idle_exit or 0.0,
     )
     start_from_root()  # the daemon, its forkserver and loaders: from /, no implicit sys.path entry
     try:

@@ -64,6 +64,10 @@ def format_status(info: dict[str, Any]) -> str:
         f"stream: mode='stream' with window=None streams through a window of the budget, "
         f"{format_bytes(mem['budget'])}, shared by the node's ranks (less the small keys it holds whole: labels)",
     ]
+    idle = info.get("idle_exit")
+    if idle:
+        lines.append(f"idle exit: after {idle['after_s']:g}s unused (--idle-exit); unused for {idle['idle_s']:.0f}s "
+                     "(status requests do not count)")
     segments = info["segments"]
     if not segments:
         lines.append("no segments")

@@ -1,11 +1,16 @@
 """Every change the daemon and its loaders make to their own process beyond their objects, in
 one place, each with why and what it depends on (the client's are in h5serve/client/_process.py):
 
+- ``set_undumpable``: the daemon is not dumpable (no process of its own user can ptrace it or
+  read its memory), and neither is any Python it starts (``clean_preparation``: the forkserver and
+  the resource tracker; loaders, spares, inspectors and part processes are forked from the
+  forkserver and inherit it). They all share the daemon's process group;
 - ``start_from_root``: the daemon works from ``/`` with no implicit working-directory or script
   directory entry on ``sys.path``, and every Python it starts (the forkserver) does too;
-- ``LoaderContext``: loaders are started with preparation data that never names the daemon's
-  main module (it is not imported again in them), ``sys.path`` without implicit entries and
-  ``/`` as their directory; each loader's stderr goes into a file of its own (``loader_output``);
+- ``LoaderContext``: loaders are started (``clean_preparation``) with preparation data that
+  never names the daemon's main module (it is not imported again in them), ``sys.path`` without
+  implicit entries and ``/`` as their directory; each loader's stderr goes into a file of its
+  own (``loader_output``);
 - ``drop_forkserver_alive_fd``: a loader closes its inherited copy of the forkserver's
   "alive" pipe;
 - ``set_pdeathsig``: a loader (or one of its part children) is SIGKILLed when its parent dies;
@@ -30,15 +35,17 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from multiprocessing import context, popen_forkserver, reduction, spawn
+from multiprocessing import context, popen_forkserver, reduction, spawn, util
 from typing import Any
 
-__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "quiet_blas",
+__all__ = ["drop_forkserver_alive_fd", "set_pdeathsig", "set_process_name", "set_undumpable", "quiet_blas",
            "unshare_inherited_pages", "SPARE_NAME", "LOADER_NAME", "KEPT_NAME", "start_from_root", "safe_sys_path",
            "package_root", "LoaderContext", "LoaderProcess", "loader_output", "clean_preparation",
            "SAFE_PYTHON_FLAGS", "OUTPUT_TAIL_BYTES", "safe_python_env", "SAFE_DIR", "no_hdf5_file_locking"]
 
 _PR_SET_PDEATHSIG = 1  # prctl options (linux/prctl.h)
+_PR_GET_DUMPABLE = 3
+_PR_SET_DUMPABLE = 4
 _PR_SET_NAME = 15
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
 _PAGEMAP_PRESENT = 1 << 63  # Documentation/admin-guide/mm/pagemap.rst
@@ -81,6 +88,42 @@ def set_pdeathsig() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+def set_undumpable() -> None:
+    """Make this process not dumpable (``prctl(PR_SET_DUMPABLE, 0)``): no core dump, and no
+    process without CAP_SYS_PTRACE, its own user's included, may ptrace it, read its memory,
+    environment or descriptors (the kernel makes its /proc/PID entries root's).
+
+    Why: a daemon started by root with ``--user`` (a SLURM prolog's, kept between jobs) runs
+    outside every job's cgroup and lives on after them; a job of its user that could inject code
+    into it would run there, unaccounted, after the job ended. The kernel clears dumpable when
+    root drops to the user only with ``fs.suid_dumpable=0``, and an ``execve`` by the user (the
+    daemonized ``python -m h5serve.daemon``; a daemon the user starts itself) sets it again: so
+    it is set here, at the daemon's start, once it runs as its final user and before it reads
+    its secret or opens anything. Version: Linux ``prctl``; a no-op where libc has none.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _dumpable() -> bool:
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0))
+    except (OSError, AttributeError):
+        return True
+
+
+# run first by each Python an undumpable process starts through multiprocessing (``_swapped_preparation``)
+_UNDUMPABLE_PROLOGUE = (
+    "try:\n"
+    "    import ctypes\n"
+    f"    ctypes.CDLL(None).prctl({_PR_SET_DUMPABLE}, 0, 0, 0, 0)\n"
+    "except Exception:\n"
+    "    pass\n"
+)
 
 
 def set_process_name(name: str) -> None:
@@ -257,7 +300,9 @@ def safe_python_env(env: os._Environ[str] | dict[str, str]) -> None:
 @contextlib.contextmanager
 def clean_preparation() -> Iterator[None]:
     """While starting a loader (or the forkserver), multiprocessing's preparation data has no
-    main module, a ``sys.path`` without implicit entries and ``/`` as the directory.
+    main module, a ``sys.path`` without implicit entries and ``/`` as the directory; and a Python
+    multiprocessing executes (the forkserver, the resource tracker: ``python -c CODE``) from an
+    undumpable process (``set_undumpable``) makes itself undumpable before it runs ``CODE``.
 
     Why: a child of the forkserver imports the parent's ``__main__`` again as ``__mp_main__``
     (``spawn.prepare``) before it runs its target: a script without an ``if __name__ ==
@@ -270,6 +315,10 @@ def clean_preparation() -> Iterator[None]:
     from resolver threads (inspectors), so one start at a time holds the swap (a re-entrant lock:
     a start may start the forkserver inside it); unlocked, one thread could restore the original
     while another was launching, and that child would import the main module after all.
+    ``execve`` makes a process of the same user dumpable again, so the forkserver (and every
+    loader it forks) would be open to ``ptrace`` by the daemon's user without the prologue;
+    ``util.spawnv_passfds`` is looked up at call time by ``forkserver`` and ``resource_tracker``
+    (CPython 3.8 to 3.13 at least), and both start again from within a launch if they died.
     """
     with _PREPARATION_LOCK:
         yield from _swapped_preparation()
@@ -280,6 +329,14 @@ _PREPARATION_LOCK = threading.RLock()
 
 def _swapped_preparation() -> Iterator[None]:
     original = spawn.get_preparation_data
+    original_spawnv = util.spawnv_passfds
+    undumpable = not _dumpable()
+
+    def spawnv(path: Any, args: Any, passfds: Any) -> int:
+        args = list(args)
+        if undumpable and len(args) >= 2 and args[-2] == "-c":
+            args[-1] = _UNDUMPABLE_PROLOGUE + args[-1]
+        return int(original_spawnv(path, args, passfds))
 
     def prepared(name: str) -> dict[str, Any]:
         data = dict(original(name))
@@ -289,10 +346,12 @@ def _swapped_preparation() -> Iterator[None]:
         return data
 
     spawn.get_preparation_data = prepared
+    util.spawnv_passfds = spawnv
     try:
         yield
     finally:
         spawn.get_preparation_data = original
+        util.spawnv_passfds = original_spawnv
 
 
 class _LoaderPopen(popen_forkserver.Popen):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from ..wire.runtime import RuntimeLocation
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
            "default_load_processes", "FAILURE_MEMORY_S", "MAX_AWAITING_RESOLUTION", "MAX_REMEMBERED_METAS",
            "MAX_QUEUED_LOADS_PER_UID", "STALL_CHECK_INTERVAL_S",
-           "SWEEP_INTERVAL_S"]
+           "SWEEP_INTERVAL_S", "IDLE_CHECK_INTERVAL_S"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
@@ -22,6 +23,10 @@ FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers
 # huge segment), short enough that a hung file system does not hold a loader slot for long.
 DEFAULT_STALL_TIMEOUT_S = 120.0
 STALL_CHECK_INTERVAL_S = 0.5  # how often running loads are checked for progress
+# --idle-exit: how often the control loop looks at what requests do not show (loads running or
+# queued, leases held on segments: one read of /proc/locks); so the daemon exits at most this
+# much later than --idle-exit after the last activity
+IDLE_CHECK_INTERVAL_S = 1.0
 # Loads one uid may have waiting for a loader at once (running ones aside): a DDP job asks for
 # ranks x keys of them at most (8 x 32 here), one user queuing thousands holds memory and the
 # budget, and queued loads start round-robin by uid anyway (store._next_queued).
@@ -69,6 +74,9 @@ class DaemonConfig:
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a load without progress this long is killed and fails
     checksum: bool = True  # loaders store a crc32 of the rows in the header (status --verify checks it)
     drop_page_cache: bool = True  # loaders drop the source file's cached pages of the rows they read
+    # exit (as `h5serve stop` does) after this many seconds with no request but status, no lease held
+    # on a segment and no load running or queued (idle.py); 0: never
+    idle_exit: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("loaders", "load_processes"):
@@ -76,3 +84,5 @@ class DaemonConfig:
                 raise ConfigError(f"{name} must be at least 1 (or 0 for the default), got {getattr(self, name)}")
         if not self.stall_timeout > 0:  # also refuses NaN
             raise ConfigError(f"stall_timeout must be a number of seconds > 0, got {self.stall_timeout}")
+        if not 0 <= self.idle_exit < math.inf:  # also refuses NaN
+            raise ConfigError(f"idle_exit must be a number of seconds >= 0 (0: never), got {self.idle_exit}")

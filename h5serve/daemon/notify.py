@@ -76,8 +76,8 @@ class Notifier:
             self.send(extend_timeout_usec=int(EXTEND_BY_S * 1e6))
         self._loading = loading
 
-    def stopping(self) -> None:
-        self.send(stopping=1, status="stopping: unlinking segments")
+    def stopping(self, why: str = "") -> None:
+        self.send(stopping=1, status=f"stopping{f' ({why})' if why else ''}: unlinking segments")
 
     def close(self) -> None:
         if self._sock is not None:

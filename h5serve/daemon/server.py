@@ -54,6 +54,7 @@ from .config import (
     default_loaders,
 )
 from .handout import HandoutServer
+from .idle import IdleWatch, in_use
 from .loader import start_forkserver
 from .metrics import Metrics
 from .notify import Notifier
@@ -242,6 +243,8 @@ class Server:
             drop_page_cache=config.drop_page_cache,
         )
         self._stopping = False
+        self._stop_reason = ""  # said in the log and to systemd (STATUS=) when the daemon stops on its own
+        self.idle = IdleWatch(config.idle_exit) if config.idle_exit else None
         self._doing = ""  # what run() is doing, for the message if the OS refuses it
         self.started = time.time()
         self.notifier = Notifier()
@@ -252,6 +255,8 @@ class Server:
             self.store.on_loaded = self.metrics.observe_load
 
     def handle(self, request: Request, peer: Peer | None = None) -> dict[str, Any]:
+        if self.idle is not None and isinstance(request, (Acquire, Ping)):  # not status: idle.py
+            self.idle.touch()
         if isinstance(request, Acquire):
             return self.store.acquire(request, requester(peer, self.config.group)).to_wire()
         info = {
@@ -261,7 +266,9 @@ class Server:
             "metrics_port": self.metrics.port if self.metrics is not None else None,
         }
         if isinstance(request, Status):  # another user sees only the segments it was granted
-            return {"schema_version": STATUS_SCHEMA_VERSION, **info,
+            idle = None if self.idle is None else {"after_s": self.idle.seconds,
+                                                   "idle_s": round(self.idle.idle_for(), 3)}
+            return {"schema_version": STATUS_SCHEMA_VERSION, **info, "idle_exit": idle,
                     **self.store.status(peer.uid if peer is not None else -1)}
         if isinstance(request, Shutdown):
             self._shutdown_by(peer)
@@ -376,15 +383,16 @@ class Server:
             signal.signal(signal.SIGINT, self.request_stop)
             log.info(
                 "h5serve %s serving %s (pid %d, shm %s, budget %s, %d loads at once, up to %d processes per load, "
-                "%d open files)", __version__, location.endpoint, os.getpid(), self.config.shm_dir,
+                "%d open files%s)", __version__, location.endpoint, os.getpid(), self.config.shm_dir,
                 format_bytes(self.store.max_memory), self.store.max_loaders, self.store.load_processes, files_limit,
+                f", exits after {self.config.idle_exit:g}s unused" if self.config.idle_exit else "",
             )
             self.notifier.ready(self._status_line())
             self._doing = f"serving on {location.endpoint}"
             self._loop(sock)
         finally:
-            log.info("stopping: unlinking segments")
-            self.notifier.stopping()
+            log.info("stopping%s: unlinking segments", f" ({self._stop_reason})" if self._stop_reason else "")
+            self.notifier.stopping(self._stop_reason)
             if handout is not None:
                 handout.stop()
             self.store.shutdown()
@@ -439,6 +447,17 @@ class Server:
             self.notifier.status(self._status_line())
             if self.metrics is not None:
                 self.metrics.refresh(self.store.status)
+            self._exit_when_idle(sock)
+
+    def _exit_when_idle(self, sock: zmq.Socket) -> None:
+        """Stop, as `h5serve stop` does, once --idle-exit seconds passed unused (idle.py); not
+        while a request waits on the socket (answered first: an acquire or ping cancels the exit)."""
+        if self.idle is None or not self.idle.expired(lambda: in_use(self.store)) or sock.poll(0, zmq.POLLIN):
+            return
+        self._stop_reason = f"idle for {self.idle.idle_for():.0f}s, --idle-exit {self.idle.seconds:g}"
+        log.info("no request but status, no lease held on a segment and no load for %.1fs (--idle-exit %g): "
+                 "exiting", self.idle.idle_for(), self.idle.seconds)
+        self._stopping = True
 
     def _answer(self, sock: zmq.Socket, readable: bool) -> None:
         for n in range(_MAX_MESSAGES_PER_TICK if readable else 0):

@@ -399,6 +399,11 @@ class SegmentStore(LoadReaper):
                 self.counters["stale_evictions"] += 1
                 log.info("evicted %s: %s changed on disk", entry.file, printable(entry.meta.source_path))
 
+    def loads_pending(self) -> bool:
+        """Whether a load runs or waits for a loader, or a request's file is still resolving
+        (its load starts then): the idle exit (idle.py) waits for them."""
+        return bool(self._resolving) or any(e.state == "loading" for e in self.entries.values())
+
     def load_fds(self) -> list[int]:
         """The pipes of running loaders: readable once a loader reports or dies, so the
         daemon's loop can wake for it instead of noticing on its next tick."""

@@ -26,6 +26,7 @@ from .handout import open_segment, request_descriptor
 from .lifecycle import (
     PUBLISHED_MODE,
     SegmentWriter,
+    any_leased,
     check_published,
     count_leases,
     create_segment,
@@ -74,6 +75,7 @@ __all__ = [
     "data_checksum",
     "try_evict",
     "count_leases",
+    "any_leased",
     "values_offset",
     "vlen_nbytes",
 ]

@@ -31,6 +31,7 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,6 +71,7 @@ __all__ = [
     "check_published",
     "open_published",
     "count_leases",
+    "any_leased",
     "try_evict",
 ]
 
@@ -361,6 +363,15 @@ def count_leases(paths: list[Path]) -> dict[Path, int]:
         if held is not None and not lock.exclusive:
             counts[held] += 1
     return counts
+
+
+def any_leased(files: Collection[tuple[int, int]]) -> bool:
+    """Whether some process holds a shared lease on one of ``files`` (``(st_dev, st_ino)`` of
+    each): one read of /proc/locks, no ``stat`` of any segment. False where /proc/locks
+    cannot be read."""
+    if not files:
+        return False
+    return any(not lock.exclusive and (lock.dev, lock.ino) in files for lock in flocks())
 
 
 def try_evict(path: Path, owner: int | None = None) -> bool:

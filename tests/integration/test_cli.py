@@ -116,6 +116,9 @@ def test_bad_max_memory_is_refused_before_starting(tmp_path: Path) -> None:
     (["--metrics-port", "70000"], "--metrics-port must be in", 1),
     (["--max-memory", "12 parsecs"], "not a size", 1),
     (["--log-level", "chatty"], "argument --log-level: invalid choice: 'CHATTY'", 2),
+    (["--idle-exit", "-1"], "argument --idle-exit: must be a number of seconds >= 0 (0: never), got '-1'", 2),
+    (["--idle-exit", "10m"], "argument --idle-exit: takes a number of seconds (0: never), got '10m'", 2),
+    (["--idle-exit", "nan"], "argument --idle-exit: must be a number of seconds >= 0", 2),
 ])
 def test_bad_start_options_are_refused_before_starting(args: list[str], match: str, code: int) -> None:
     """Exit 2: argparse refused the value (bad usage); 1: h5serve did (the message says what to do)."""

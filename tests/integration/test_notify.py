@@ -75,6 +75,30 @@ def test_ready_status_watchdog_stopping(notify_socket, tmp_path: Path, watchdog_
         d.stop()
 
 
+def test_idle_exit_says_stopping_and_exits_0(notify_socket, tmp_path: Path) -> None:
+    """--idle-exit under Type=notify: READY=1, then, unused, STOPPING=1 with the reason in STATUS=,
+    segments unlinked and exit status 0 (Restart=on-failure leaves it stopped)."""
+    sock, path = notify_socket
+    d = Daemon()
+    env = {**d.env, "NOTIFY_SOCKET": str(path)}
+    process = subprocess.Popen([sys.executable, "-m", "h5serve", "start", "--foreground", "--idle-exit", "1"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert any("READY=1" in m for m in receive(sock, "READY=1", 30))
+        SharedH5Dataset(make_h5(tmp_path / "idle.h5"), "x", runtime_dir=d.runtime_dir, fallback="error").close()
+        assert len(d.segment_files()) == 1
+        stopping = [m for m in receive(sock, "STOPPING=1", 30) if "STOPPING=1" in m]
+        assert stopping and "STATUS=stopping (idle for " in stopping[0] and "--idle-exit 1)" in stopping[0], stopping
+        assert process.wait(timeout=30) == 0
+        assert "(--idle-exit 1): exiting" in process.stderr.read()
+        assert d.segment_files() == [] and not (d.runtime_dir / "h5serve.sock").exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        d.stop()
+
+
 def test_abstract_socket_address_and_no_socket_is_silent() -> None:
     from h5serve.daemon.notify import Notifier
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -16,8 +20,10 @@ from h5serve.client.connection import DaemonClient
 from h5serve.errors import AccessDenied, DaemonUnavailable, SegmentError
 from h5serve.segments import attach_segment
 
-from ..helpers import Daemon, h5serve_cli, make_h5, short_tmpdir
+from ..helpers import Daemon, descendant_pids, h5serve_cli, kill_daemon_of, make_h5, short_tmpdir, wait_for
+from ..users import PortablePython, setpriv, throwaway_user
 from ..users import as_ids as as_user
+from ..users import as_user as as_account
 
 NOBODY, NOGROUP = 65534, 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
@@ -197,3 +203,73 @@ def test_client_that_does_not_share_dev_shm_is_told_so(daemon: Daemon, h5file: P
     backend, label, warnings_seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert backend == "lazy" and label == 7
     assert any("does not see the daemon's /dev/shm" in w for w in warnings_seen), warnings_seen
+
+
+_PTRACE_SEIZE = 0x4206  # attaches without stopping the tracee; the tracer's exit detaches it
+
+
+def _ptrace_seize(pid: int) -> str:
+    """PTRACE_SEIZE ``pid`` as the calling process: "attached" or the errno's name."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(_PTRACE_SEIZE, pid, None, None) == 0:
+        return "attached"
+    return errno.errorcode.get(ctypes.get_errno(), "?")
+
+
+def _yama_lets_users_trace() -> bool:
+    """Without Yama, or with ptrace_scope 0, a user may trace any process of its own."""
+    try:
+        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip() == "0"
+    except OSError:
+        return True
+
+
+@root_only
+@pytest.mark.parametrize("started", ["by the user", "by root with --user"])
+def test_the_daemon_and_every_process_it_starts_are_undumpable(py: PortablePython, started: str) -> None:
+    """A daemon its own user started (an exec by that user makes a process dumpable again), or one
+    root started with --user (the prolog's; the daemonized interpreter is exec'd as the user):
+    the daemon, its forkserver, resource tracker and spare loader are undumpable, so their
+    /proc/PID entries are root's and their own user cannot ptrace them. A plain process of the
+    user, exec'd the same way, is the control."""
+    with throwaway_user() as user:
+        where = short_tmpdir("h5s-dump-")
+        runtime = where / "rt"
+        control: subprocess.Popen[bytes] | None = None
+        try:
+            where.chmod(0o755)
+            if started == "by the user":
+                runtime.mkdir(mode=0o700)
+                os.chown(runtime, user.uid, user.gid)
+                done = py.run("start", "--runtime-dir", str(runtime), user=user)
+            else:
+                done = py.run("start", "--user", user.name, "--runtime-dir", str(runtime))
+            assert done.returncode == 0, done.stderr
+            pid = int((runtime / "h5serve.pid").read_text())
+            assert wait_for(lambda: any(Path(f"/proc/{p}/comm").read_text().strip() == "h5serve-spare"
+                                        for p in descendant_pids(pid)), 30), "no spare loader started"
+            processes = [pid, *descendant_pids(pid)]
+            assert len(processes) >= 4, processes  # daemon, forkserver, resource tracker, spare
+            control = subprocess.Popen([*setpriv(user), "sleep", "120"], stdin=subprocess.DEVNULL)
+            assert wait_for(lambda: Path(f"/proc/{control.pid}/comm").read_text().strip() == "sleep", 10)
+
+            def owner(p: int) -> int:
+                return os.stat(f"/proc/{p}/mem").st_uid
+
+            assert owner(control.pid) == user.uid  # the control: a process of the user, dumpable
+            assert {p: owner(p) for p in processes} == dict.fromkeys(processes, 0)
+            assert all(Path(f"/proc/{p}/status").read_text().split("Uid:")[1].split()[0] == str(user.uid)
+                       for p in processes)  # still the user's processes: only undumpable
+            if _yama_lets_users_trace():
+                for target, expected in [(control.pid, "attached"), *[(p, "EPERM") for p in processes]]:
+                    status, out = as_account(user, functools.partial(_ptrace_seize, target))
+                    assert (status, out) == ("ok", expected), (target, status, out)
+            stopped = py.run("stop", "--runtime-dir", str(runtime), user=user)
+            assert stopped.returncode == 0, stopped.stderr
+        finally:
+            if control is not None:
+                control.kill()
+                control.wait()
+            kill_daemon_of(runtime)
+            shutil.rmtree(where, ignore_errors=True)
