@@ -5,7 +5,7 @@ table of ratios.
     python -m bench --write-docs           # ... and write docs/benchmarks.md, benchmarks.png, shuffle.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
-    python -m bench --only stream          # stream mode: daemon blocks vs lazy blocks vs lazy rows (~30 s)
+    python -m bench --only stream          # stream mode: daemon blocks vs lazy blocks vs lazy rows, CPU vs global (~1 min)
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
     python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
     python -m bench --only bigdata         # data 4-20x the budget, cold, beside the peers (~5-10 min)
@@ -346,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
 
             log("stream mode from the daemon and without it")
             rows += stream(args.data_dir, epochs=args.epochs)
+            from .stream_cost import stream_cost
+
+            log("stream mode's CPU against global mode at 5/25/100% windows")
+            rows += stream_cost(args.data_dir, 256, epochs=args.epochs)
         elif group == "peers":
             from .peers import run_peers
 
