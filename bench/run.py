@@ -5,7 +5,7 @@ table of ratios.
     python -m bench --write-docs           # ... and write docs/benchmarks.md, benchmarks.png, shuffle.png
     python -m bench --only iterate,memory  # some groups only (iterate includes lazy and loading)
     python -m bench --only shuffle         # shuffle quality per mode (deterministic, ~10 s)
-    python -m bench --only stream          # stream mode: daemon blocks vs lazy blocks vs lazy rows, CPU vs global (~1 min)
+    python -m bench --only stream          # stream mode: daemon vs lazy blocks and rows, CPU vs global (~1 min)
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
     python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
     python -m bench --only bigdata         # data 4-20x the budget, cold, beside the peers (~5-10 min)
