@@ -9,7 +9,9 @@ The interpreter running the suite may live where other users cannot read it (her
 ``/root``, mode 0700). ``portable_python`` copies the packages the daemon and the CLI import
 (not torch) next to a copy of h5serve in a world-readable directory and runs them with the
 system's ``/usr/bin/python3`` of the same minor version, so a throwaway user can run
-``h5serve`` and its daemon for real.
+``h5serve`` and its daemon for real. ``public_interpreter`` gives them the suite's own
+interpreter, torch included (bind mounts of its installation and, from a virtualenv, of the
+venv's site-packages), for jobs and DataLoader workers started with spawn.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import secrets
 import select
 import shutil
@@ -76,35 +79,48 @@ def throwaway_user(groups: tuple[Group, ...] = ()) -> Iterator[User]:
     if groups:
         argv += ["--groups", ",".join(g.name for g in groups)]
     _run(*argv, name)
+    before: set[str] = set()
     try:
         import pwd
 
         pw = pwd.getpwnam(name)
+        before = _shm_files_of(pw.pw_uid)
         yield User(name, pw.pw_uid, pw.pw_gid)
     finally:
         subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True, timeout=60)
-        _remove_shm_files_of(name)
+        _remove_shm_files_of(name, keep=before)
         subprocess.run(["userdel", "--force", name], capture_output=True, timeout=60)
         subprocess.run(["groupdel", name], capture_output=True, timeout=60)
 
 
-def _remove_shm_files_of(name: str) -> None:
-    """The segments a killed daemon of the throwaway user ``name`` left in /dev/shm (nothing
-    else can clean them up after a SIGKILL: docs/reliability.md); its files only, by uid, while
-    the account (and so the uid) still exists."""
+def _shm_files_of(uid: int) -> set[str]:
+    """The names in /dev/shm owned by ``uid``."""
+    found: set[str] = set()
+    with os.scandir("/dev/shm") as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    found.add(entry.name)
+    return found
+
+
+def _remove_shm_files_of(name: str, keep: set[str]) -> None:
+    """What the throwaway user ``name`` left in /dev/shm: a killed daemon's segments (nothing
+    else can clean them up after a SIGKILL: docs/reliability.md), a killed or failed process's
+    ``sem.mp-*`` (multiprocessing's resource tracker unlinks them only if it ran to the end).
+    Its files only: owned by its uid while the account (and so the uid) still exists, and not
+    there already when the account was made (``keep``: left by an earlier owner of the uid)."""
     import pwd
 
     try:
         uid = pwd.getpwnam(name).pw_uid
     except KeyError:
         return
-    with os.scandir("/dev/shm") as entries:
-        for entry in entries:
-            try:
-                if entry.name.startswith(f"h5serve-{uid}-") and entry.stat(follow_symlinks=False).st_uid == uid:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
+    for leftover in _shm_files_of(uid) - keep:
+        with contextlib.suppress(OSError):
+            path = Path("/dev/shm") / leftover
+            if path.lstat().st_uid == uid:
+                path.unlink()
 
 
 @contextlib.contextmanager
@@ -245,34 +261,122 @@ def portable_python() -> Iterator[PortablePython]:
 class PublicInterpreter:
     """The suite's own interpreter (torch included) at a path any user can reach."""
 
-    python: str
-    env: dict[str, str]  # PYTHONPATH: this checkout first, then the interpreter's site-packages
+    root: Path  # the world-readable directory holding it (what cluster nodes must be given: ``share=``)
+    python: str  # also the ``sys.executable`` of what it runs: spawned workers, resource tracker, torchrun
+    env: dict[str, str]  # PYTHONPATH: this checkout; the suite's site-packages are the interpreter's own
+
+
+_PROBE = "import os, sys, sysconfig; print(os.__file__, sys.executable, sysconfig.get_paths()['purelib'], sep='\\n')"
+
+
+def _mounts_under(root: Path) -> list[str]:
+    """Mount points at or below ``root`` (this process's mount namespace)."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]) for line in f]
+    return [p for p in points if p == str(root) or p.startswith(f"{root}/")]
+
+
+def _venv_config(home: Path) -> str:
+    """A ``pyvenv.cfg`` like the suite's venv's, with the mounted base installation as ``home``."""
+    include = "false"
+    with contextlib.suppress(OSError):
+        for line in (Path(sys.prefix) / "pyvenv.cfg").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip().lower() == "include-system-site-packages":
+                include = value.strip()
+    return (f"home = {home}\ninclude-system-site-packages = {include}\n"
+            f"version = {'.'.join(map(str, sys.version_info[:3]))}\n")
+
+
+def _not_world_readable(paths: list[Path], root: Path) -> list[str]:
+    """Those of ``paths`` (under ``root``), or of their directories up to ``root``, that other
+    users cannot read (files), run (executables) or list and enter (directories)."""
+    bad = []
+    for path in paths:
+        for p in (path, *[d for d in path.parents if d.is_relative_to(root)]):
+            with contextlib.suppress(OSError):
+                mode = p.stat().st_mode
+                need = 0o005 if p.is_dir() or mode & 0o100 else 0o004
+                if mode & need != need:
+                    bad.append(f"{p} (mode {mode & 0o777:o})")
+    return sorted(set(bad))
 
 
 @contextlib.contextmanager
 def public_interpreter() -> Iterator[PublicInterpreter]:
-    """``sys.prefix`` bind-mounted read-only on a fresh world-readable dir, so a throwaway
-    user can run the suite's interpreter with torch (for DataLoader workers started with
-    spawn); unmounted in ``finally``. Skips where it cannot be mounted (needs root)."""
-    where = Path(tempfile.mkdtemp(prefix="h5s-pfx-", dir="/tmp"))
-    where.chmod(0o755)
-    try:
-        if subprocess.run(["mount", "--bind", "-o", "ro", sys.prefix, str(where)], capture_output=True,
+    """The interpreter running the suite, with its packages (torch included), where a throwaway
+    user can run it, whatever launched the suite: a virtualenv, pyenv, conda, the system's.
+
+    The real installation (``sys.base_prefix``, holding the binary a venv's ``bin/python`` only
+    links to, here into a 0700 ``/root``) is bind-mounted read-only on ``<root>/base``. From a
+    virtualenv, ``<root>/venv`` is that venv made again around it: a ``pyvenv.cfg`` whose ``home``
+    is the mounted base, ``bin/pythonX.Y`` a link to the mounted binary, the venv's site-packages
+    bind-mounted read-only at their place. A job user then runs the suite's own interpreter (same
+    packages, ``.pth`` files included), and its ``sys.executable`` (what spawned DataLoader
+    workers, multiprocessing's resource tracker and torchrun start) is reachable too. Checked by
+    running it as uid 65534; unmounted in ``finally``. Skips with the reason (and what to do)
+    where it cannot be made."""
+    base = Path(sys.base_prefix).resolve()
+    binary = Path(getattr(sys, "_base_executable", None) or sys.executable).resolve()
+    if not binary.is_relative_to(base):
+        pytest.skip(f"the interpreter's binary {binary} lies outside its installation {base}: other users "
+                    "cannot be given it; run the suite with an interpreter installed under its prefix")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    root = Path(tempfile.mkdtemp(prefix="h5s-pfx-", dir="/tmp"))
+    root.chmod(0o755)
+
+    def bind(source: Path, target: Path) -> None:
+        target.mkdir(mode=0o755, parents=True)
+        if subprocess.run(["mount", "--bind", "-o", "ro", str(source), str(target)], capture_output=True,
                           timeout=30).returncode != 0:
-            pytest.skip("cannot bind-mount the interpreter here (needs root)")
-        try:
-            version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-                   "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
-                   # its libpython: the binary's rpath names the unreachable original
-                   "LD_LIBRARY_PATH": f"{where}/lib",
-                   "PYTHONPATH": f"{REPO}:{where}/lib/{version}/site-packages"}
-            yield PublicInterpreter(str(where / "bin" / version), env)
-        finally:
-            subprocess.run(["umount", str(where)], capture_output=True, timeout=60)
+            pytest.skip(f"cannot bind-mount {source} (the interpreter running the suite) where other users can "
+                        "run it: needs root and mount(8); run as root, or with an interpreter all users can read")
+
+    try:
+        bind(base, root / "base")
+        python = root / "base" / binary.relative_to(base)
+        site_dirs: list[Path] = []
+        if sys.prefix != sys.base_prefix:  # a virtualenv: its packages, run by the real binary
+            prefix = Path(sys.prefix).resolve()
+            venv = root / "venv"
+            (venv / "bin").mkdir(mode=0o755, parents=True)
+            (venv / "pyvenv.cfg").write_text(_venv_config(python.parent))
+            (venv / "pyvenv.cfg").chmod(0o644)
+            for kind in ("purelib", "platlib"):
+                site_dir = Path(sysconfig.get_paths()[kind]).resolve()
+                if not site_dir.is_relative_to(prefix):
+                    pytest.skip(f"the virtualenv's {kind} {site_dir} lies outside it ({prefix}): other users "
+                                "cannot be given it; run the suite from a virtualenv holding its packages")
+                if not (venv / site_dir.relative_to(prefix)).exists():
+                    bind(site_dir, venv / site_dir.relative_to(prefix))
+                    site_dirs.append(venv / site_dir.relative_to(prefix))
+            (venv / "bin" / version).symlink_to(python)
+            python = venv / "bin" / version
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+               # its libpython: the binary's rpath names the unreachable original
+               "LD_LIBRARY_PATH": f"{root}/base/lib", "PYTHONPATH": str(REPO)}
+        probe = subprocess.run([str(python), "-c", _PROBE], env=env, user=65534, group=65534, extra_groups=[],
+                               cwd="/", capture_output=True, text=True, timeout=60)
+        if probe.returncode != 0 or not all(line.startswith(f"{root}/") for line in probe.stdout.splitlines()):
+            stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+            mine = [python.resolve(), *site_dirs, *([root / "base" / stdlib.relative_to(base) / "os.py"]
+                                                   if stdlib.is_relative_to(base) else [])]
+            unreadable = _not_world_readable(mine, root)
+            said = f"exit {probe.returncode}:\n{probe.stdout}{probe.stderr}"
+            if unreadable:
+                pytest.skip(f"the interpreter's files are not readable by other users ({', '.join(unreadable)}): "
+                            f"install it, and the virtualenv, with umask 022 ({python} as uid 65534: {said})")
+            pytest.fail(f"{python}, the suite's interpreter as other users see it, does not run as uid 65534 "
+                        f"from {root}: {said}")
+        yield PublicInterpreter(root, str(python), env)
     finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(where)  # never a recursive removal: while mounted, it would be the interpreter's tree
+        for point in sorted(_mounts_under(root), reverse=True):  # children first
+            if subprocess.run(["umount", point], capture_output=True, timeout=60).returncode != 0:
+                # still busy (a job's process not yet gone): detached now, freed when it exits
+                subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=60)
+        if not _mounts_under(root):  # never a removal while mounted: it would reach the interpreter's tree
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -66,8 +66,7 @@ def make_big(path: Path, rows: int) -> Path:
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
     with throwaway_user() as a, throwaway_user() as b, portable_python() as py, public_interpreter() as pub:
-        prefix = Path(pub.python).parents[1]
-        with slurm_cluster(nodes=2, shm="64m", share=[py.root, prefix], site=site(py)) as s:
+        with slurm_cluster(nodes=2, shm="64m", share=[py.root, pub.root], site=site(py)) as s:
             data = make_h5(s.cluster.shared / "train.h5", rows=ROWS, row_shape=SHAPE)
             data.chmod(0o644)
             big = make_big(s.cluster.shared / "big.h5", rows=40000)  # 160 MiB: a node's half is 80 MiB
