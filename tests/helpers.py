@@ -390,3 +390,16 @@ def watch_memory(d: DaemonProcess, shm_dir: Path = Path("/dev/shm"), every: floa
     finally:
         done.set()
         thread.join(60)
+
+
+def segments_holding(shm_prefix: str, marker: bytes) -> list[str]:
+    """Names of the segment files (published or temporary) under ``shm_prefix`` whose bytes hold ``marker``."""
+    found = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(shm_prefix):
+            try:
+                if marker in Path("/dev/shm", name).read_bytes():
+                    found.append(name)
+            except OSError:  # removed meanwhile (a failed load's temporary)
+                pass
+    return found

@@ -26,7 +26,7 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import resolve_runtime
 
-from ..helpers import Daemon, kill_daemon_of, make_h5, wait_for
+from ..helpers import Daemon, kill_daemon_of, make_h5, segments_holding, wait_for
 from ..users import (
     PortablePython,
     User,
@@ -54,19 +54,6 @@ def _keyed_file(path: Path, marker: bytes) -> Path:
         for k in range(KEYS):
             f.create_dataset(f"k{k}", data=rows)
     return path
-
-
-def _segments_holding(shm_prefix: str, marker: bytes) -> list[str]:
-    """Names of the segment files (published or temporary) under ``shm_prefix`` whose bytes hold ``marker``."""
-    found = []
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(shm_prefix):
-            try:
-                if marker in Path("/dev/shm", name).read_bytes():
-                    found.append(name)
-            except OSError:  # removed meanwhile (a failed load's temporary)
-                pass
-    return found
 
 
 def _ask_fresh_keys(runtime_dir: Path, path: Path, seconds: float, daemon_user: str | None = None,
@@ -144,7 +131,7 @@ def test_root_daemon_never_loads_a_secret_swapped_in_for_a_checked_decoy(swap_fi
                 status, outcomes = as_user(attacker, lambda: _ask_fresh_keys(d.runtime_dir, decoy, 4.0), timeout=120)
             assert status == "ok", outcomes
             assert wait_for(lambda: all(s["state"] != "loading" for s in d.status()["segments"]), 30)
-            assert _segments_holding(prefix, marker) == []
+            assert segments_holding(prefix, marker) == []
             _assert_clear_refusals(outcomes)
         finally:
             d.stop()
@@ -174,7 +161,7 @@ def test_service_account_daemon_never_loads_a_secret_swapped_in_for_a_checked_de
             _assert_clear_refusals(outcomes)
             with DaemonClient(runtime_dir, timeout=10, daemon_user=service.name) as client:
                 assert wait_for(lambda: all(s["state"] != "loading" for s in client.status()["segments"]), 30)
-            assert _segments_holding(prefix, marker) == []
+            assert segments_holding(prefix, marker) == []
         finally:
             kill_daemon_of(runtime_dir)
 
@@ -199,7 +186,7 @@ def test_an_external_links_target_swapped_after_the_check_is_never_loaded(swap_f
                 status, outcomes = as_user(attacker, lambda: _ask_fresh_keys(d.runtime_dir, outer, 4.0), timeout=120)
             assert status == "ok", outcomes
             assert wait_for(lambda: all(s["state"] != "loading" for s in d.status()["segments"]), 30)
-            assert _segments_holding(prefix, marker) == []
+            assert segments_holding(prefix, marker) == []
             # KeyNotFound: the target, swapped, cannot be opened; UnsupportedDataset: the link leads on
             _assert_clear_refusals(outcomes, also=("KeyNotFound", "UnsupportedDataset"))
         finally:

@@ -32,7 +32,7 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import resolve_runtime
 
-from ..helpers import Daemon, wait_for
+from ..helpers import Daemon, segments_holding, wait_for
 from ..users import User, as_user, root_only, throwaway_group, throwaway_user
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -73,18 +73,6 @@ def _rewrite_as_virtual(path: Path, secret: Path) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     now = os.stat(path)
     assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _segments_holding(prefix: str, marker: bytes) -> list[str]:
-    found = []
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(prefix):
-            try:
-                if marker in Path("/dev/shm", name).read_bytes():
-                    found.append(name)
-            except OSError:
-                pass
-    return found
 
 
 def _acquire(runtime_dir: Path, path: Path, world: int) -> str:
@@ -134,7 +122,7 @@ def test_a_file_rewritten_in_place_as_a_virtual_dataset_is_inspected_again(publi
             assert first == "served"
             assert second.startswith("AccessDenied") and "virtual dataset" in second, second
             assert wait_for(lambda: all(s["state"] != "loading" for s in d.status()["segments"]), 30)
-            assert _segments_holding(prefix, marker) == []
+            assert segments_holding(prefix, marker) == []
         finally:
             d.stop()
 
