@@ -6,7 +6,8 @@ every key's range, so a batch's rows are one fancy index per key: ``view[slot_of
 row - block start]``. What a batch costs no longer grows with the blocks it spans (the window).
 
 Only for fixed-size rows of page-aligned segments (every stream block segment: a header page,
-then its rows); variable-length keys keep ``gather_by_block``.
+then its rows: ``DaemonBlocks`` checks ``stitch.can_stitch``); variable-length keys keep
+``gather_by_block``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from ..errors import SegmentError
 from ..order.stream_order import BlockLayout
 from ..segments import AttachedSegment
-from ..segments.stitch import Stitch, can_stitch
+from ..segments.stitch import Stitch
 from ..util.units import row_nbytes
 
 __all__ = ["StitchedBlocks", "SLACK_SLOTS"]
@@ -41,11 +42,6 @@ class StitchedBlocks:
         self._flats: list[np.ndarray] = []  # the same rows as one axis: [slot * rows a slot + row, ...]
         self._free: list[int] = list(range(self.slots - 1, -1, -1))  # the lowest slot first
         self._pid = os.getpid()
-
-    @staticmethod
-    def suits(segments: list[AttachedSegment]) -> bool:
-        """Whether a block's segments can be placed: fixed-size rows after whole header pages."""
-        return all(not s.meta.vlen and can_stitch(s.meta.header_size) and s.fileno() >= 0 for s in segments)
 
     def _open(self, segments: list[AttachedSegment]) -> None:
         """One range per key, shaped by its first block's segment (rows, dtype)."""

@@ -6,6 +6,7 @@ need root and skip elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -459,6 +460,21 @@ def _locked_exclusively(path: Path) -> bool:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _flocked_by(attacker: User, path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``path`` held with LOCK_EX by a shell-only attacker (``flock FILE sleep 600`` as them) for
+    the block; the lock's process is killed and reaped on exit."""
+    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(path), "sleep", "600"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
+    try:
+        assert wait_for(lambda: _locked_exclusively(path) or lock.poll() is not None, 30)
+        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
+        yield lock
+    finally:
+        lock.kill()
+        lock.wait(timeout=30)
+
+
 def test_a_members_exclusive_flock_never_fails_anothers_loads(group_daemon_users: tuple[Group, User, User],
                                                              public_dir: Path) -> None:
     """The attacker, a shell-only member, holds ``flock`` LOCK_EX on the victim's group-readable
@@ -472,30 +488,25 @@ def test_a_members_exclusive_flock_never_fails_anothers_loads(group_daemon_users
     with h5py.File(owned) as f:
         expected = f["x"][:].tobytes()
     d = _group_daemon(group)
-    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(owned), "sleep", "600"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
-    try:
-        assert wait_for(lambda: _locked_exclusively(owned) or lock.poll() is not None, 30)
-        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
-        d.start()
-        runtime_dir = d.runtime_dir
+    with _flocked_by(attacker, owned) as lock:
+        try:
+            d.start()
+            runtime_dir = d.runtime_dir
 
-        def load() -> tuple[str, str, bytes]:
-            with DaemonClient(runtime_dir, timeout=10) as client:
-                deadline = time.monotonic() + 60
-                sharded = client.acquire(Acquire(str(owned), "x", 2, 1), deadline=deadline)
-                whole = client.acquire(Acquire(str(owned), "y", 1, 0, "global"), deadline=deadline)
-            backend, rows = _rows(owned, "x", runtime_dir)
-            return f"{sharded.state} {whole.state}", backend, rows
+            def load() -> tuple[str, str, bytes]:
+                with DaemonClient(runtime_dir, timeout=10) as client:
+                    deadline = time.monotonic() + 60
+                    sharded = client.acquire(Acquire(str(owned), "x", 2, 1), deadline=deadline)
+                    whole = client.acquire(Acquire(str(owned), "y", 1, 0, "global"), deadline=deadline)
+                backend, rows = _rows(owned, "x", runtime_dir)
+                return f"{sharded.state} {whole.state}", backend, rows
 
-        status, out = as_user(victim, load, timeout=90)
-        assert status == "ok", out
-        assert out == ("ready ready", "shm", expected)
-        assert _locked_exclusively(owned) and lock.poll() is None  # the lock held all along
-    finally:
-        lock.kill()
-        lock.wait(timeout=30)
-        d.stop()
+            status, out = as_user(victim, load, timeout=90)
+            assert status == "ok", out
+            assert out == ("ready ready", "shm", expected)
+            assert _locked_exclusively(owned) and lock.poll() is None  # the lock held all along
+        finally:
+            d.stop()
 
 
 def test_a_members_exclusive_flock_on_a_linked_file_never_fails_a_load(group_daemon_users: tuple[Group, User, User],
@@ -519,24 +530,19 @@ def test_a_members_exclusive_flock_on_a_linked_file_never_fails_a_load(group_dae
     with h5py.File(target) as f:
         expected = f["x"][:].tobytes()
     d = _group_daemon(group)
-    lock = subprocess.Popen(setpriv(attacker) + ["flock", str(target), "sleep", "600"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
-    try:
-        assert wait_for(lambda: _locked_exclusively(target) or lock.poll() is not None, 30)
-        assert lock.poll() is None, lock.stderr.read() if lock.stderr else ""
-        d.start()
-        runtime_dir = d.runtime_dir
+    with _flocked_by(attacker, target) as lock:
+        try:
+            d.start()
+            runtime_dir = d.runtime_dir
 
-        def load() -> tuple[str, str, bytes]:
+            def load() -> tuple[str, str, bytes]:
+                with DaemonClient(runtime_dir, timeout=10) as client:
+                    state = client.acquire(Acquire(str(linked), "x", 1, 0), deadline=time.monotonic() + 60).state
+                return (state, *_rows(linked, "x", runtime_dir))
+
+            assert as_user(victim, load, timeout=90) == ("ok", ("ready", "shm", expected))
             with DaemonClient(runtime_dir, timeout=10) as client:
-                state = client.acquire(Acquire(str(linked), "x", 1, 0), deadline=time.monotonic() + 60).state
-            return (state, *_rows(linked, "x", runtime_dir))
-
-        assert as_user(victim, load, timeout=90) == ("ok", ("ready", "shm", expected))
-        with DaemonClient(runtime_dir, timeout=10) as client:
-            assert client.acquire(Acquire(str(vds), "v", 1, 0), deadline=time.monotonic() + 60).state == "ready"
-        assert _locked_exclusively(target) and lock.poll() is None
-    finally:
-        lock.kill()
-        lock.wait(timeout=30)
-        d.stop()
+                assert client.acquire(Acquire(str(vds), "v", 1, 0), deadline=time.monotonic() + 60).state == "ready"
+            assert _locked_exclusively(target) and lock.poll() is None
+        finally:
+            d.stop()
