@@ -5,7 +5,8 @@ Every rank opens the file in ``mode="stream"`` with a small window and trains a 
 ``--collective-timeout``) for ``--epochs`` epochs with each loader in ``--loaders``
 (``make:W`` or ``make:W:spawn``: make_loader with W workers, forked or spawned). Each batch's
 x is checked against h5py's rows. Then a mid-epoch checkpoint: the sampler state after
-``--resume-at`` batches of epoch 1, loaded into a new loader over a new dataset.
+``--resume-at`` batches of epoch 1, loaded into a new loader over a new dataset. ``--window
+default`` and ``--block-rows 0`` leave them to the dataset (``None``).
 
 Writes ``<out>/rank<N>.json``: per loader, per epoch, the labels (= global row ids) of each
 batch; the block cache's peak (blocks, bytes) and the window; the resumed labels (unless
@@ -28,8 +29,9 @@ from h5serve.client import SharedH5Dataset, make_loader
 
 
 def dataset(args: argparse.Namespace) -> SharedH5Dataset:
-    return SharedH5Dataset(args.path, x_key="x", y_key="y", mode="stream", window=args.window,
-                           block_rows=args.block_rows, timeout=args.timeout)
+    window = None if args.window == "default" else args.window
+    return SharedH5Dataset(args.path, x_key="x", y_key="y", mode="stream", window=window,
+                           block_rows=args.block_rows or None, timeout=args.timeout)
 
 
 def loader_of(ds: SharedH5Dataset, name: str, batch_size: int):
@@ -85,8 +87,8 @@ def main() -> None:
     parser.add_argument("--loaders", default="make:0,make:2,make:1:spawn")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--window", default="96KiB")
-    parser.add_argument("--block-rows", type=int, default=256)
+    parser.add_argument("--window", default="96KiB", help="'default': window=None")
+    parser.add_argument("--block-rows", type=int, default=256, help="0: block_rows=None")
     parser.add_argument("--resume-at", type=int, default=7)
     parser.add_argument("--collective-timeout", type=float, default=60)
     parser.add_argument("--timeout", type=float, default=None, help="SharedH5Dataset(timeout=)")

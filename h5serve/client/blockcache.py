@@ -66,12 +66,7 @@ def gather_by_block(rows: np.ndarray, layout: BlockLayout, infos: list[DatasetIn
     outs: list[Any] = [[] if i.vlen else np.empty((len(rows), *i.row_shape), dtype=i.dtype) for i in infos]
     for group in groups:
         block = int(ids[group[0]])
-        local = rows[group] - layout.bounds[block]
-        for out, array in zip(outs, arrays_of(block, needed)):
-            if isinstance(array, tuple):
-                out.append(vlen_gather(array[0], array[1], local))
-            else:
-                out[group] = array.take(local, axis=0)
+        _take(outs, arrays_of(block, needed), group, rows[group] - layout.bounds[block])
     columns: list[Column] = []
     for info, out, d in zip(infos, outs, out_dtypes):
         if info.vlen:
@@ -79,6 +74,18 @@ def gather_by_block(rows: np.ndarray, layout: BlockLayout, infos: list[DatasetIn
         else:
             columns.append(as_column(out if out.dtype == d else out.astype(d)))
     return columns
+
+
+def _take(outs: list[Any], arrays: list[Arrays], group: np.ndarray, local: np.ndarray) -> None:
+    """Copy the rows ``local`` of one block's ``arrays`` into ``outs`` at the batch positions
+    ``group``. A function of its own so that no view of the block outlives the copy: a daemon's
+    segment stays leased while any array views it, and a process that waits for room for its
+    next block must hold none (client/stream_daemon.py)."""
+    for out, array in zip(outs, arrays):
+        if isinstance(array, tuple):
+            out.append(vlen_gather(array[0], array[1], local))
+        else:
+            out[group] = array.take(local, axis=0)
 
 
 def _ragged(parts: list[tuple[np.ndarray, np.ndarray]], groups: list[np.ndarray], n: int, info: DatasetInfo,
@@ -100,16 +107,19 @@ class StreamBatch:
     """A stream sampler's batch: ``rows`` (int64 global rows, in order); ``alive``, the
     blocks the node's window holds at this step (the cache frees any other); ``ahead``, the
     blocks the window takes next, by first use (a daemon-backed window asks for them early:
-    client/stream_daemon.py); ``done``, the blocks whose last use on this rank is this batch."""
+    client/stream_daemon.py); ``done``, the blocks whose last use on this rank is this batch;
+    ``keep``, when DataLoader workers gather the batches, the blocks the worker that gathers
+    this one may keep mapped after it (None: no workers, or a sampler not told of them)."""
 
-    __slots__ = ("rows", "alive", "ahead", "done")
+    __slots__ = ("rows", "alive", "ahead", "done", "keep")
 
     def __init__(self, rows: np.ndarray, alive: np.ndarray, ahead: np.ndarray | None = None,
-                 done: np.ndarray | None = None) -> None:
+                 done: np.ndarray | None = None, keep: np.ndarray | None = None) -> None:
         self.rows = rows
         self.alive = alive
         self.ahead = _EMPTY if ahead is None else ahead
         self.done = _EMPTY if done is None else done
+        self.keep = keep
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -118,11 +128,12 @@ class StreamBatch:
         return self.rows if dtype is None else self.rows.astype(dtype)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (StreamBatch, (self.rows, self.alive, self.ahead, self.done))
+        return (StreamBatch, (self.rows, self.alive, self.ahead, self.done, self.keep))
 
     def __repr__(self) -> str:
+        keep = "" if self.keep is None else f", keep={self.keep.tolist()}"
         return (f"StreamBatch(rows={len(self.rows)}, alive={self.alive.tolist()}, ahead={self.ahead.tolist()}, "
-                f"done={self.done.tolist()})")
+                f"done={self.done.tolist()}{keep})")
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -143,14 +143,16 @@ def node_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_l
 
 
 def stream_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
-                   workers: int = 0) -> StreamSampler:
+                   workers: int = 0, prefetch_factor: int = DEFAULT_PREFETCH_FACTOR) -> StreamSampler:
     """The StreamSampler of a stream-mode dataset, placed by its layout, within its window (the
     default window without a daemon: each of ``workers`` DataLoader workers' share of it, which
-    is what each worker's block cache holds: client/blockcache.py)."""
+    is what each worker's block cache holds: client/blockcache.py); told of the workers and
+    their ``prefetch_factor``, so that its batches say what a worker keeps mapped between them."""
     layout, config = dataset.layout, dataset.stream.config
     place = NodePlace(layout.local_rank, layout.local_world_size, layout.node_rank, layout.num_nodes)
     return StreamSampler(config.layout, batch_size, place, config.capacity_for(workers), shuffle=shuffle, seed=seed,
-                         drop_last=drop_last, block_bytes=config.block_bytes)
+                         drop_last=drop_last, block_bytes=config.block_bytes, workers=workers,
+                         prefetch_factor=prefetch_factor)
 
 
 def _check_not_distributed(dataset: Any, sampler: Any) -> None:
@@ -177,10 +179,12 @@ def _check_has_rows(dataset: Any) -> None:
 
 def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop_last: bool,
                    sampler: EpochShuffleSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler | None,
-                   workers: int) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler:
+                   workers: int, prefetch_factor: int = DEFAULT_PREFETCH_FACTOR,
+                   ) -> EpochBatchSampler | DistributedShuffleSampler | NodeShuffleSampler | StreamSampler:
     """The batch sampler make_loader uses: DistributedShuffleSampler over a global dataset (or
     the one passed), a StreamSampler over a stream dataset, else an EpochBatchSampler over
-    ``sampler`` equalised across the shards. With ``workers``, batches are arrays.
+    ``sampler`` equalised across the shards. With ``workers``, batches are arrays (and a
+    StreamSampler made here is told of them and their ``prefetch_factor``).
 
     Raised when the dataset has no rows at all: DataError (an epoch of no batches would train
     on nothing, silently)."""
@@ -189,13 +193,14 @@ def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop
     arrays = workers > 0
     if getattr(dataset, "stream", None) is not None:
         if sampler is None:
-            return stream_sampler(dataset, batch_size, shuffle, seed, drop_last, workers)
+            return stream_sampler(dataset, batch_size, shuffle, seed, drop_last, workers, prefetch_factor)
         if not isinstance(sampler, StreamSampler):
             raise ConfigError(f"a stream-mode dataset is read through its window in StreamSampler order; got a "
                               f"{type(sampler).__name__}: drop sampler= (make_loader builds the StreamSampler)")
         if sampler.batch_size != batch_size or sampler.total_rows != len(dataset):
             raise ConfigError(f"sampler covers {sampler.total_rows} rows in batches of {sampler.batch_size}, but the "
                               f"dataset has {len(dataset)} and batch_size is {batch_size}")
+        sampler.set_workers(workers, prefetch_factor)
         return sampler
     if isinstance(sampler, StreamSampler):
         raise ConfigError("a StreamSampler reads a dataset through its window of blocks: use it with "
@@ -291,16 +296,18 @@ def make_loader(
     for name in ("batch_sampler", "collate_fn", "batch_size", "shuffle"):
         if name in dataloader_kwargs:
             raise ConfigError(f"make_loader sets {name} itself; build a DataLoader directly to choose your own")
+    factor = DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor
     kwargs: dict[str, Any] = {
         # to workers, indices travel as arrays: a tensor would cost a shared-memory file per batch
-        "batch_sampler": _batch_sampler(dataset, batch_size, shuffle, seed, drop_last, sampler, num_workers),
+        "batch_sampler": _batch_sampler(dataset, batch_size, shuffle, seed, drop_last, sampler, num_workers,
+                                        factor if num_workers else 0),
         "collate_fn": collate,
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
     }
     if num_workers > 0:
         kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
-        kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor
+        kwargs["prefetch_factor"] = factor
         # a worker has at most prefetch_factor batches outstanding: one more slot never runs out
         slots = kwargs["prefetch_factor"] + 1 if worker_ring else 0
         kwargs["worker_init_fn"] = functools.partial(seed_worker, user_init=worker_init_fn, ring_slots=slots)

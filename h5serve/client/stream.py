@@ -379,9 +379,10 @@ class StreamBackend:
             self.cache.prefetch(batch.ahead, batch.alive)
 
     def finish(self, batch: StreamBatch) -> None:
-        """After ``batch`` was gathered: close the blocks this rank has used for the last time."""
+        """After ``batch`` was gathered: close the blocks this rank has used for the last time
+        and, in a DataLoader worker, those it may not keep until its next batch (``batch.keep``)."""
         if isinstance(self.cache, DaemonBlocks):
-            self.cache.release(batch.done)
+            self.cache.release(batch.done, batch.keep)
 
     def gather(self, positions: torch.Tensor) -> list[Any]:
         return list(self.cache.gather(positions.numpy()))

@@ -23,14 +23,28 @@ Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
   (``StreamBatch.alive``) is closed too; once every rank and job of the node has closed it,
   the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
   kernel drops its flocks).
+- *workers*: a DataLoader worker gathers batches ahead of the one its rank waits for, so the
+  node's processes map blocks of several steps at once, more than the window holds once blocks
+  start within those steps. After each batch a worker keeps only ``StreamBatch.keep``: the
+  blocks alive from the oldest batch the node may still be gathering to the worker's next one
+  (client/stream_sampler.py), never those started since that oldest batch. So an idle worker
+  (its batches done, its next one sent only once its rank has taken the batch it waits for)
+  holds nothing that batch lacks room for: idle workers that had run ahead used to hold the
+  blocks of later steps while the batch every rank waited for found no room, until its
+  ``timeout=``. Without ``keep`` (a sampler not told of the workers) a worker keeps nothing.
 - *room*: when the daemon refuses a needed block because its budget is full of blocks
   other ranks or jobs still hold (BudgetExceeded), the rank closes the blocks it maps (so that
   two ranks apart by a few steps never each wait for the other's blocks) and asks again with
   backoff until ``wait_s`` (``timeout=``, default DEFAULT_WAIT_S); so it does when the daemon
-  fails the load because its shm filesystem is full (ShmFull: other files there). Then it fails
-  with that class, naming the block, the window, the budget and the blocks it holds. Nothing
-  waits forever; the daemon and the other ranks carry on, and the node serves the next job once
-  there is room.
+  fails the load because its shm filesystem is full (ShmFull: other files there), and when it
+  refuses to queue the load because this user already has as many loads waiting for a loader as
+  one user may (CapacityError). Then it fails with that class, naming the block, the window, the
+  budget and the blocks it holds. Nothing waits forever; the daemon and the other ranks carry
+  on, and the node serves the next job once there is room.
+- *depth*: a process has at most PREFETCH_DEPTH blocks asked for and not mapped; a prefetch
+  refused (CapacityError: the budget, the shm filesystem or the load queue) stops there until the
+  next batch. A window of thousands of tiny blocks used to ask for all of them at its first batch,
+  and the daemon's refusal past the loads one user may queue failed that batch.
 """
 
 from __future__ import annotations
@@ -45,8 +59,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
-from ..errors import BudgetExceeded, ConfigError, SegmentError, ShmFull
+from ..errors import CapacityError, ConfigError, SegmentError
 from ..hdf5.source import DatasetInfo
 from ..order.sharding import GLOBAL, STREAM
 from ..order.stream_order import BlockLayout
@@ -61,8 +76,9 @@ from .gather import as_column
 from .ragged import RaggedColumn
 from .spec import BackendSpec
 from .stitched import StitchedBlocks
+from .stream_refusal import no_room_message
 
-__all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "STITCH_ENV", "check_window", "daemon_window"]
+__all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "PREFETCH_DEPTH", "STITCH_ENV", "check_window", "daemon_window"]
 
 log = logging.getLogger("h5serve.client")
 
@@ -70,6 +86,10 @@ _NONE, _ASKED, _HELD = 0, 1, 2  # what a process has of a block (DaemonBlocks._s
 STITCH_ENV = "H5SERVE_STITCH"  # "0": gather a block at a time (the benchmark compares both)
 DEFAULT_WAIT_S = 120.0  # how long a needed block may wait for room in the daemon's budget (timeout= overrides)
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
+# blocks a process asks for ahead (prefetches, and its window's blocks not mapped yet) and has not
+# mapped: enough to keep the daemon's loaders busy, and far below the loads one user may queue
+# (the daemon's MAX_QUEUED_LOADS_PER_UID), which a window of thousands of tiny blocks filled
+PREFETCH_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,7 @@ class DaemonBlocks:
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
         self._whole: dict[int, AttachedSegment] = {}  # keys held whole, mapped (by key index)
         self._whole_asked = False  # their acquires sent (their loads started)
+        self._partial: list[AttachedSegment | None] = []  # the keys of the block being mapped, mapped so far
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
@@ -193,16 +214,22 @@ class DaemonBlocks:
         for block in self._outside(_HELD, alive).tolist():
             self._close(block)
 
-    def release(self, done: np.ndarray) -> None:
-        """Close the blocks of ``done``: this rank has used them for the last time this epoch.
-        A window that holds every block keeps them mapped for the next epoch instead (as global
-        mode keeps its segment: nothing else of this stream will need their room, and mapping
-        them again each epoch is most of an epoch's cost)."""
+    def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """After a batch: close the blocks of ``done`` (this rank has used them for the last time
+        this epoch) and, in a DataLoader worker, every block outside ``keep`` (what the sampler
+        says it may hold until its next batch; None: nothing, the sampler was not told of the
+        workers). A window that holds every block keeps them mapped for the next epoch instead
+        (as global mode keeps its segment: nothing else of this stream will need their room, and
+        mapping them again each epoch is most of an epoch's cost)."""
         self._check_pid()
         if self._keeps_all:
             return
         for block in np.asarray(done).tolist():
             self._close(int(block))
+        if keep is None and get_worker_info() is None:
+            return  # the rank gathers its own batches: it keeps what its window holds
+        for block in self._outside(_HELD, np.zeros(0, dtype=np.int64) if keep is None else keep).tolist():
+            self._close(block)
 
     def _close(self, block: int) -> None:
         if self._stitched is not None:
@@ -214,11 +241,13 @@ class DaemonBlocks:
 
     def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
         """Ask for the blocks of ``alive``, then ``ahead``, not mapped or asked for yet, without waiting: the
-        daemon starts their loads. A full budget stops the prefetch here (the blocks are asked
-        for again when needed). Forgets the prefetches outside ``alive`` and ``ahead`` (the
-        window has passed them: nothing held, nothing to close)."""
+        daemon starts their loads. At most PREFETCH_DEPTH blocks are asked for and not mapped at a
+        time; a full budget, shm filesystem or load queue (CapacityError) stops the prefetch here
+        (the blocks are asked for again when needed). Forgets the prefetches outside ``alive`` and
+        ``ahead`` (the window has passed them: nothing held, nothing to close)."""
         self._check_pid()
-        ahead, alive = np.asarray(ahead, dtype=np.int64), np.asarray(alive, dtype=np.int64)
+        alive = np.asarray(alive, dtype=np.int64)
+        ahead = np.asarray(ahead, dtype=np.int64)[:PREFETCH_DEPTH]  # further ahead is never asked for
         for block in self._outside(_ASKED, ahead, alive).tolist():
             del self._asked[block]
             self._state[block] = _NONE
@@ -228,19 +257,21 @@ class DaemonBlocks:
             for index in (i for i, w in enumerate(self.whole) if w):
                 try:
                     client.request(self._whole_request(index))
-                except (BudgetExceeded, ShmFull):
+                except CapacityError:
                     break  # asked again, waiting, at their first use
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
         # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
         # prefetches, which the daemon refuses rather than evict another rank's next block for
         for prefetch, blocks in ((False, alive), (True, ahead)):
             for block in blocks[self._state[blocks] == _NONE].tolist():
+                if len(self._asked) >= PREFETCH_DEPTH:
+                    return
                 if self._state[block] != _NONE:
                     continue  # listed twice
                 try:
                     self._asked[block] = [AcquireResult.from_wire(client.request(r))
                                           for r in self._requests(block, prefetch)]
-                except (BudgetExceeded, ShmFull):
+                except CapacityError:
                     return
                 self._state[block] = _ASKED
 
@@ -255,16 +286,26 @@ class DaemonBlocks:
             if victim is None:
                 break  # one batch spans more blocks than the window: map them, the daemon's budget decides
             self._close(victim)
+        requests = self._requests(block)
         asked = self._asked.pop(block, None)
         self._state[block] = _NONE
-        segments = []
+        answers: list[AcquireResult | None] = [None] * len(requests) if asked is None else list(asked)
+        # its keys mapped so far, which a wait for room for the next one lets go too (``_let_go``):
+        # mapped again then
+        partial: list[AttachedSegment | None] = [None] * len(requests)
+        self._partial = partial
         try:
-            for i, request in enumerate(self._requests(block)):
-                segments.append(self._attach(request, None if asked is None else asked[i], block))
+            while None in partial:
+                i = partial.index(None)
+                partial[i], answers[i] = self._attach(requests[i], answers[i], block), None
         except BaseException:
-            for segment in segments:
-                segment.close()
+            for segment in partial:
+                if segment is not None:
+                    segment.close()
             raise
+        finally:
+            self._partial = []
+        segments = [segment for segment in partial if segment is not None]
         if self._stitched is not None:
             try:
                 self._stitched.place(block, segments)
@@ -279,16 +320,23 @@ class DaemonBlocks:
         return segments
 
     def _attach(self, request: Acquire, result: AcquireResult | None, block: int) -> AttachedSegment:
+        """``block``'s segment of ``request``'s key, mapped (``result``: the daemon's last answer, if any).
+
+        Raised when it stays unmappable for ``wait_s`` (evicted each time between the answer and
+        the mapping): SegmentError; as ``_wait_ready`` is."""
         client = self.client()
-        for attempt in range(3):
+        deadline = time.monotonic() + self.wait_s
+        while True:
             if result is None or result.state != "ready":
                 result = self._wait_ready(client, request, block)
             try:
                 segment = open_acquired(client, result)
             except SegmentError:
-                if attempt == 2:
+                # evicted between the answer and the mapping (a block nobody held yet, its room taken
+                # for another process's block: many workers short of room): ask again
+                if time.monotonic() > deadline:
                     raise
-                result = None  # evicted between the reply and the attach (a prefetch nobody held): ask again
+                result = None
                 continue
             m = segment.meta
             assert request.rows is not None
@@ -297,14 +345,13 @@ class DaemonBlocks:
                 raise SegmentError(f"segment {result.name} does not hold rows [{request.rows[0]}, {request.rows[1]}) "
                                    f"of {request.key!r} (stream block {block})")
             return segment
-        raise AssertionError("unreachable")
 
     def _wait_ready(self, client: DaemonClient, request: Acquire, block: int | None) -> AcquireResult:
         """The block's segment (``block`` None: a key held whole), loaded: waits for the load,
         and for room while there is none, up to ``wait_s``: in the daemon's budget while other
-        ranks or jobs hold it full (BudgetExceeded), or in its shm filesystem while other files
+        ranks or jobs hold it full (BudgetExceeded), in its shm filesystem while other files
         fill it (ShmFull: the daemon keeps a failed load's error for a few seconds, then loads
-        it again when asked).
+        it again when asked), or in its load queue while this user's loads fill it (CapacityError).
 
         Raised when there is no room by then: the same class, naming the block, the window, the
         budget and the blocks this process holds."""
@@ -317,46 +364,30 @@ class DaemonBlocks:
                 result = client.acquire(request, None, None if self.spec.timeout is None else deadline)
                 self.waited_s += time.monotonic() - started
                 return result
-            except (BudgetExceeded, ShmFull) as exc:
+            except CapacityError as exc:
                 if time.monotonic() + pause > deadline:
-                    raise type(exc)(self._full_message(request, block, exc)) from exc
-                if self._held:
-                    # a rank that waits for room holds nothing meanwhile: ranks apart by a few
-                    # steps each held their own window's blocks, together the whole budget, and
-                    # each waited for the other's (a job without a collective per step, or
-                    # workers running ahead). Its blocks stay loaded unless another rank needs
-                    # the room; a later batch maps them again.
-                    self.yields += 1
-                    for held in list(self._held):
-                        self._close(held)
+                    raise type(exc)(no_room_message(request, block, bool(self.spec.files), self.wait_s, self.capacity,
+                                                    self.block_cost, self.budget, list(self._held), exc)) from exc
+                self._let_go()
                 self.budget_waits += 1
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
 
-    def _full_message(self, request: Acquire, block: int | None, exc: BudgetExceeded | ShmFull) -> str:
-        held = sorted(self._held)
-        shown = ", ".join(map(str, held[:16])) + (", ..." if len(held) > 16 else "")
-        holds = f"{len(held)} ({shown})" if held else "none"
-        window = format_bytes(self.capacity * self.block_cost)
-        what = (f"in the daemon's budget of {format_bytes(self.budget)}" if isinstance(exc, BudgetExceeded)
-                else "in the daemon's shm filesystem (its free space, not the budget, ran out)")
-        if request.rows is None:
-            what_needs = f"{request.key!r}, held whole for this stream,"
-        else:
-            where = (f"rows [{request.rows[0]}, {request.rows[1]}) of {request.key!r}"
-                     + (f" in {request.path}" if self.spec.files else ""))
-            what_needs = f"stream block {block} ({where})"
-        others = ("the rest is held by other ranks or jobs on the node (a rank stopped or far behind?)"
-                  if isinstance(exc, BudgetExceeded) else
-                  "other files fill the shm filesystem (other jobs, users, or files left there)")
-        fix = ("Check the other ranks, or give the job a smaller window (window=) or the daemon a larger --max-memory"
-               if isinstance(exc, BudgetExceeded) else
-               "Free space in the daemon's shm dir (`df` on it), or give the job a smaller window (window=) or the "
-               "daemon a --max-memory its shm filesystem holds")
-        return (f"{what_needs} found no room {what} for {self.wait_s:g}s, asked again with backoff: "
-                f"the window is {self.capacity} blocks of {format_bytes(self.block_cost)} ({window}), this rank "
-                f"holds {holds} and {others}. The daemon said: {exc}. {fix}; timeout= sets how long "
-                "to wait")
+    def _let_go(self) -> None:
+        """Close every block mapped, and the keys of the block being mapped (``_block`` maps them
+        again): a rank that waits for room holds nothing meanwhile. Ranks apart by a few steps
+        each held their own window's blocks, together the whole budget, and each waited for the
+        other's (a job without a collective per step, or workers running ahead). The blocks stay
+        loaded unless another rank needs the room; a later batch maps them again."""
+        if not self._held and not any(s is not None for s in self._partial):
+            return
+        self.yields += 1
+        for held in list(self._held):
+            self._close(held)
+        for i, segment in enumerate(self._partial):
+            if segment is not None:
+                segment.close()
+                self._partial[i] = None
 
     def _whole_segment(self, index: int) -> AttachedSegment:
         """Key ``index``'s whole segment, mapped at its first use (waiting as a needed block
@@ -433,7 +464,7 @@ class DaemonBlocks:
         state = dict(self.__dict__)
         # a spawned worker maps its own
         state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None,
-                     _whole_asked=False)
+                     _whole_asked=False, _partial=[])
         return state
 
 

@@ -39,6 +39,12 @@ class StreamSampler(Sampler[StreamBatch]):
     fit; else ``capacity`` less the blocks one step of batches can start), or ``window``
     when given (it must fit ``capacity`` the same way).
 
+    ``workers``, ``prefetch_factor``: the DataLoader's, when its workers gather the batches
+    (make_loader passes them). Each batch then says which blocks the worker that gathers it may
+    keep mapped afterwards (``StreamBatch.keep``): a worker runs batches ahead of the one its
+    rank waits for, and the blocks it holds while idle must leave that batch room
+    (client/stream_daemon.py).
+
     ``set_epoch(epoch)`` before each epoch. ``state_dict(consumed=n)`` records seed, epoch,
     window, layout and the samples this rank has consumed; ``load_state_dict`` resumes that
     epoch where it stopped with the same layout, and with another number of ranks per node as
@@ -55,10 +61,11 @@ class StreamSampler(Sampler[StreamBatch]):
 
     def __init__(self, layout: BlockLayout, batch_size: int, place: NodePlace, capacity: int, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, window: int | None = None,
-                 block_bytes: int = 0) -> None:
+                 block_bytes: int = 0, workers: int = 0, prefetch_factor: int = 2) -> None:
         if not isinstance(place, NodePlace):
             raise ConfigError(f"place must be a NodePlace, got {type(place).__name__}")
         check_batch_size(batch_size)
+        self.set_workers(workers, prefetch_factor)
         self.layout, self.batch_size, self.place, self.capacity = layout, batch_size, place, int(capacity)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.block_bytes = int(block_bytes)
@@ -72,6 +79,21 @@ class StreamSampler(Sampler[StreamBatch]):
         self._yielded = 0
         self._plan: tuple[tuple[int, int, int | None], NodeEpoch] | None = None
         self.epoch_plan()  # raises now for a layout that cannot be dealt
+
+    def set_workers(self, workers: int, prefetch_factor: int = 2) -> None:
+        """The DataLoader workers that gather the batches and their ``prefetch_factor`` (0
+        workers: the rank gathers them), which say what a worker keeps mapped between its batches
+        (``StreamBatch.keep``); the order is the same whatever they are.
+
+        Raised when either is not an integer >= 0: ConfigError."""
+        for name, value in (("workers", workers), ("prefetch_factor", prefetch_factor)):
+            if not is_int(value, numpy=True) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        self.workers = int(workers)
+        # how far behind a worker's batch the oldest batch the node may still be gathering is: the
+        # loader hands its workers at most workers x prefetch_factor batches past the one its rank
+        # waits for, and the node's other ranks wait for one a step earlier at most (a collective a step)
+        self.behind = self.workers * max(int(prefetch_factor), 1) + 1 if self.workers else 0
 
     def _fit(self, window: int | None) -> int:
         """The order's window: ``window`` if given, else the largest ``capacity`` allows.
@@ -120,15 +142,25 @@ class StreamSampler(Sampler[StreamBatch]):
         """This rank's rows for the pass (from the resume point, if any)."""
         return self.epoch_plan().rank_rows(self.place.local_rank)
 
-    def _window(self, plan: NodeEpoch) -> Any:
-        """``window(b) -> (alive, ahead)``: the blocks the node's window holds at step ``b`` (a
-        batch on each local rank), those first used at or before it and last used at or after
-        it; and the blocks it takes next, by first use, as many as the window has room for
-        once full (``capacity - max(alive, window)``; all of them when the node's blocks fit).
+    def _window(self, plan: NodeEpoch, first_batch: int) -> Any:
+        """``window(b) -> (alive, ahead, keep)``: the blocks the node's window holds at step ``b``
+        (a batch on each local rank), those first used at or before it and last used at or after
+        it; the blocks it takes next, by first use, as many as the window has room for once full
+        (``capacity - max(alive, window)``; all of them when the node's blocks fit); and with
+        ``workers``, what the worker that gathers batch ``b`` may keep mapped after it (None
+        without workers: the rank itself keeps what its window holds).
+
         While the window ramps up (an epoch's first blocks, h5serve/order/stream_order.py) it has
         more room, but prefetching into that got the prefetched blocks (unmapped, so not held)
         evicted by the daemon's LRU before their use and loaded twice (595 loads instead of 387
-        in the first 300 batches of 0.5 GB)."""
+        in the first 300 batches of 0.5 GB).
+
+        ``keep``: the blocks alive at every step from the oldest batch the node's loaders may
+        still be gathering (``b - behind``, none before ``first_batch``, this pass's first) to the
+        worker's next batch (``b + workers``, round robin). An idle worker then holds only blocks
+        that the batch every rank waits for may need too, so that batch finds room (each process
+        maps one block at a time; one that waits for room holds none); keeping what its own next
+        batch needs, the blocks started since that oldest batch included, left it none."""
         step = self.batch_size * plan.local_world_size
         by_first = np.argsort(plan.first_use, kind="stable")
         first, last = plan.first_use[by_first] // step, plan.last_use[by_first] // step
@@ -136,10 +168,16 @@ class StreamSampler(Sampler[StreamBatch]):
         life = int((last - first).max()) if len(first) else 0
         full = self.window if self.window < len(blocks) else 0  # the node's blocks all fit: prefetch them all
 
-        def window(b: int) -> tuple[np.ndarray, np.ndarray]:
+        def window(b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
             lo, hi = np.searchsorted(first, b - life), np.searchsorted(first, b, side="right")
             alive = blocks[lo:hi][last[lo:hi] >= b]
-            return alive, blocks[hi : hi + max(self.capacity - max(len(alive), full), 0)]
+            ahead = blocks[hi : hi + max(self.capacity - max(len(alive), full), 0)]
+            if not self.workers:
+                return alive, ahead, None
+            after = b + self.workers
+            lo = np.searchsorted(first, after - life)
+            hi = np.searchsorted(first, max(b - self.behind, first_batch), side="right")
+            return alive, ahead, blocks[lo:hi][last[lo:hi] >= after]
 
         return window
 
@@ -163,16 +201,16 @@ class StreamSampler(Sampler[StreamBatch]):
     def _batches(self) -> Iterator[StreamBatch]:
         plan = self.epoch_plan()
         rows = plan.rank_rows(self.place.local_rank)
-        window = self._window(plan)
         done = self._done(rows)
         start, self._start = self._start, 0
         self._yielded = start
+        window = self._window(plan, start // self.batch_size)
         for b in range(start // self.batch_size, plan.batches):
             lo = max(b * self.batch_size, start)
             batch = np.ascontiguousarray(rows[lo : (b + 1) * self.batch_size])
             self._yielded += len(batch)
-            alive, ahead = window(b)
-            yield StreamBatch(batch, alive, ahead, done.get(b))
+            alive, ahead, keep = window(b)
+            yield StreamBatch(batch, alive, ahead, done.get(b), keep)
 
     def __len__(self) -> int:
         plan = self.epoch_plan()

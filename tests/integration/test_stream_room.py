@@ -19,6 +19,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.errors import BudgetExceeded, ShmFull
+from h5serve.order.stream_plan import segment_cost
 from h5serve.wire.connection import DaemonClient
 
 from ..helpers import Daemon, make_h5, running_daemon, tmpfs, wait_for, watch_memory
@@ -137,6 +138,30 @@ def test_a_budget_held_full_by_another_job_fails_the_rank_by_its_timeout(h5: Pat
         finally:
             hog.close()
         check_node_serves(h5, d)  # the other job gone, its segments are evicted for the blocks
+
+
+def test_a_rank_waiting_for_room_maps_no_block(h5: Path, tmp_path: Path) -> None:
+    """Room for one block (both keys) beside another job's segments: the rank maps a block,
+    copies its rows, and waits for room for the next one while mapping none, so the next one
+    takes the room of the last and the epoch goes on a block at a time. A view of the last block
+    it had copied rows from kept that block mapped, and leased, while it waited: it waited for
+    itself until its ``timeout=`` failed it with BudgetExceeded."""
+    hog_file = make_h5(tmp_path / "hog.h5", rows=HOG_ROWS, row_shape=(1024,))
+    block = segment_cost(BLOCK_ROWS * SHAPE[0]) + segment_cost(BLOCK_ROWS * 8)  # x and y, as the budget counts them
+    budget = segment_cost(HOG_ROWS * 1024) + segment_cost(HOG_ROWS * 8) + block + 4096  # less than a second block
+    with running_daemon("--max-memory", str(budget)) as d:
+        hog = SharedH5Dataset(hog_file, "x", "y", mode="global", rank=0, world_size=1, runtime_dir=d.runtime_dir,
+                              fallback="error", auto_stream=False)
+        try:
+            assert hog.backend == "shm"
+            ds = stream(h5, d, 30.0)
+            try:
+                assert sorted(whole_epoch(ds, h5)) == list(range(ROWS))
+                assert ds.stream is not None and ds.stream.cache.budget_waits > 0  # it waited for room each block
+            finally:
+                ds.close()
+        finally:
+            hog.close()
 
 
 def test_tiny_stream_blocks_never_take_more_than_the_budget_in_shared_memory(tmp_path: Path) -> None:
