@@ -52,7 +52,7 @@ import numpy as np
 
 from h5serve.order.stream_order import neighbour_entropy
 
-from .common import BenchDaemon, Row, drop_page_cache, log
+from .common import BenchDaemon, Row, drop_page_cache, log, table
 from .memory import _tree
 from .peers import NAMES, data_files, peer_dir, source_file, versions
 from .stream import memory_peak, stream_file
@@ -454,7 +454,6 @@ def main() -> None:
     if a.markdown:
         print(markdown(json.loads(a.markdown.read_text())))
         return
-    from .run import table
 
     report: dict = {}
     rows = bigdata(a.data_dir, a.mib, tuple(int(s) for s in a.budgets.split(",")),

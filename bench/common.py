@@ -205,3 +205,26 @@ class BenchDaemon(DaemonProcess):
             self.stop(timeout=60)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if unit in ("samples/s", "MB/s"):
+        return f"{value:,.0f}"
+    if unit == "x native":
+        return f"{value:.2f}x"
+    return f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as the markdown table docs/benchmarks.md and every group's command line print."""
+    lines = ["| scenario | unit | h5serve | baseline | ratio | limit | vs limit | target | met |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        met = {True: "yes", False: "**no**", None: ""}[r.met]
+        lines.append(
+            f"| {r.scenario} | {r.unit} | {_fmt(r.h5serve, r.unit)} | {_fmt(r.baseline, r.unit)} | "
+            f"{'—' if r.ratio is None else f'{r.ratio:.2f}x'} | {_fmt(r.limit, r.unit)} | "
+            f"{'—' if r.vs_limit is None else f'{r.vs_limit:.2f}'} | {r.target} | {met} |")
+    return "\n".join(lines)

@@ -33,7 +33,7 @@ if not __package__:  # run as a script, `python bench/run.py`: import the packag
 
     __package__ = "bench"
 
-from .common import BenchDaemon, Row, log, make_files
+from .common import BenchDaemon, Row, log, make_files, table
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
 GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "stream", "peers", "multinode",
@@ -97,28 +97,6 @@ def load_sentence(loads: dict[str, float]) -> str:
             "itself accounts for about 1). "
             + ("Other work shared the machine during this run, so timings are below what a quiet machine gives "
                "(see *Under load* below)." if busy else "The machine was quiet (this run's load only)."))
-
-
-def _fmt(value: float | None, unit: str = "") -> str:
-    if value is None:
-        return "—"
-    if unit in ("samples/s", "MB/s"):
-        return f"{value:,.0f}"
-    if unit == "x native":
-        return f"{value:.2f}x"
-    return f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
-
-
-def table(rows: list[Row]) -> str:
-    lines = ["| scenario | unit | h5serve | baseline | ratio | limit | vs limit | target | met |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        met = {True: "yes", False: "**no**", None: ""}[r.met]
-        lines.append(
-            f"| {r.scenario} | {r.unit} | {_fmt(r.h5serve, r.unit)} | {_fmt(r.baseline, r.unit)} | "
-            f"{'—' if r.ratio is None else f'{r.ratio:.2f}x'} | {_fmt(r.limit, r.unit)} | "
-            f"{'—' if r.vs_limit is None else f'{r.vs_limit:.2f}'} | {r.target} | {met} |")
-    return "\n".join(lines)
 
 
 def chart(rows: list[Row], out: Path) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 from h5serve.util.units import parse_size
 from h5serve.wire.connection import DaemonClient
 
-from .common import CHUNK_ROWS, ROW_SHAPE, BenchDaemon, Row, _image_rows, log, warm_page_cache
+from .common import CHUNK_ROWS, ROW_SHAPE, BenchDaemon, Row, _image_rows, log, table, warm_page_cache
 
 ROW_BYTES = int(np.prod(ROW_SHAPE))
 BATCH = 256
@@ -162,7 +162,6 @@ def main() -> None:
     p.add_argument("--flags", default="", help="extra daemon flags, e.g. '--loaders 4'")
     a = p.parse_args()
     parse_size(a.budget)
-    from .run import table
 
     print(table(stream(a.data_dir, a.mib, a.budget, a.window, a.block_mib or None, a.epochs,
                        tuple(shlex.split(a.flags)))))

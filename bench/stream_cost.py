@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from .common import BenchDaemon, Row, log, warm_page_cache
+from .common import BenchDaemon, Row, log, table, warm_page_cache
 from .stream import BATCH, stream_file, warm_daemon
 
 
@@ -83,7 +83,6 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--epochs", type=int, default=3)
     a = p.parse_args()
-    from .run import table
 
     print(table(stream_cost(a.data_dir, a.mib, a.epochs)))
 

@@ -296,7 +296,7 @@ def torchrun_two_ranks(job: Path, args: list[str], out: Path, runtime_dir: Path,
     everything it started) at ``deadline`` seconds. Returns both ranks' reports."""
     out.mkdir()
     env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(job.parent.parent)}
+           "PYTHONPATH": str(job.parents[2])}  # the repo: job scripts are in tests/jobs/
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), *args]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)

@@ -13,8 +13,11 @@ The decision, ``decide``, is made in ``SharedH5Dataset.__init__``, before any sa
   moment would change the window, and with it the order, from job to job);
 - with torch.distributed initialised over more than one rank, one all-reduce (MAX of
   ``[wants, -limit]``) makes every rank take the same decision and the same window: stream
-  if any rank wants it, with the smallest limit of any node. Without a process group, ranks
-  of one node ask the same daemon with the same budget and decide alike.
+  if any rank wants it, with the smallest limit of any node. Without a process group each
+  rank decides alone: ranks of one node see the same budget and /dev/shm size, so those that
+  stream take the same window, but whether a rank streams follows its own acquire (a refusal
+  for what other jobs hold, or for what other files take of /dev/shm: ShmFull, can come to
+  one rank and not to another).
 
 The window is the blocks the agreed limit holds (``resolve_stream`` with the limit as the
 budget: the default block, smaller when the limit would hold fewer than 8, as ``h5serve

@@ -7,7 +7,7 @@ served in the stream sampler's order (client/stream_sampler.py), from one of two
   BlockCache of at most ``window`` bytes in this process (client/blockcache.py).
 
 The order is a function of the block layout and the window's capacity only. ``window``: bytes
-(``"2GiB"``, h5serve/units.parse_size). Capacity (blocks) is ``window // block bytes`` either
+(``"2GiB"``, h5serve/util/units.py ``parse_size``). Capacity (blocks) is ``window // block bytes`` either
 way, and the block (``block_rows=None``) is fitted to ``window``, so one ``window`` gives one
 order with or without a daemon. With a daemon, the window must fit its budget (``ping`` says
 it) counting a segment per key and block, its header page and rows in whole pages (as the

@@ -34,10 +34,11 @@ class StreamSampler(Sampler[StreamBatch]):
     """Batches (``StreamBatch``: global rows, and the node window's blocks at that step) of a
     stream-mode dataset for the rank at ``place``.
 
-    ``capacity``: blocks the node's window holds (``SharedH5Dataset.window_blocks``); the
-    order's window is ``stream_order.window_for`` of it (every block of the node when they
-    fit; else ``capacity`` less the blocks one step of batches can start), or ``window``
-    when given (it must fit ``capacity`` the same way).
+    ``capacity``: blocks the node's window holds (make_loader passes
+    ``dataset.stream.config.capacity_for(workers)``); the order's window is
+    ``stream_order.window_for`` of it (every block of the node when they fit; else ``capacity``
+    less the blocks one step of batches can start), or ``window`` when given (it must fit
+    ``capacity`` the same way).
 
     ``workers``, ``prefetch_factor``: the DataLoader's, when its workers gather the batches
     (make_loader passes them). Each batch then says which blocks the worker that gathers it may

@@ -2,8 +2,8 @@
 spare started ahead of need (spare.py), or a fresh one from the forkserver (loader.start_load).
 
 Stream blocks (``LoadJob.keep``) are small and many: starting a loader for each (the
-forkserver forks, the job is pickled over, the child opens the file with HDF5) cost 8-10 ms
-of a 1.5 MiB block's 20 ms from request to ready, on the bench's 2-core VM. So a loader that
+forkserver forks, the job is pickled over, the child opens the file with HDF5) is about half
+of a small block's time from request to ready (docs/benchmarks.md, *Daemon internals*). So a loader that
 published a stream block is kept: it waits on its job pipe for the next block, with the source
 file still open (streamloader.py), and the next stream load goes to it. At most ``limit``
 loaders are kept idle (the daemon's ``--loaders``), each for ``KEPT_IDLE_S`` after its last
@@ -34,7 +34,7 @@ log = logging.getLogger("h5serve.daemon")
 SPARE_DELAY_S = 1.0  # after the start, before the first spare loader (the forkserver imports numpy, h5py)
 SPARE_RETRY_S = 10.0  # after a spare could not be started
 # after the last running load finished, before the next spare: forking one while a load runs
-# takes a core from it, and the daemon answers nobody until the forkserver replied (2-8 ms):
+# takes a core from it, and the daemon answers nobody until the forkserver replied:
 # the clients of the load just published attach first
 SPARE_AFTER_LOAD_S = 0.02
 KEPT_IDLE_S = 5.0  # a kept stream loader with no block to load for this long exits
@@ -121,7 +121,7 @@ class LoaderPool:
         SPARE_DELAY_S after the start: no request waits for the forkserver's imports on its
         account). The next one starts SPARE_AFTER_LOAD_S after the loads running when one was
         used are done, not beside them (a load that finds no spare starts its own loader). The
-        server calls it when no request waits (forking one holds the daemon for 2-8 ms)."""
+        server calls it when no request waits (forking one holds the daemon up)."""
         if self.spare_due_in(loading) > 0:
             return
         try:

@@ -170,11 +170,9 @@ class ConnectionGuard:
     What it cannot do: every client it dropped reconnects within ZeroMQ's reconnect interval
     (100 ms) the moment it listens again, and libzmq's I/O thread accepts that herd faster than
     this Python loop reacts on a busy node. More clients than the limit, connecting at once,
-    can still abort the daemon. Measured (2 cores, other work running, hard limit 1,024, 1,500
-    connections from three processes at once): the daemon survived 4 of 7 runs with these
-    marks; shedding earlier and resuming later did no better to tell (40% / 10% of the limit:
-    9 of 14; 50% / 25%: 1 of 4); one process opening 1,500 connections never aborted it (7 of 7). The remedy is a limit
-    above the node's clients: a root daemon raises its hard limit to ROOT_OPEN_FILES itself
+    can still abort the daemon (docs/benchmarks.md, *Daemon internals*, has the runs that
+    showed it, and that other marks do no better). The remedy is a limit above the node's
+    clients: a root daemon raises its hard limit to ROOT_OPEN_FILES itself
     (raise_open_file_limit, also before dropping to --user); a service account needs
     LimitNOFILE= (systemd's default hard limit, 524,288, is plenty).
     """
@@ -183,7 +181,7 @@ class ConnectionGuard:
         self.sock = sock
         self.endpoint = endpoint
         self.bind = bind
-        self.reserve = max(64, limit // 4)  # measured: a 1,100-socket burst overshoots the mark by ~60
+        self.reserve = max(64, limit // 4)  # a burst overshoots the mark before the loop sees it
         self.high = limit - self.reserve  # shed connections at this many descriptors
         self.low = limit - 2 * self.reserve  # listen again at this many
         self.paused = False
@@ -199,7 +197,7 @@ class ConnectionGuard:
                 break
             accepted = struct.unpack_from("=H", event[0])[0] == zmq.EVENT_ACCEPTED
             self.estimate += 1 if accepted else -1
-        # counting /proc/self/fd costs ~0.1-0.5 ms: only near the mark (the daemon's own
+        # counting /proc/self/fd lists a directory: only near the mark (the daemon's own
         # descriptors, loaders' pipes, are not in the estimate: the margin covers them)
         if not self.paused and self.estimate < self.high - self.reserve // 2:
             return

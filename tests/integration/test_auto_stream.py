@@ -35,7 +35,7 @@ from ..helpers import (
 
 pytestmark = pytest.mark.timeout(300)
 
-JOB = Path(__file__).resolve().parents[1] / "auto_stream_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "auto_stream_job.py"
 ROWS, SHAPE = 8193, (1024,)  # 8 MiB of x (chunks of 64 rows), 64 KiB of y
 BUDGET = 2 * 1024 * 1024  # the data is 4x the daemon's budget
 BATCH = 64

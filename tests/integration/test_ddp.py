@@ -13,14 +13,14 @@ import pytest
 
 from ..helpers import Daemon, make_h5, short_tmpdir
 
-JOB = Path(__file__).resolve().parent.parent / "ddp_job.py"
+JOB = Path(__file__).resolve().parent.parent / "jobs" / "ddp_job.py"
 pytestmark = pytest.mark.slow
 
 
 def run_torchrun(path: Path, out: Path, runtime_dir: Path, mode: str, nproc: int = 2, *extra: str) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "H5SERVE_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(JOB.parent.parent)}
+           "PYTHONPATH": str(JOB.parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(JOB), str(path), str(out), "--mode", mode, *extra]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

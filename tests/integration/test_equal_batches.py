@@ -22,7 +22,7 @@ from ..helpers import Daemon, make_h5, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
-JOB = Path(__file__).resolve().parent.parent / "equal_batches_job.py"
+JOB = Path(__file__).resolve().parent.parent / "jobs" / "equal_batches_job.py"
 
 
 def flat(batches: list[list[int]]) -> list[int]:

@@ -4,7 +4,7 @@ Hugging Face Accelerate (``accelerate launch``, 2 processes), both gloo on CPU, 
 daemon and once without one (lazy h5py reads of the same rows).
 
 Each framework's job runs once per module, both at the same time (start-up is slow: Lightning's
-import alone takes ~10 s here); its script (tests/lightning_job.py, tests/accelerate_job.py)
+import alone takes ~10 s here); its script (tests/jobs/lightning_job.py, tests/jobs/accelerate_job.py)
 trains a tiny model for 2 epochs per case and writes the labels (= row ids) every rank saw in
 every batch.
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 ROWS, BATCH, EPOCHS = 255, 32, 2
 PADDED = 128  # samples per rank per epoch: ceil(255 / 2), every correct setup alike
-HERE = Path(__file__).resolve().parent.parent  # tests/, where the job scripts are
+JOBS = Path(__file__).resolve().parent.parent / "jobs"  # the torchrun and launcher scripts
 SHARDED = ("contiguous", "interleave", "node")
 MODES = ("global", *SHARDED)
 LENGTHS = {"global": [ROWS, ROWS], "contiguous": [128, 127], "interleave": [128, 127], "node": [ROWS, ROWS]}
@@ -66,7 +66,7 @@ class Job:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                             "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")}
-        env.update(H5SERVE_RUNTIME_DIR=str(runtime_dir), OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+        env.update(H5SERVE_RUNTIME_DIR=str(runtime_dir), OMP_NUM_THREADS="1", PYTHONPATH=str(JOBS.parent.parent))
         with open(out / "output.txt", "w") as log:
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
@@ -118,7 +118,7 @@ def jobs(shared_daemon: Daemon, data_file: Path, empty_runtime_dir: Path,
     try:
         if importlib.util.find_spec("lightning") is not None:
             out = tmp_path_factory.mktemp("lightning") / "out"
-            started["lightning"] = Job([sys.executable, str(HERE / "lightning_job.py"), str(data_file), str(out),
+            started["lightning"] = Job([sys.executable, str(JOBS / "lightning_job.py"), str(data_file), str(out),
                                         "--cases", ",".join(LIGHTNING_CASES), *common], out, shared_daemon.runtime_dir)
         if importlib.util.find_spec("accelerate") is not None:
             out = tmp_path_factory.mktemp("accelerate") / "out"
@@ -127,7 +127,7 @@ def jobs(shared_daemon: Daemon, data_file: Path, empty_runtime_dir: Path,
             started["accelerate"] = Job(
                 [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                 str(HERE / "accelerate_job.py"), str(data_file), str(out), "--cases", ",".join(ACCELERATE_CASES),
+                 str(JOBS / "accelerate_job.py"), str(data_file), str(out), "--cases", ",".join(ACCELERATE_CASES),
                  "--collective-timeout", "60", *common], out, shared_daemon.runtime_dir)
         yield started
     finally:

@@ -24,7 +24,7 @@ from ..helpers import Daemon, h5serve_cli, make_h5, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
-JOB = Path(__file__).resolve().parent.parent / "global_job.py"
+JOB = Path(__file__).resolve().parent.parent / "jobs" / "global_job.py"
 
 
 def flat(batches: list[list[int]]) -> list[int]:

@@ -162,7 +162,7 @@ def test_service_account_daemon_serves_members_zero_copy_in_spawned_workers(py: 
         try:
             done = py.run("start", "--user", svc.name, "--group", group.name, "--runtime-dir", str(runtime_dir))
             assert done.returncode == 0, done.stderr
-            job = run_as(member, [interpreter.python, str(REPO / "tests" / "isolation_job.py"), str(data),
+            job = run_as(member, [interpreter.python, str(REPO / "tests" / "jobs" / "isolation_job.py"), str(data),
                                   str(runtime_dir), svc.name], env=interpreter.env, timeout=180)
             assert job.returncode == 0, job.stderr[-3000:]
             report = json.loads(job.stdout.strip().splitlines()[-1])

@@ -472,7 +472,7 @@ def test_root_daemon_checks_every_file_as_the_user() -> None:
 
 @pytest.mark.slow
 def test_ddp_torchrun_over_a_five_file_glob(tmp_path: Path) -> None:
-    """tests/ddp_job.py, 2 ranks over gloo, given a glob: shm, then lazy in the same order."""
+    """tests/jobs/ddp_job.py, 2 ranks over gloo, given a glob: shm, then lazy in the same order."""
     from .test_ddp import run_torchrun
 
     write_set(tmp_path / "d", (201, 0, 300, 99, 403))

@@ -509,7 +509,7 @@ def test_compat_preload_refuses_vlen_from_many_files(files: list[Path]) -> None:
 
 @pytest.mark.slow
 def test_ddp_torchrun_five_file_glob_three_fields(tmp_path: Path) -> None:
-    """tests/ddp_job.py --keys, global mode through make_loader: every rank's rows byte-equal to
+    """tests/jobs/ddp_job.py --keys, global mode through make_loader: every rank's rows byte-equal to
     h5py's, the ranks together cover every row once per epoch; then lazily, the same order."""
     from .test_ddp import run_torchrun
 

@@ -33,7 +33,7 @@ from ..helpers import Daemon, descendant_pids, make_h5, torchrun_two_ranks, wait
 pytestmark = pytest.mark.timeout(180)
 
 ROWS = 4096
-JOB = Path(__file__).resolve().parents[1] / "ready_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "ready_job.py"
 
 
 def _spare(daemon_pid: int) -> int | None:

@@ -19,7 +19,7 @@ from ..helpers import make_h5, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
-JOB = Path(__file__).resolve().parents[1] / "stream_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "stream_job.py"
 ROWS, SHAPE = 6001, (32,)  # 24 blocks of 256 rows (32 + 8 bytes a row: 10 KiB a block)
 LOADERS = ["make:0", "make:2", "make:1:spawn"]
 

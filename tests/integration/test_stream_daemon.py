@@ -30,7 +30,7 @@ from ..helpers import Daemon, make_h5, running_daemon, torchrun_two_ranks, wait_
 pytestmark = pytest.mark.timeout(300)
 
 TESTS = Path(__file__).resolve().parents[1]
-JOB, STOP_JOB = TESTS / "stream_job.py", TESTS / "stream_stop_job.py"
+JOB, STOP_JOB = TESTS / "jobs" / "stream_job.py", TESTS / "jobs" / "stream_stop_job.py"
 ROWS, SHAPE, BLOCK_ROWS = 8193, (1024,), 128  # 65 blocks of 128 rows (the last of 1): 8 MiB of x, 64 KiB of y
 BLOCKS, KEYS = 65, 2
 BUDGET = 2 * 1024 * 1024  # the data is 4x the daemon's budget

@@ -4,7 +4,7 @@ exiting: freed by the garbage collector (held in a reference cycle, ``train()`` 
 and spawned DataLoader workers, for ``mode="stream"`` and for a ``mode="global"`` dataset the
 daemon's budget streams automatically, and under torchrun (2 gloo ranks); a collected dataset
 leaves no segment open (leased) or mapped, and the process talks to the daemon on. Each job
-(tests/stream_exit_job.py) runs in a subprocess with a deadline and is killed past it: a job
+(tests/jobs/stream_exit_job.py) runs in a subprocess with a deadline and is killed past it: a job
 that hangs holds its allocation forever."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..helpers import Daemon, make_h5, running_daemon, torchrun_two_ranks
 pytestmark = pytest.mark.timeout(300)
 
 TESTS = Path(__file__).resolve().parents[1]
-JOB = TESTS / "stream_exit_job.py"
+JOB = TESTS / "jobs" / "stream_exit_job.py"
 ROWS, SHAPE = 8193, (1024,)  # 8 MiB of x: 4x the daemon's budget
 BUDGET = 2 * 1024 * 1024
 DEADLINE_S = 120  # a job takes 3-15 s here; one that hangs never ends

@@ -23,7 +23,7 @@ from ..helpers import Daemon, running_daemon, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
-JOB = Path(__file__).resolve().parents[1] / "stream_kinds_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "stream_kinds_job.py"
 KEYS = ["x", "y", "v", "s", "fs"]
 FILE_ROWS = [300, 77, 800, 41, 200]  # blocks of 64 rows leave short blocks of 44, 13, 41 and 8 rows
 TOTAL = sum(FILE_ROWS)

@@ -22,7 +22,7 @@ from ..helpers import running_daemon, torchrun_two_ranks, watch_memory
 
 pytestmark = pytest.mark.timeout(600)
 
-JOB = Path(__file__).resolve().parents[1] / "stream_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "stream_job.py"
 ROWS, ROW_BYTES, CHUNK = 4096, 16384, 16  # 64 MiB of x: 4x the budget, rows of 16 KiB in chunks of 16
 BUDGET = 16 << 20  # the default window: blocks of about 2 MiB, one started about every step of 2 x 64 rows
 LOADERS = ["make:0", "make:2", "make:8"]

@@ -22,7 +22,7 @@ from h5serve.topology.group import GroupView
 from h5serve.topology.layout import layout_from_hostnames
 from h5serve.topology.slurm import plan_from_env
 
-JOB = Path(__file__).resolve().parent.parent / "topology_job.py"
+JOB = Path(__file__).resolve().parent.parent / "jobs" / "topology_job.py"
 
 
 def group(hosts: list[str], rank: int) -> GroupView:
@@ -293,7 +293,7 @@ def test_no_torch_import_without_a_process_group_lookup() -> None:
             "resolve_layout(env={'RANK': '1', 'WORLD_SIZE': '2', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '2'}, "
             "hostname='x', group=None); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(JOB.parent.parent)})
+                          env={**os.environ, "PYTHONPATH": str(JOB.parents[2])})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 
@@ -303,7 +303,7 @@ def test_no_torch_import_without_a_process_group_lookup() -> None:
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_resolve_through_the_process_group(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(JOB.parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(JOB.parents[2])}
     for name in [k for k in env if k.startswith("SLURM")]:
         del env[name]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB), str(tmp_path)]

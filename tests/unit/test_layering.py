@@ -7,7 +7,7 @@
 - Every import (at the top, in a function, under ``if TYPE_CHECKING:``) is of the importer's own
   package or one its ``May import:`` names; the root modules (errors, the package itself, _moved)
   are the bottom layer; ``__main__`` modules are entry points, imported by nothing.
-- No import circle between modules, of any length.
+- No import circle between modules, of any length (nor between bench/'s modules).
 - A name one module imports from another is in that module's ``__all__`` unless the module is
   private (``_name.py``) or the name is.
 """
@@ -195,6 +195,24 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circles() -> None:
     found = circles(module_graph(ALL_IMPORTS))
     assert not found, "modules that import each other (move what both need down into one of them):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def bench_graph() -> dict[str, set[str]]:
+    """bench/'s modules -> the bench modules each imports (``from .x import``, anywhere in it)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE.parent / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                graph.setdefault(path.stem, set()).add(node.module.split(".")[0])
+    return graph
+
+
+def test_no_import_circles_in_bench() -> None:
+    graph = bench_graph()
+    assert graph, "the walk found no bench module"
+    found = circles(graph)
+    assert not found, "bench modules that import each other (move what both need into bench/common.py):\n" + \
         "\n".join(" <-> ".join(c) for c in found)
 
 
