@@ -33,6 +33,8 @@ from ..util.progress import Progress
 from ..wire.connection import DaemonClient
 from ..wire.protocol import POLL_INTERVAL_S, Acquire, AcquireResult
 from ..wire.runtime import resolve_runtime
+from .attach import ATTACH_TRIES, EvictionRetry, attach_asking_again, check_same_shm, open_acquired
+from .backend_protocol import NoHooks
 from .chunkcache import ChunkCache, auto_cache_bytes, hdf5_cache_options
 from .files import FilesLazyBackend
 from .gather import RowSource, as_column
@@ -41,12 +43,13 @@ from .ragged import RaggedColumn, RaggedSource, read_ragged
 from .spec import BackendSpec, describe_spec
 from .vlencache import VlenCache
 
-__all__ = ["Acquires", "ShmBackend", "open_acquired", "LazyBackend", "MemoryBackend", "lazy_backend", "Backend"]
+__all__ = ["Acquires", "ShmBackend", "LazyBackend", "MemoryBackend", "lazy_backend"]
+
 
 log = logging.getLogger("h5serve.client")
 
 
-class ArrayBackend:
+class ArrayBackend(NoHooks):
     """Rows held in arrays (a mapping or private memory): one vectorised gather per array."""
 
     name = "memory"
@@ -96,33 +99,6 @@ class MemoryBackend(ArrayBackend):
                     read_shard_into(rows_dataset(f, key.key), key.infos[piece.index], piece.local,
                                     out[piece.k0:piece.k1])
         return cls(arrays, description.out_dtypes, description.total_rows)
-
-
-def _check_same_shm(result: AcquireResult) -> None:
-    """Raised when this process does not see the daemon's shm filesystem: SegmentError."""
-    try:
-        st = os.stat(result.shm_dir)
-        same = (st.st_dev, st.st_ino) == (result.shm_dev, result.shm_ino)
-    except OSError:
-        same = False
-    if not same:
-        raise SegmentError(
-            f"this process does not see the daemon's {result.shm_dir}: the daemon and this job do not share "
-            "shared memory (a container without shared IPC / Docker's private /dev/shm, SLURM "
-            "job_container/tmpfs, Apptainer --containall); see docs/operations.md"
-        )
-
-
-def open_acquired(client: DaemonClient, result: AcquireResult) -> AttachedSegment:
-    """Map the segment an acquire answered ready, as the runtime dir's owner (checked to be
-    trusted: never the uid the daemon reports) and against the reply's publish stamp.
-
-    Raised when it cannot be mapped (evicted, changed, not the daemon's): SegmentError; when
-    the daemon refuses this user its descriptor: AccessDenied.
-    """
-    owner = os.getuid() if client.daemon_uid is None else client.daemon_uid
-    return open_segment(client.location.directory, result.shm_dir, result.name, owner,
-                        PublishStamp(result.ino, result.ctime_ns))
 
 
 @dataclass
@@ -230,7 +206,7 @@ class ShmBackend(ArrayBackend):
         segments: list[AttachedSegment] = []
         try:
             for request, result in zip(started.requests, started.results):
-                _check_same_shm(result)
+                check_same_shm(result)
                 segments.append(cls._holds(open_acquired(started.client, result), request, result))
             return cls._checked(started.spec, segments, started.client)
         except BaseException:
@@ -277,19 +253,10 @@ class ShmBackend(ArrayBackend):
     @staticmethod
     def _attach_ready(client: DaemonClient, request: Acquire, result: AcquireResult,
                       progress: Callable[[AcquireResult], None], deadline: float | None = None) -> AttachedSegment:
-        _check_same_shm(result)
-        for attempt in range(3):
-            if result.state != "ready":
-                result = client.acquire(request, progress, deadline)
-            try:
-                segment = open_acquired(client, result)
-            except SegmentError:
-                if attempt == 2:
-                    raise
-                result = AcquireResult("loading", result.name, result.shm_dir)  # evicted meanwhile: ask again
-                continue
-            return ShmBackend._holds(segment, request, result)
-        raise AssertionError("unreachable")
+        check_same_shm(result)
+        segment, result = attach_asking_again(client, result, lambda: client.acquire(request, progress, deadline),
+                                              EvictionRetry(tries=ATTACH_TRIES))
+        return ShmBackend._holds(segment, request, result)
 
     @staticmethod
     def _holds(segment: AttachedSegment, request: Acquire, result: AcquireResult) -> AttachedSegment:
@@ -352,7 +319,7 @@ def lazy_backend(spec: BackendSpec, description: DatasetDescription | None = Non
     return LazyBackend(spec, description)
 
 
-class LazyBackend:
+class LazyBackend(NoHooks):
     """Rows read through h5py on demand: through a chunk cache when the shard fits the
     budget (``spec.cache_bytes``; None: the rank's share of half the node's available memory), else one read per run
     of rows of a chunk, uncached, with an HDF5 chunk cache sized from the chunk shape."""
@@ -405,4 +372,3 @@ class LazyBackend:
         return {**self.__dict__, "_caches": None}  # a spawned worker fills its own cache
 
 
-Backend = ArrayBackend | LazyBackend | FilesLazyBackend

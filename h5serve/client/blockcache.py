@@ -42,7 +42,7 @@ from .files import FileHandles
 from .gather import as_column
 from .ragged import RaggedColumn
 
-__all__ = ["Arrays", "StreamBatch", "BlockCache", "block_nbytes", "gather_by_block", "worker_capacity"]
+__all__ = ["Arrays", "BlockCache", "block_nbytes", "gather_by_block", "worker_capacity"]
 
 
 Arrays = np.ndarray | tuple[np.ndarray, np.ndarray]  # a key's rows of a block: fixed, or (offsets, values)
@@ -101,42 +101,6 @@ def _ragged(parts: list[tuple[np.ndarray, np.ndarray]], groups: list[np.ndarray]
         flat, lengths = vlen_gather(offsets_of(np.concatenate([p[1] for p in parts])),
                                     np.concatenate([p[0] for p in parts]), where)
     return RaggedColumn(flat if flat.dtype == out_dtype else flat.astype(out_dtype), lengths, info.vlen)
-
-
-class StreamBatch:
-    """A stream sampler's batch: ``rows`` (int64 global rows, in order); ``alive``, the
-    blocks the node's window holds at this step (the cache frees any other); ``ahead``, the
-    blocks the window takes next, by first use (a daemon-backed window asks for them early:
-    client/stream_daemon.py); ``done``, the blocks whose last use on this rank is this batch;
-    ``keep``, when DataLoader workers gather the batches, the blocks the worker that gathers
-    this one may keep mapped after it (None: no workers, or a sampler not told of them)."""
-
-    __slots__ = ("rows", "alive", "ahead", "done", "keep")
-
-    def __init__(self, rows: np.ndarray, alive: np.ndarray, ahead: np.ndarray | None = None,
-                 done: np.ndarray | None = None, keep: np.ndarray | None = None) -> None:
-        self.rows = rows
-        self.alive = alive
-        self.ahead = _EMPTY if ahead is None else ahead
-        self.done = _EMPTY if done is None else done
-        self.keep = keep
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return self.rows if dtype is None else self.rows.astype(dtype)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (StreamBatch, (self.rows, self.alive, self.ahead, self.done, self.keep))
-
-    def __repr__(self) -> str:
-        keep = "" if self.keep is None else f", keep={self.keep.tolist()}"
-        return (f"StreamBatch(rows={len(self.rows)}, alive={self.alive.tolist()}, ahead={self.ahead.tolist()}, "
-                f"done={self.done.tolist()}{keep})")
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def worker_capacity(room: int, blocks: int, workers: int) -> int:
@@ -261,5 +225,14 @@ class BlockCache:
         self._check_pid()
         return gather_by_block(rows, self.layout, self.infos, self.out_dtypes, self._block)
 
+    def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
+        """Nothing: blocks read here are read when a batch needs them (DaemonBlocks asks early)."""
+
+    def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """Nothing: ``retain`` frees what the window no longer holds (DaemonBlocks unmaps earlier)."""
+
     def clear(self) -> None:
         self._blocks, self._nbytes = OrderedDict(), {}
+
+    def close(self) -> None:
+        self.clear()

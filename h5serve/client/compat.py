@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from ..errors import H5ServeError
-from .backends import Backend, MemoryBackend
+from .backend_protocol import Backend
+from .backends import MemoryBackend
 from .dataset import SharedH5Dataset
 
 __all__ = ["RankMemCachedH5Dataset"]

@@ -27,12 +27,14 @@ from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_ra
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
 from . import automatic, progressive, ring
-from .backends import Backend, lazy_backend
+from .backend_protocol import Backend
+from .backends import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
 from .resharding import check_not_measured_by_distributed_sampler
 from .spec import BackendSpec, describe_spec
-from .stream import StreamBackend, StreamBatch
+from .stream import StreamBackend
+from .stream_batch import StreamBatch
 
 if TYPE_CHECKING:
     from ..topology import NodeLayout
@@ -211,7 +213,7 @@ class SharedH5Dataset(Dataset):
         self.auto_streamed: automatic.StreamPlan | None = None  # set when global/node data is streamed instead
         self._described: DatasetDescription | None = None  # the files as h5py reads them: ``_description()``
         self._stream_args: tuple[object, object] = (window, block_rows)
-        self._backend: Backend | StreamBackend | progressive.ProgressiveBackend = self._open_backend()
+        self._backend: Backend = self._open_backend()
         try:
             self.fields.check_encoding([d.kind for d in self._backend.out_dtypes])
             self.fields.check_ragged(self._backend.vlen_kinds, self._backend.out_dtypes)
@@ -341,17 +343,14 @@ class SharedH5Dataset(Dataset):
         """``"shm"`` (daemon), ``"lazy"`` (h5py), ``"lazy (loading)"`` (h5py while the daemon
         loads the shard; asking checks, without waiting, whether it is done) or ``"memory"``
         (compat preload)."""
-        if isinstance(self._backend, progressive.ProgressiveBackend):
-            self._backend.check()
+        self._backend.check()
         return self._backend.name
 
     def wait_until_ready(self, timeout: float | None = None) -> str:
         """Wait until the daemon has loaded the shard and this process serves it from shared
         memory (or the load failed and h5py serves on), at most ``timeout`` seconds; the
         backend then. Returns at once when nothing is loading."""
-        if isinstance(self._backend, progressive.ProgressiveBackend):
-            return self._backend.wait(timeout)
-        return self.backend
+        return self._backend.wait(timeout)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -367,9 +366,10 @@ class SharedH5Dataset(Dataset):
         """Rows in every rank's shard, rank 0 first: what make_loader gives every rank the
         same number of batches from (global mode: every rank has all rows; stream mode: every
         rank's share of its node's blocks, before equalising)."""
-        if isinstance(self._backend, StreamBackend) and self.layout is not None:
+        stream = self.stream
+        if stream is not None and self.layout is not None:
             local = self.layout.local_world_size
-            return [len(range(r, n, local)) for n in node_rows(self._backend.config.layout, self.layout.num_nodes)
+            return [len(range(r, n, local)) for n in node_rows(stream.config.layout, self.layout.num_nodes)
                     for r in range(local)]
         return self.spec.selection.sizes(self.total_rows)
 
@@ -383,8 +383,7 @@ class SharedH5Dataset(Dataset):
         """A stream sampler's batch as its rows, after freeing the blocks its window no longer
         holds (and, from a daemon, asking for the blocks it takes next)."""
         if isinstance(indices, StreamBatch):
-            if isinstance(self._backend, StreamBackend):
-                self._backend.retain(indices)
+            self._backend.retain(indices)
             return indices.rows
         return indices
 
@@ -440,7 +439,7 @@ class SharedH5Dataset(Dataset):
     def _finish(self, batch: Any) -> None:
         """After a stream batch is gathered (copied out): close the blocks this rank has used for
         the last time (``StreamBatch.done``), so their room is free now, not a batch later."""
-        if isinstance(batch, StreamBatch) and isinstance(self._backend, StreamBackend):
+        if isinstance(batch, StreamBatch):
             self._backend.finish(batch)
 
     def collated_batch(self, positions: np.ndarray) -> Any:

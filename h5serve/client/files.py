@@ -25,6 +25,7 @@ from ..hdf5.files import pieces
 from ..hdf5.reads import read_rows
 from ..hdf5.vlen import gather as vlen_gather
 from ..hdf5.vlen import offsets_of
+from .backend_protocol import NoHooks
 from .chunkcache import ChunkCache, auto_cache_bytes
 from .gather import as_column
 from .handle import H5Handle
@@ -65,7 +66,7 @@ class FileHandles:
         return {"paths": self.paths, "options": self.options, "_open": OrderedDict()}
 
 
-class FilesLazyBackend:
+class FilesLazyBackend(NoHooks):
     """A multi-file dataset's shard read through h5py (see the module docstring)."""
 
     name = "lazy"

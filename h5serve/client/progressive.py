@@ -47,10 +47,13 @@ from ..hdf5.description import DatasetDescription
 from ..util.units import format_bytes, row_nbytes
 from ..wire.connection import DaemonClient
 from ..wire.protocol import Acquire, AcquireResult
-from .backends import Acquires, Backend, ShmBackend, lazy_backend
+from .attach import ATTACH_TRIES, EvictionRetry, asked_again
+from .backend_protocol import Backend
+from .backends import Acquires, ShmBackend, lazy_backend
 from .chunkcache import auto_cache_bytes
 from .ragged import RaggedColumn
 from .spec import BackendSpec
+from .stream_batch import StreamBatch
 
 __all__ = ["ProgressiveBackend", "connect", "LOADING", "WAIT_BYTES", "LOADING_CACHE_BYTES"]
 
@@ -62,7 +65,6 @@ LOADING_CACHE_BYTES = 64 << 20  # the lazy backend's chunk cache while the daemo
 PROGRESS_POLL_S = 0.5  # ask the daemon at least this often while it loads (a failed load, a dead daemon)
 PUBLISHED_POLL_S = 0.002  # once the names are published, ask after this, then twice as long, ... until ready
 POLL_TIMEOUT_S = 0.05  # how long one ask waits for the daemon's answer (a training step waits for it)
-ATTACH_TRIES = 3  # a segment evicted between the answer and the mapping is asked for again, this often
 
 
 def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5ServeError], None],
@@ -151,7 +153,7 @@ class ProgressiveBackend:
         self._answered = self._since  # the daemon's last answer
         self._last_poll = self._since
         self._next_poll = self._since + PROGRESS_POLL_S
-        self._attach_tries = 0
+        self._evicted = EvictionRetry(tries=ATTACH_TRIES)  # across polls: segments evicted before mapped
         self._published: set[str] = set()
         self._published_pause = PUBLISHED_POLL_S
         self.spec = started.spec
@@ -194,6 +196,12 @@ class ProgressiveBackend:
         if self._started is not None:
             self.check()
         return self._current.gather(positions)
+
+    def retain(self, batch: StreamBatch) -> None:
+        self._current.retain(batch)
+
+    def finish(self, batch: StreamBatch) -> None:
+        self._current.finish(batch)
 
     # ----- the switch ----------------------------------------------------------------------------
     def check(self) -> None:
@@ -262,10 +270,9 @@ class ProgressiveBackend:
         try:
             shm = ShmBackend.attach_ready(started)
         except SegmentError:  # evicted or replaced between the answer and the mapping: ask again
-            self._attach_tries += 1
-            if self._attach_tries >= ATTACH_TRIES:
+            if not self._evicted.again():
                 raise
-            started.results = [AcquireResult("loading", r.name, r.shm_dir) for r in started.results]
+            started.results = [asked_again(r) for r in started.results]
             return
         if (shm.total_rows, [np.dtype(d) for d in shm.out_dtypes]) != (self.total_rows, list(self.out_dtypes)):
             shm.close()  # never: the two backends agree; h5py keeps serving what it served

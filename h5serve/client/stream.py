@@ -50,10 +50,12 @@ from ..order.stream_plan import KeyShape, fitted_block_rows, held_whole, held_wh
 from ..segments.format import VALUES_ALIGN
 from ..util.checks import is_int
 from ..util.units import format_bytes, parse_size, row_nbytes
-from .blockcache import BlockCache, StreamBatch, worker_capacity
+from .backend_protocol import NoHooks
+from .blockcache import BlockCache, worker_capacity
 from .chunkcache import local_ranks
 from .files import FileHandles
 from .spec import BackendSpec, describe_spec
+from .stream_batch import StreamBatch
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
 __all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "key_shape",
@@ -307,7 +309,7 @@ def stream_source(description: DatasetDescription) -> StreamSource:
     return StreamSource(held, file_infos, description.out_dtypes, description.file_rows, chunks)
 
 
-class StreamBackend:
+class StreamBackend(NoHooks):
     """Rows of whole blocks: daemon segments (``name == "shm"``, ``cache`` a DaemonBlocks)
     when the node's daemon answers, else read through h5py into a BlockCache of
     ``config.capacity`` blocks (``name == "lazy"``). ``on_fallback``: called with the reason
@@ -352,7 +354,7 @@ class StreamBackend:
         else:
             self.name = "shm"
             self.cache = DaemonBlocks(spec, infos, self.out_dtypes, self.config.layout, self.config.capacity,
-                                      daemon.budget, self.config.block_cost, self.config.block_bytes, whole)
+                                      daemon.budget, self.config.block_cost, whole)
         log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s",
                  spec.pattern or spec.path, self.config.layout.block_rows, format_bytes(self.config.block_bytes),
                  self.config.capacity, "from the daemon's shared memory" if daemon else "read here through h5py")
@@ -375,23 +377,18 @@ class StreamBackend:
         """Free the blocks not in the node's window at this batch (``batch.alive``); with a
         daemon, ask for the blocks it takes next (``batch.ahead``)."""
         self.cache.retain(batch.alive)
-        if isinstance(self.cache, DaemonBlocks):
-            self.cache.prefetch(batch.ahead, batch.alive)
+        self.cache.prefetch(batch.ahead, batch.alive)
 
     def finish(self, batch: StreamBatch) -> None:
         """After ``batch`` was gathered: close the blocks this rank has used for the last time
         and, in a DataLoader worker, those it may not keep until its next batch (``batch.keep``)."""
-        if isinstance(self.cache, DaemonBlocks):
-            self.cache.release(batch.done, batch.keep)
+        self.cache.release(batch.done, batch.keep)
 
     def gather(self, positions: torch.Tensor) -> list[Any]:
         return list(self.cache.gather(positions.numpy()))
 
     def close(self) -> None:
-        if isinstance(self.cache, DaemonBlocks):
-            self.cache.close()
-        else:
-            self.cache.clear()
+        self.cache.close()
         self.handles.close()
 
     def __getstate__(self) -> dict[str, Any]:

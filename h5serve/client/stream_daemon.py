@@ -70,7 +70,8 @@ from ..segments.stitch import can_stitch
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from ..wire.protocol import Acquire, AcquireResult
-from .backends import ShmBackend, open_acquired
+from .attach import EvictionRetry, attach_asking_again
+from .backends import ShmBackend
 from .blockcache import Arrays, gather_by_block
 from .gather import as_column
 from .ragged import RaggedColumn
@@ -117,14 +118,13 @@ class DaemonBlocks:
     ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
 
     def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
-                 capacity: int, budget: int, block_cost: int, block_bytes: int, whole: Sequence[bool] = ()) -> None:
+                 capacity: int, budget: int, block_cost: int, whole: Sequence[bool] = ()) -> None:
         self.spec, self.infos, self.layout = spec, infos, layout
         self.whole = [bool(w) for w in whole] or [False] * len(infos)  # keys held whole, not block by block
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         streamed = [i for i, w in enumerate(self.whole) if not w]
         self._streamed = ([infos[i] for i in streamed], [self.out_dtypes[i] for i in streamed])  # block by block
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
-        self.block_bytes = int(block_bytes)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
         self._keeps_all = self.capacity >= self.layout.n_blocks  # the window holds every block: kept mapped
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
@@ -324,27 +324,18 @@ class DaemonBlocks:
 
         Raised when it stays unmappable for ``wait_s`` (evicted each time between the answer and
         the mapping): SegmentError; as ``_wait_ready`` is."""
+        # evicted between the answer and the mapping (a block nobody held yet, its room taken for
+        # another process's block: many workers short of room): asked again until wait_s
         client = self.client()
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            if result is None or result.state != "ready":
-                result = self._wait_ready(client, request, block)
-            try:
-                segment = open_acquired(client, result)
-            except SegmentError:
-                # evicted between the answer and the mapping (a block nobody held yet, its room taken
-                # for another process's block: many workers short of room): ask again
-                if time.monotonic() > deadline:
-                    raise
-                result = None
-                continue
-            m = segment.meta
-            assert request.rows is not None
-            if m.key != request.key or m.row_range.span != request.rows or m.row_range.step != 1:
-                segment.close()
-                raise SegmentError(f"segment {result.name} does not hold rows [{request.rows[0]}, {request.rows[1]}) "
-                                   f"of {request.key!r} (stream block {block})")
-            return segment
+        segment, result = attach_asking_again(client, result, lambda: self._wait_ready(client, request, block),
+                                              EvictionRetry(deadline=time.monotonic() + self.wait_s))
+        m = segment.meta
+        assert request.rows is not None
+        if m.key != request.key or m.row_range.span != request.rows or m.row_range.step != 1:
+            segment.close()
+            raise SegmentError(f"segment {result.name} does not hold rows [{request.rows[0]}, {request.rows[1]}) "
+                               f"of {request.key!r} (stream block {block})")
+        return segment
 
     def _wait_ready(self, client: DaemonClient, request: Acquire, block: int | None) -> AcquireResult:
         """The block's segment (``block`` None: a key held whole), loaded: waits for the load,

@@ -19,10 +19,10 @@ from ..errors import ConfigError
 from ..order.equalise import check_batch_size
 from ..order.stream_order import BlockLayout, NodeEpoch, max_node_blocks, node_epoch, node_rows, window_for
 from ..util.checks import is_int
-from .blockcache import StreamBatch
 from .node_sampler import NodePlace
 from .resharding import check_not_resharded
 from .sampler import check_state_origin
+from .stream_batch import StreamBatch
 
 __all__ = ["StreamSampler"]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..errors import AccessDenied
 from ..hdf5.identity import FileIdentity
+from ..util.lru import LRU
 
 __all__ = ["Peer", "check_peer_can_read", "requester"]
 
@@ -88,7 +89,9 @@ def requester(peer: Peer | None, group: int | None) -> Peer:
     return Peer(os.geteuid(), os.getegid(), os.getpid())
 
 
-_cache: dict[tuple[object, ...], float] = {}
+# (uid, gid, groups, file identity: ctime included, so a chmod since is seen at once) -> until when
+# that user may read that file, unasked
+_readable: LRU[tuple[int, int, tuple[int, ...], FileIdentity], float] = LRU(_CACHE_MAX)
 
 
 def check_peer_can_read(peer: Peer, ident: FileIdentity) -> None:
@@ -99,9 +102,9 @@ def check_peer_can_read(peer: Peer, ident: FileIdentity) -> None:
     groups = peer.groups()
     if groups is None:
         raise AccessDenied(f"the requesting process (pid {peer.pid}) is gone; ask again")
-    key = (peer.uid, peer.gid, groups, ident)  # ctime included: a chmod since is seen at once
+    key = (peer.uid, peer.gid, groups, ident)
     now = time.monotonic()
-    if _cache.get(key, 0.0) > now:
+    if (_readable.get(key) or 0.0) > now:
         return
     if os.geteuid() == 0:
         why = _kernel_refuses(peer, groups, ident)
@@ -112,9 +115,7 @@ def check_peer_can_read(peer: Peer, ident: FileIdentity) -> None:
             f"uid {peer.uid} may not read {ident.path} itself ({why}); the daemon serves only files the "
             "requesting user can read: fix the file's permissions, or read it as a user who may"
         )
-    if len(_cache) >= _CACHE_MAX:
-        _cache.clear()
-    _cache[key] = now + _CACHE_TTL_S
+    _readable.put(key, now + _CACHE_TTL_S)
 
 
 def _kernel_refuses(peer: Peer, groups: tuple[int, ...], ident: FileIdentity) -> str:

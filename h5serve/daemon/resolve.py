@@ -35,6 +35,7 @@ from typing import Any
 from ..errors import AccessDenied, H5ServeError, SourceNotFound
 from ..hdf5.identity import FileIdentity, open_identified
 from ..hdf5.source import DatasetInfo
+from ..util.lru import LRU
 from .access import Peer, check_peer_can_read
 from .inspection import Inspection
 from .inspector import Credentials, inspect_file, virtual_refused
@@ -120,8 +121,7 @@ class Resolver:
         self._pool = _DaemonThreads(RESOLVER_THREADS)
         # keyed by the identity opened (ctime included: an in-place rewrite misses, whatever its
         # mtime says) and by the requesting uid: no user's verdict ever answers another's request
-        self._infos: dict[tuple[FileIdentity, str, int], DatasetInfo] = {}
-        self._lock = threading.Lock()
+        self._infos: LRU[tuple[FileIdentity, str, int], DatasetInfo] = LRU(_INFO_CACHE_SIZE)
         self._pending: dict[tuple[object, ...], tuple[float, Future[Resolved]]] = {}
         self._done_at: dict[int, float] = {}  # id(future) -> when it finished (set by its done callback)
         # written to when a resolution finishes, so that the control loop (which polls the read
@@ -264,17 +264,13 @@ class Resolver:
         metadata is the file's own), else from a child process (inspector.py), as the
         requesting user in a root daemon. The loader checks the layout again on the file it
         reads (identity.pinned_rows): the cache only spares an inspection."""
-        with self._lock:
-            cached = self._infos.get((ident, key, peer.uid))
+        cached = self._infos.get((ident, key, peer.uid))
         if cached is not None:
             return Inspection(cached, None, False)
         found = inspect_file(ident, key, _credentials(peer), virtual_ok=_trusted(peer))
         # another file's metadata (a link's target, a virtual source) can change under the same outer identity
         if found.linked is None and not found.virtual:
-            with self._lock:
-                if len(self._infos) >= _INFO_CACHE_SIZE:
-                    self._infos.clear()
-                self._infos[(ident, key, peer.uid)] = found.info
+            self._infos.put((ident, key, peer.uid), found.info)
         return found
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ from ..segments import (
     try_evict,
 )
 from ..util.logtext import printable
+from ..util.lru import LRU
 from ..util.safeio import remove_if
 from ..util.units import PAGE_BYTES, format_bytes
 from ..wire.protocol import Acquire, AcquireResult
@@ -115,7 +116,7 @@ class SegmentStore(LoadReaper):
         # a request's segment and name while its file resolves alike (resolve.py's answer): a
         # stream job asks for every block and key again and again, and building the meta and
         # hashing its name was a third of answering a hit
-        self._metas: dict[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = {}
+        self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -192,8 +193,8 @@ class SegmentStore(LoadReaper):
                  ) -> tuple[SegmentMeta, Callable[[], tuple[tuple[int, int], ...]] | None, str]:
         """The segment ``req`` asks for, from its resolved file(s), how to plan its load's parts
         (None: the loader does), and its published name. Remembered per request while its file
-        resolves alike (the same identities and dataset: a file changed since replaces the entry),
-        all forgotten at once past MAX_REMEMBERED_METAS requests."""
+        resolves alike (the same identities, ctime included, and dataset: a file changed since
+        replaces the entry), the least recently used forgotten past MAX_REMEMBERED_METAS requests."""
         memo = (req.path, req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files)
         found = self._metas.get(memo)
         if found is not None and (found[0] is resolved or found[0] == resolved):  # same identities, same rows
@@ -201,9 +202,7 @@ class SegmentStore(LoadReaper):
         else:
             meta = self._build_meta(req, resolved)
             name = segment_name(self.namespace, meta, self.secret)
-            if len(self._metas) >= MAX_REMEMBERED_METAS:
-                self._metas.clear()
-            self._metas[memo] = (resolved, meta, name)
+            self._metas.put(memo, (resolved, meta, name))
         if isinstance(resolved, ResolvedFiles):
             return meta, None, name
         info = resolved.info

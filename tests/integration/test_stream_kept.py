@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.client.backends import open_acquired
+from h5serve.client.attach import open_acquired
 from h5serve.daemon.loaderpool import KEPT_IDLE_S
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire

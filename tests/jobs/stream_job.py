@@ -103,7 +103,7 @@ def main() -> None:
         report["runs"][name] = train(ds, name, x_all, args)
         if name == "make:0":
             cache = ds.stream.cache
-            report["peak_blocks"], report["block_bytes"] = cache.peak, cache.block_bytes
+            report["peak_blocks"], report["block_bytes"] = cache.peak, ds.stream.config.block_bytes
             report["window_bytes"], report["capacity"] = ds.stream.config.window_bytes, ds.stream.config.capacity
             report["reads"] = cache.reads
     if args.resume_at:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from h5serve.client import StreamSampler
-from h5serve.client.blockcache import StreamBatch
 from h5serve.client.node_sampler import NodePlace
+from h5serve.client.stream_batch import StreamBatch
 from h5serve.errors import ConfigError
 from h5serve.order.stream_order import BlockLayout
 
