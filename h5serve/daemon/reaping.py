@@ -1,6 +1,6 @@
-"""The control loop's half of a running load: reaping finished loaders (``poll_loads``),
+"""The control loop's half of a running load: reaping finished loaders (``LoadReaper.poll``),
 publishing what they loaded, remembering what failed for pollers, and stopping loads that make
-no progress. A mixin of SegmentStore (store.py), which holds the records it works on.
+no progress. The store (store.py) holds one, and shares its records with it (loadindex.py).
 
 Everything here runs on the control loop's thread and never blocks: pipes are polled, the
 temporaries are read with non-blocking opens.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.context import ForkServerProcess
@@ -27,6 +26,7 @@ from .entries import Entry, LoadFailure, load_log_level, not_ours
 from .killload import kill_load
 from .loader import LoadError, LoadOk, LoadStats
 from .loaderpool import LoaderPool
+from .loadindex import Records
 from .refusals import stalled_load
 
 __all__ = ["LoadReaper"]
@@ -35,31 +35,33 @@ log = logging.getLogger("h5serve.daemon")
 
 
 class LoadReaper:
-    """Reaps, publishes and fails the loads of the store it is mixed into."""
+    """Reaps, publishes and fails the running loads of ``records`` (the store's), whose loaders
+    came from ``pool``; ``on_loaded``: called with each published load's seconds (metrics)."""
 
-    entries: dict[str, Entry]
-    failures: dict[str, LoadFailure]
-    counters: Counter[str]
-    errors: Counter[str]
-    pool: LoaderPool
-    shm_dir: Path
-    stall_timeout: float
-    on_loaded: Callable[[float], None] | None
-    _last_stall_check: float
-    _reaping: list[ForkServerProcess]
+    def __init__(self, records: Records, pool: LoaderPool, shm_dir: Path, stall_timeout: float) -> None:
+        self.records = records
+        self.entries, self.failures = records.entries, records.failures
+        self.counters, self.errors = records.counters, records.errors
+        self.pool = pool
+        self.shm_dir = shm_dir
+        self.stall_timeout = stall_timeout  # a load without progress for this long is stopped
+        self.on_loaded: Callable[[float], None] | None = None
+        self._last_stall_check = time.monotonic()
+        self._reaping: list[ForkServerProcess] = []  # loaders that finished or were killed, not yet reaped
 
-    def _launch_pending(self) -> None:  # the store's: start queued loads in the slots freed
-        raise NotImplementedError
+    def reap_later(self, processes: list[ForkServerProcess]) -> None:
+        """Loaders that ended (kept ones let go): reaped on a later poll, never waited for."""
+        self._reaping += processes
 
-    def poll_loads(self) -> None:
+    def poll(self) -> None:
         """Reap finished loaders: publish successes, remember failures for pollers; stop loads
-        that made no progress for ``stall_timeout``; start queued loads in the slots freed.
-        Never blocks: pipes are polled, the temporaries are read with non-blocking opens."""
+        that made no progress for ``stall_timeout``. Never blocks: pipes are polled, the
+        temporaries are read with non-blocking opens."""
         now = time.monotonic()
         check_stalls = now - self._last_stall_check >= STALL_CHECK_INTERVAL_S
         if check_stalls:
             self._last_stall_check = now
-        for entry in list(self.entries.values()):
+        for entry in self.records.loads.running():
             if entry.process is None or entry.reply is None:
                 continue
             result: object = None
@@ -97,7 +99,6 @@ class LoadReaper:
                 log.warning("the loader of %s wrote to its stderr:%s", entry.name,
                             "".join(f"\n  | {x}" for x in output))
         self._reaping = [p for p in self._reaping if not self._reaped(p)]
-        self._launch_pending()
 
     def _release_loader(self, entry: Entry) -> None:
         """Forget a finished (or killed) loader; it is reaped later, without waiting for it."""

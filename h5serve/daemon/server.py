@@ -250,7 +250,7 @@ class Server:
         if config.metrics_port is not None or config.metrics_textfile is not None:
             self.metrics = Metrics(config.metrics_port, config.metrics_textfile, config.metrics_addr,
                                    config.metrics_paths, config.group)
-            self.store.on_loaded = self.metrics.observe_load
+            self.store.reaper.on_loaded = self.metrics.observe_load
 
     def handle(self, request: Request, peer: Peer | None = None) -> dict[str, Any]:
         if self.idle is not None and isinstance(request, (Acquire, Ping)):  # not status: idle.py
@@ -440,9 +440,9 @@ class Server:
             if sock not in ready:
                 self.store.keep_spare()
             self.store.sweep()
-            loading = any(e.state == "loading" for e in self.store.entries.values())
-            self.notifier.tick(loading)
-            self.notifier.status(self._status_line())
+            self.notifier.tick(self.store.loads.loading() > 0)
+            if self.notifier.enabled:  # a status line sums every segment: only for systemd to show
+                self.notifier.status(self._status_line())
             if self.metrics is not None:
                 self.metrics.refresh(self.store.status)
             self._exit_when_idle(sock)
@@ -473,10 +473,9 @@ class Server:
                 pass
 
     def _status_line(self) -> str:
-        entries = self.store.entries.values()
-        loading = sum(1 for e in entries if e.state == "loading")
+        loading = self.store.loads.loading()
         return (
-            f"{len(entries) - loading} segments ready, {loading} loading, "
+            f"{len(self.store.entries) - loading} segments ready, {loading} loading, "
             f"{format_bytes(self.store.used_bytes())} of {format_bytes(self.store.max_memory)}"
         )
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -51,12 +49,13 @@ from .config import (
     MAX_AWAITING_RESOLUTION,
     MAX_REMEMBERED_METAS,
 )
-from .entries import COUNTERS, Entry, LoadFailure, load_log_level, not_ours
+from .entries import Entry, load_log_level, not_ours
 from .fileset import files_meta
 from .handout import Grant, grant, grants_of
 from .leftovers import adopt_leftovers, own_files, publish_name
 from .loader import LoadJob, load_spans, loader_context
 from .loaderpool import LoaderPool
+from .loadindex import Records
 from .loadqueue import check_queue_of, next_queued, read_again_soon
 from .prefetch import Prefetched
 from .reaping import LoadReaper
@@ -73,7 +72,7 @@ __all__ = ["SegmentStore"]
 log = logging.getLogger("h5serve.daemon")
 
 
-class SegmentStore(LoadReaper):
+class SegmentStore:
     secret: bytes  # segment names are keyed by it; recover() loads it before any request
 
     def __init__(
@@ -83,12 +82,8 @@ class SegmentStore(LoadReaper):
         drop_page_cache: bool = True,
     ) -> None:
         self.budget_rule = budget_rule
-        self.stall_timeout = stall_timeout  # a load without progress for this long is stopped
         self.checksum = checksum  # loaders store a crc32 of the rows (status --verify compares it)
         self.drop_page_cache = drop_page_cache  # loaders drop the source's cached pages of the rows they read
-        self._last_stall_check = time.monotonic()
-        self._reaping: list[ForkServerProcess] = []  # loaders that finished or were killed, not yet reaped
-        self.on_loaded: Callable[[float], None] | None = None  # metrics hook: seconds per load
         self.location = location
         self.shm_dir = shm_dir
         self.group = group
@@ -97,14 +92,18 @@ class SegmentStore(LoadReaper):
         self.max_loaders = loaders  # loads that run at once
         self.load_processes = max(1, load_processes)  # processes one load may be split across
         self.namespace = location.namespace
-        self.entries: dict[str, Entry] = {}
-        self.failures: dict[str, LoadFailure] = {}
-        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self.errors: Counter[str] = Counter()  # error replies by code
+        # every segment by name, the failures pollers are told of, the counters, and the loads
+        # among the segments as they are asked for and start (loadindex.py): never rebound
+        self.records = Records()
+        self.entries, self.failures = self.records.entries, self.records.failures
+        self.counters, self.errors = self.records.counters, self.records.errors
+        self.loads = self.records.loads
         self.resolver = Resolver(self.allow_roots)
         self._stale = StaleSweep()
         # the spare loader, and loaders kept between stream blocks (loaderpool.py)
         self.pool = LoaderPool(loader_context(), loaders)
+        # the control loop's half of a running load: reaped, published, failed, stopped when stalled
+        self.reaper = LoadReaper(self.records, self.pool, shm_dir, stall_timeout)
         self.prefetched = Prefetched()  # stream blocks loaded ahead of need, not needed yet (prefetch.py)
         # who may have which ready segment's descriptor: read by the hand-out thread, so never
         # changed in place, only replaced (``_grant``)
@@ -245,7 +244,7 @@ class SegmentStore(LoadReaper):
             if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
-            check_queue_of(self.entries.values(), uid, meta, self.counters)
+            check_queue_of(self.loads.queued(), uid, meta, self.counters)
             entry = self._start(name, meta, uid, None if spans is None else spans(), req.prefetch)
             self.prefetched.asked(name, req.prefetch, True)
         else:
@@ -296,6 +295,7 @@ class SegmentStore(LoadReaper):
         entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
+        self.loads.queue(entry)
         self.counters["loads_requested"] += 1
         if not self._answering:
             self._launch_pending()
@@ -317,9 +317,9 @@ class SegmentStore(LoadReaper):
                 log.exception("could not start a loader; the load stays queued and is started again later")
 
     def _launch_pending(self) -> None:
-        running = sum(1 for e in self.entries.values() if e.process is not None)
+        running = len(self.loads.running())
         while running < self.max_loaders:
-            entry, self._last_uid = next_queued(self.entries.values(), self._last_uid)
+            entry, self._last_uid = next_queued(self.loads.queued(), self._last_uid)
             if entry is None:
                 return
             room = self._room_of(entry) if entry.meta.vlen else None
@@ -329,6 +329,7 @@ class SegmentStore(LoadReaper):
                           keep=entry.meta.mode == STREAM and entry.spans is not None and len(entry.spans) == 1,
                           room=room, virtual_ok=entry.requester in (os.geteuid(), 0))
             entry.process, entry.reply = self.pool.launch(job)
+            self.loads.start(entry)
             entry.room = 0 if room is None else room.limit  # counted from now on, until the load is done
             entry.load_started = entry.active_at = time.monotonic()
             running += 1
@@ -342,7 +343,7 @@ class SegmentStore(LoadReaper):
         queued load reads them too, and never for a stream block (evicted again within the
         epoch and read again the next: the page cache, not the budget, is what can keep it)."""
         return (self.drop_page_cache and entry.meta.mode != STREAM
-                and not read_again_soon(self.entries.values(), entry))
+                and not read_again_soon(self.loads.queued(), entry))
 
     def _room_of(self, entry: Entry) -> Room:
         """The room of a variable-length load about to start (counted once it runs: ``Entry.charge``):
@@ -401,15 +402,21 @@ class SegmentStore(LoadReaper):
     def loads_pending(self) -> bool:
         """Whether a load runs or waits for a loader, or a request's file is still resolving
         (its load starts then): the idle exit (idle.py) waits for them."""
-        return bool(self._resolving) or any(e.state == "loading" for e in self.entries.values())
+        return bool(self._resolving) or self.loads.loading() > 0
 
     def load_fds(self) -> list[int]:
         """The pipes of running loaders: readable once a loader reports or dies, so the
         daemon's loop can wake for it instead of noticing on its next tick."""
-        return [e.reply.fileno() for e in self.entries.values() if e.reply is not None and not e.reply.closed]
+        return [e.reply.fileno() for e in self.loads.running() if e.reply is not None and not e.reply.closed]
 
     def _loading(self) -> bool:
-        return any(entry.process is not None for entry in self.entries.values())
+        return bool(self.loads.running())
+
+    def poll_loads(self) -> None:
+        """Reap finished loaders (reaping.py: publish, fail, stop the stalled), then start queued
+        loads in the slots freed."""
+        self.reaper.poll()
+        self._launch_pending()
 
     def spare_due_in(self) -> float:
         """Seconds until ``keep_spare`` would start a spare loader (inf: none is due)."""
@@ -418,8 +425,8 @@ class SegmentStore(LoadReaper):
     def keep_spare(self) -> None:
         """Let kept stream loaders idle too long go, and start a spare loader when one is due
         (loaderpool.py). The server calls it when no request waits (forking one holds the
-        daemon for 2-8 ms)."""
-        self._reaping += self.pool.expire()
+        daemon up)."""
+        self.reaper.reap_later(self.pool.expire())
         self.pool.keep_spare(self._loading())
 
     # ----- reporting and shutdown ----------------------------------------------------------

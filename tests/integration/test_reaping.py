@@ -71,6 +71,7 @@ def test_a_loader_that_reports_and_exits_between_the_stores_looks_is_heard(store
         pipe = _PipeSeenBeforeTheReport(reply, go, loader)
         entry.process, entry.reply = loader, pipe  # type: ignore[assignment]
         store.entries["seg"] = entry
+        store.loads.start(entry)  # as _launch_pending does when a loader starts
         for _ in range(3):  # the report is picked up on a later round at the latest
             store.poll_loads()
             if "seg" not in store.entries:

@@ -104,3 +104,19 @@ def test_a_room_stops_the_load_that_outgrows_it() -> None:
         room.check(meta, 3 * PAGE_BYTES + 1)
     with pytest.raises(BudgetExceeded, match=r"more than 4.0 MiB, or use a mode that holds fewer rows"):
         room.check(meta, BUDGET + 1)
+
+
+def test_the_load_index_follows_the_store_without_a_scan(store: SegmentStore) -> None:
+    """Loads asked for are queued, started ones run, and an entry published, failed or dropped
+    leaves the index by its own state: the loop's counts match a scan of every entry."""
+    first, second = Entry("a", _block(1), "loading"), Entry("b", _block(2), "loading")
+    for entry in (first, second):
+        store.entries[entry.name] = entry
+        store.loads.queue(entry)
+    assert [e.name for e in store.loads.queued()] == ["a", "b"] and store.loads.loading() == 2
+    first.process = object()  # type: ignore[assignment]
+    store.loads.start(first)
+    assert ([e.name for e in store.loads.running()], [e.name for e in store.loads.queued()]) == (["a"], ["b"])
+    first.state = "ready"  # published
+    del store.entries["b"]  # failed: dropped from the store
+    assert (store.loads.running(), store.loads.queued(), store.loads_pending()) == ([], [], False)
