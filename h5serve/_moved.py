@@ -38,6 +38,8 @@ MOVED = {
     "h5serve.progress": "h5serve.util.progress",
     "h5serve.logtext": "h5serve.util.logtext",
     "h5serve.inspect": "h5serve.cli.inspect",
+    # modules moved inside a package since (the house, third pass)
+    "h5serve.client.connection": "h5serve.wire.connection",
 }
 
 

@@ -1,4 +1,10 @@
-"""RankMemCachedH5Dataset: the predecessor's rank-cached dataset, with its signature.
+"""The predecessor's API, in one place: its rank-cached dataset (RankMemCachedH5Dataset, with
+its signature, here), its lazy reader and worker hook (H5LazyDataset, h5_worker_init_fn:
+client/lazy.py) and its sharding helpers (balanced_contiguous_shard, interleaved_indices,
+shard_indices: h5serve/order/sharding.py, torch-free). ``h5serve.client`` gives the same names
+by attribute, as it always did.
+
+RankMemCachedH5Dataset: the predecessor's rank-cached dataset.
 
 Served from the daemon when one runs (the shard is shared by every job on the node and the
 float32 cast happens per batch, so a uint8 dataset costs uint8 memory). With no daemon it
@@ -15,11 +21,14 @@ import numpy as np
 import torch
 
 from ..errors import H5ServeError
+from ..order.sharding import balanced_contiguous_shard, interleaved_indices, shard_indices
 from .backend_protocol import Backend
 from .backends import MemoryBackend
 from .dataset import SharedH5Dataset
+from .lazy import H5LazyDataset, h5_worker_init_fn
 
-__all__ = ["RankMemCachedH5Dataset"]
+__all__ = ["RankMemCachedH5Dataset", "H5LazyDataset", "h5_worker_init_fn", "balanced_contiguous_shard",
+           "interleaved_indices", "shard_indices"]
 
 
 class RankMemCachedH5Dataset(SharedH5Dataset):

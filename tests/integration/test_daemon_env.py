@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.client.connection import DaemonClient
+from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, descendant_pids, make_h5, short_workdir, wait_for

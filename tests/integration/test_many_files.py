@@ -22,7 +22,6 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 import h5serve.client.files  # noqa: F401 - imported before tests drop privileges (as_user)
 from h5serve.client import SharedH5Dataset, collate
-from h5serve.client.connection import DaemonClient
 from h5serve.daemon.loader import MIN_PART_ENV
 from h5serve.errors import (
     AccessDenied,
@@ -35,6 +34,7 @@ from h5serve.errors import (
 )
 from h5serve.hdf5.files import MAX_FILES, expand_paths
 from h5serve.segments import HEADER_SIZE, SegmentMeta, attach_segment, create_segment, read_meta
+from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import MAX_FRAME_BYTES, Acquire, decode_request, encode_request
 
 from ..helpers import ROW_SHAPE, Daemon, make_h5, short_tmpdir, wait_for

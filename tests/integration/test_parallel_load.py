@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.client.connection import DaemonClient
 from h5serve.errors import DataError
 from h5serve.segments import temporary_owner_pid
+from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, alive, expected_checksum, h5serve_cli, short_workdir, temporary_prefix, wait_for

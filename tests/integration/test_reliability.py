@@ -45,9 +45,9 @@ import pytest
 import zmq
 
 from h5serve.client import SharedH5Dataset
-from h5serve.client.connection import DaemonClient
 from h5serve.errors import BudgetExceeded, ProtocolError
 from h5serve.segments import attach_segment, read_progress, temporary_owner_pid
+from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import MAX_FRAME_BYTES, Acquire, AcquireResult, Status
 
 from ..helpers import Daemon, alive, descendant_pids, make_h5, short_tmpdir, temporary_prefix, wait_for

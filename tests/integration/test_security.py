@@ -16,9 +16,9 @@ import h5py
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.client.connection import DaemonClient
 from h5serve.errors import AccessDenied, DaemonUnavailable, SegmentError
 from h5serve.segments import attach_segment
+from h5serve.wire.connection import DaemonClient
 
 from ..helpers import Daemon, descendant_pids, h5serve_cli, kill_daemon_of, make_h5, short_tmpdir, wait_for
 from ..users import PortablePython, setpriv, throwaway_user

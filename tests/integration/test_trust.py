@@ -25,8 +25,8 @@ import h5py
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.client.connection import DaemonClient
 from h5serve.errors import AccessDenied, DaemonUnavailable, SourceChanged, SourceNotFound
+from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, kill_daemon_of, make_h5, wait_for
