@@ -42,7 +42,7 @@ from ..order.stream_plan import segment_cost
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from .spec import BackendSpec
-from .stream import StreamSource, resolve_stream, stream_row_bytes, stream_source, whole_cost, whole_keys
+from .stream import StreamAsk, StreamSource, resolve_stream, stream_row_bytes, stream_source, whole_cost, whole_keys
 
 __all__ = ["StreamPlan", "decide", "streamable"]
 
@@ -139,8 +139,7 @@ def decide(spec: BackendSpec, error: H5ServeError | None, world_size: int, ranks
     infos = source.infos
     whole = whole_keys(infos, limit, bool(spec.files))  # labels held whole, as with mode="stream" and a daemon
     try:  # the blocks and window the rest holds, as inspect recommends them (stream_plan.daemon_window)
-        config = resolve_stream(infos, None, None, ranks, limit - whole_cost(infos, whole), source.file_rows,
-                                [i for each in source.file_infos for i in each], 1, source.chunks_said)
+        config = resolve_stream(infos, StreamAsk(budget=limit - whole_cost(infos, whole), ranks=ranks), source)
     except ConfigError:  # not even one block fits: the lazy fallback
         return None
     rows = len(spec.selection.rows(infos[0].rows))

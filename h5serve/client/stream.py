@@ -58,7 +58,7 @@ from .spec import BackendSpec, describe_spec
 from .stream_batch import StreamBatch
 from .stream_daemon import DaemonBlocks, DaemonWindow, check_window, daemon_window
 
-__all__ = ["StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "key_shape",
+__all__ = ["StreamAsk", "StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "key_shape",
            "node_memory", "resolve_stream", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
            "window_bytes"]
 
@@ -214,13 +214,22 @@ def stream_row_bytes(info: DatasetInfo) -> int:
     return row_nbytes(info.row_shape, info.dtype)
 
 
-def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
-                   ranks: int | None = None, budget: int | None = None, file_rows: Sequence[int] = (),
-                   chunked: Sequence[DatasetInfo] = (), world_size: int = 1, chunks_said: str = "") -> StreamConfig:
-    """The block layout and window of the datasets ``infos`` (equal rows); ``budget``: the
-    daemon's, when a daemon serves the blocks. ``file_rows``: the rows of each of many files
-    (blocks are laid out per file); ``chunked``: every key of every file, whose chunks blocks
-    are whole numbers of (default ``infos``; ``chunks_said`` names them for messages). The
+@dataclass(frozen=True)
+class StreamAsk:
+    """What a stream dataset's window and blocks are made of: what was asked for and where it runs."""
+
+    window: object = None  # bytes, or a size such as "2GiB"; None: the default window
+    block_rows: object = None  # rows a block (whole chunks); None: fitted to the window
+    budget: int | None = None  # the daemon's, when a daemon serves the blocks
+    ranks: int | None = None  # the job's ranks on this node: the default window's share without a daemon
+    world_size: int = 1  # the ranks that agree on one block and one capacity (an all-reduce each)
+
+
+def resolve_stream(infos: list[DatasetInfo], ask: StreamAsk, files: StreamSource | None = None) -> StreamConfig:
+    """The block layout and window of the datasets ``infos`` (equal rows), as ``ask`` says.
+    ``files``: what the blocks are read from (``stream_source``), for many files: the rows of
+    each (blocks are laid out per file) and every key of every file, whose chunks blocks are
+    whole numbers of (without it, one file: ``infos``). The
     default window (``window=None``) is what the daemon's budget holds, else
     ``default_window(ranks)``: both the same on every rank of a node; with a process group
     over ``world_size > 1`` ranks every rank fits its block to the smallest of every rank's
@@ -231,9 +240,13 @@ def resolve_stream(infos: list[DatasetInfo], window: object, block_rows: object,
     Raised when ``window`` is not a size, ``block_rows`` is not whole chunks of every key, the
     window is smaller than one block, or (with a daemon) larger than its budget: ConfigError
     naming the numbers."""
+    window, block_rows, budget, ranks, world_size = ask.window, ask.block_rows, ask.budget, ask.ranks, ask.world_size
+    file_rows = files.file_rows if files is not None else ()
+    chunked = [i for each in files.file_infos for i in each] if files is not None else []
+    chunks_said = files.chunks_said if files is not None else ""
     total = infos[0].rows
     longest = max(file_rows, default=total)
-    each = list(chunked) or infos
+    each = chunked or infos
     unit = block_unit([i.chunk_rows if i.chunked else 1 for i in each])
     row_bytes = sum(stream_row_bytes(i) for i in infos)
     asked = window_bytes(window)
@@ -342,10 +355,9 @@ class StreamBackend(NoHooks):
             whole = list(whole)
         else:
             whole = [False] * len(infos) if window is not None else whole_keys(infos, daemon.budget, bool(spec.files))
-        self.config = resolve_stream(infos, window, block_rows, ranks,
-                                     None if daemon is None else daemon.budget - whole_cost(infos, whole),
-                                     source.file_rows, [i for each in source.file_infos for i in each],
-                                     spec.selection.world_size, source.chunks_said)
+        budget = None if daemon is None else daemon.budget - whole_cost(infos, whole)
+        self.config = resolve_stream(infos, StreamAsk(window, block_rows, budget, ranks, spec.selection.world_size),
+                                     source)
         self.handles = FileHandles(spec.files or (spec.path,), dict(spec.h5_options))
         self.cache: BlockCache | DaemonBlocks
         if daemon is None:

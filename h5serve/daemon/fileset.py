@@ -20,7 +20,7 @@ from ..hdf5.compound import FieldRows
 from ..hdf5.files import check_agreement, pieces
 from ..hdf5.identity import open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import Hasher, data_extents, drop_cached
-from ..hdf5.reads import read_shard_into
+from ..hdf5.reads import ShardWrite, read_shard_into
 from ..hdf5.source import DatasetInfo, inspect_dataset, resolve_dtype, storage_dtype
 from ..order.sharding import RowRange, Selection
 from ..segments import SegmentMeta, SegmentWriter
@@ -120,8 +120,8 @@ def read_files_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, sp
             def piece_progress(n: int, before: int = done) -> None:
                 progress(before + n)
 
-            copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1], piece_progress,
-                                      dest=None if small else (fd, base + piece.k0 * out_row), hashed=hashed)
+            how = ShardWrite(None if small else (fd, base + piece.k0 * out_row), hashed)
+            copied += read_shard_into(dset, info, piece.local, writer.data[piece.k0:piece.k1], piece_progress, how=how)
             if drop_page_cache:
                 try:
                     extents = data_extents(dset, *piece.local.span)

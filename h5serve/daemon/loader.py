@@ -58,7 +58,7 @@ from ..hdf5.compound import rows_dataset
 from ..hdf5.files import plan_file_parts
 from ..hdf5.identity import check_holder, identities_unchanged, open_h5_verified, pinned_rows
 from ..hdf5.rawcopy import StoredRows, data_extents, drop_cached
-from ..hdf5.reads import local_range, read_shard_into, shard_span, split_span
+from ..hdf5.reads import ShardWrite, local_range, read_shard_into, shard_span, split_span
 from ..hdf5.source import DatasetInfo, inspect_dataset
 from ..order.sharding import RowRange, Selection
 from ..segments import SegmentMeta, SegmentWriter, create_segment
@@ -247,9 +247,8 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     info = inspect_dataset(f, meta.key)
     if places is not None and dset.file.id.get_vfd_handle() != f.id.get_vfd_handle():
         places = None  # an external link's file: HDF5 may close and reopen it between loads
-    copied = read_shard_into(dset, info, rows, writer.data, progress, span=span,
-                             dest=writer.data_target(), hashed=hashed, ready=ready, write_behind=span is None,
-                             places=places)
+    copied = read_shard_into(dset, info, rows, writer.data, progress, span,
+                             ShardWrite(writer.data_target(), hashed, ready, write_behind=span is None, places=places))
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
@@ -320,6 +319,75 @@ def _spans(job: LoadJob, rows: RowRange) -> list[tuple[int, int] | None]:
     return [None] if len(spans) <= 1 else list(spans)
 
 
+class _Progress:
+    """Rows done, as the loader's header shows them: this process's own rows and, for a load
+    split across processes, what every part reported, never backwards. Called by the read
+    between blocks: stops the load (DaemonGone) once the daemon is gone."""
+
+    def __init__(self, writer: SegmentWriter, parts: Parts | None, daemon_gone: Callable[[], bool]) -> None:
+        self.writer, self.parts, self.daemon_gone = writer, parts, daemon_gone
+        self.shown = 0
+
+    def __call__(self, rows_done: int) -> None:
+        if self.daemon_gone():
+            raise DaemonGone()
+        total = rows_done
+        if self.parts is not None:
+            self.parts.counters[0] = rows_done
+            self.parts.check()
+            total = self.parts.rows_done()
+        if total > self.shown:  # monotonic, whatever order the parts report in
+            self.writer.set_progress(total)
+            self.shown = total
+
+
+def _fork_parts(job: LoadJob, spans: list[tuple[int, int] | None], writer: SegmentWriter, parts: Parts,
+                daemon_gone: Callable[[], bool], reply: Connection) -> None:
+    """One child process per part but the first, each reading its span into ``writer`` once the
+    reservation is done. Before this process opens the file for reading (no h5py handle
+    crosses a fork); the reservation thread is in posix_fallocate, holding no lock a child could need."""
+    meta, rows = job.meta, job.meta.row_range
+    for index, span in enumerate(spans[1:], 1):
+        assert span is not None  # more than one part: each has its span
+
+        def work(progress: Callable[[int], None], span: tuple[int, int] = span) -> PartResult:
+            return _read_part(meta, rows, writer, span, progress, job.checksum,
+                              lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache,
+                              virtual_ok=job.virtual_ok)
+
+        parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
+
+
+def _wait_for_parts(parts: Parts | None, progress: _Progress, daemon_gone: Callable[[], bool]) -> None:
+    """Until every child part is done (reaped), showing their progress; DaemonGone once the daemon is."""
+    while parts is not None and parts.children:
+        if daemon_gone():
+            raise DaemonGone()
+        parts.check(_WAIT_S)
+        progress(int(parts.counters[0]))
+
+
+def _abort(exc: BaseException, parts: Parts | None, reservation: Reservation | None, writer: SegmentWriter | None,
+           files: OpenFiles | None, reply: Connection) -> None:
+    """A load that failed: its parts killed before the temporary goes (nothing writes into it any
+    more), the reservation settled, the temporary removed; the error reported (not when the
+    daemon is gone: nobody reads it)."""
+    if parts is not None:
+        parts.kill_all()
+    if reservation is not None:
+        reservation.settle()  # nothing uses the descriptor any more when it is closed
+    if writer is not None:
+        writer.abort()
+    if files is not None:
+        files.close()
+    if not isinstance(exc, DaemonGone):
+        code, message = error_of(exc)
+        try:
+            reply.send(LoadError(code, message))
+        except OSError:
+            pass
+
+
 def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None,
              files: OpenFiles | None = None) -> bool:
     """Run ``job`` in this (loader) process and report on ``reply``; ``daemon_gone``: the check
@@ -346,32 +414,9 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
         started = time.monotonic_ns()
         parts = Parts(len(spans)) if len(spans) > 1 else None
         reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
-        if parts is not None:  # fork before this process opens the file for reading
-            # (the reservation thread is in posix_fallocate, holding no lock the children could need)
-            for index, span in enumerate(spans[1:], 1):
-                assert span is not None  # more than one part: each has its span
-                def work(progress: Callable[[int], None], span: tuple[int, int] = span,
-                         writer: SegmentWriter = writer, parts: Parts = parts) -> PartResult:
-                    return _read_part(meta, rows, writer, span, progress, job.checksum,
-                                      lambda: parts.wait_reserved(daemon_gone), drop_page_cache=job.drop_page_cache,
-                                      virtual_ok=job.virtual_ok)
-
-                parts.fork(index, span, work, daemon_gone, (reply.fileno(),))
-        shown = 0
-
-        def progress(rows_done: int, writer: SegmentWriter = writer) -> None:
-            nonlocal shown
-            if daemon_gone():
-                raise DaemonGone()
-            total = rows_done
-            if parts is not None:
-                parts.counters[0] = rows_done
-                parts.check()
-                total = parts.rows_done()
-            if total > shown:  # monotonic, whatever order the parts report in
-                writer.set_progress(total)
-                shown = total
-
+        if parts is not None:
+            _fork_parts(job, spans, writer, parts, daemon_gone, reply)
+        progress = _Progress(writer, parts, daemon_gone)
         kept = files is not None and parts is None and not meta.files
         # opened after the forks, kept for the page cache drop
         with nullcontext(files.open(meta)) if kept and files is not None else open_source(meta) as source:
@@ -385,11 +430,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                                    virtual_ok=job.virtual_ok)
             copied = first.copied
             finished = [time.monotonic_ns()]
-            while parts is not None and parts.children:
-                if daemon_gone():
-                    raise DaemonGone()
-                parts.check(_WAIT_S)
-                progress(int(parts.counters[0]))
+            _wait_for_parts(parts, progress, daemon_gone)
             if parts is not None:
                 finished += parts.finished[1:].tolist()
                 copied += int(parts.copied[1:].sum())
@@ -417,20 +458,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
             drop_cached(fd, extents)
             return True
     except BaseException as exc:  # report everything: the daemon turns it into an error reply
-        if parts is not None:
-            parts.kill_all()  # before the temporary goes: nothing writes into it any more
-        if reservation is not None:
-            reservation.settle()  # nothing uses the descriptor any more when it is closed
-        if writer is not None:
-            writer.abort()
-        if files is not None:
-            files.close()
-        if not isinstance(exc, DaemonGone):
-            code, message = error_of(exc)
-            try:
-                reply.send(LoadError(code, message))
-            except OSError:
-                pass
+        _abort(exc, parts, reservation, writer, files, reply)
         return False
     finally:
         if parts is not None:

@@ -14,6 +14,7 @@ chunks that hold them. Interleaved shards read contiguous blocks and stride them
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
@@ -24,7 +25,7 @@ from ..util.units import row_nbytes
 from .rawcopy import FileCopier, Hasher, StoredRows, copy_rows, read_stored_rows, stored_rows, write_all
 from .source import DatasetInfo
 
-__all__ = ["BLOCK_BYTES", "local_range", "shard_span", "split_span", "read_block_into", "read_shard_into",
+__all__ = ["BLOCK_BYTES", "ShardWrite", "local_range", "shard_span", "split_span", "read_block_into", "read_shard_into",
            "read_rows"]
 
 BLOCK_BYTES = 32 * 1024 * 1024  # rows per read are chunk-aligned and about this large
@@ -132,29 +133,16 @@ def read_block_into(
     return k0, k1, buffer
 
 
-def read_shard_into(
-    dset: h5py.Dataset,
-    info: DatasetInfo,
-    selection: Selection | RowRange,
-    out: np.ndarray,
-    progress: Callable[[int], None] | None = None,
-    span: tuple[int, int] | None = None,
-    dest: tuple[int, int] | None = None,
-    hashed: Hasher | None = None,
-    ready: Callable[[], None] | None = None,
-    write_behind: bool = False,
-    places: dict[tuple[str, ...], StoredRows | None] | None = None,
-) -> int:
-    """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
-    chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``dest``). ``span``: only the global
-    rows ``[a, b)`` (one
-    part of a parallel load, from split_span); ``progress(n)``: ``n`` rows of this call done.
+@dataclass(frozen=True)
+class ShardWrite:
+    """How ``read_shard_into`` writes the rows, for a load into a segment (the defaults: a plain
+    read into ``out``).
 
     ``dest``: ``(fd, offset)``, a file that ``out`` maps and the byte offset of ``out[0]`` in
     it. Then nothing is written through ``out``: rows the file stores exactly as ``out`` holds
     them are copied file to file (rawcopy), and the others are read into a reused staging
     buffer and ``pwrite``n, because filling a fresh tmpfs mapping page fault by page fault is
-    slower than either. Returns the bytes copied file to file.
+    slower than either.
 
     ``hashed``: called with every byte of ``out[k0:k1]`` as it is written, in ascending
     order (a load's checksum, computed while the bytes are in the CPU's cache). ``ready``:
@@ -164,10 +152,34 @@ def read_shard_into(
     core to spare. ``places``: where the rows of each dataset (by name and dtype) are stored in
     the file ``dset`` is in, memoised there for the next call on that same open file (a loader
     kept for stream blocks: listing a dataset's chunks is per file, not per block).
+    """
+
+    dest: tuple[int, int] | None = None
+    hashed: Hasher | None = None
+    ready: Callable[[], None] | None = None
+    write_behind: bool = False
+    places: dict[tuple[str, ...], StoredRows | None] | None = None
+
+
+def read_shard_into(
+    dset: h5py.Dataset,
+    info: DatasetInfo,
+    selection: Selection | RowRange,
+    out: np.ndarray,
+    progress: Callable[[int], None] | None = None,
+    span: tuple[int, int] | None = None,
+    how: ShardWrite = ShardWrite(),
+) -> int:
+    """Fill ``out`` (the whole shard) with the shard's rows, cast to ``out.dtype``, in
+    chunk-aligned blocks of about BLOCK_BYTES (STAGED_BLOCK_BYTES with ``how.dest``), written as
+    ``how`` says. ``span``: only the global rows ``[a, b)`` (one part of a parallel load, from
+    split_span); ``progress(n)``: ``n`` rows of this call done. Returns the bytes copied file to
+    file (with ``how.dest``).
 
     Raised when HDF5 cannot read the rows (a damaged chunk, a failing filter) or the file
     ends early: DataError.
     """
+    dest, hashed, ready = how.dest, how.hashed, how.ready
     rows = as_rows(selection, info.rows)
     first, last = span if span is not None else rows.span
     start, step = rows.start, rows.step
@@ -175,11 +187,11 @@ def read_shard_into(
     out_row = row_nbytes(info.row_shape, out.dtype)
     buffer: np.ndarray | None = None
     stage: np.ndarray | None = None
-    copier = FileCopier(write_behind=write_behind) if dest is not None else None
+    copier = FileCopier(write_behind=how.write_behind) if dest is not None else None
     try:
         copy = None
         if dest is not None and copier is not None:
-            copy = _row_copier(dset, info, rows, out.dtype, dest, copier, hashed, places)
+            copy = _row_copier(dset, info, rows, out.dtype, dest, copier, hashed, how.places)
         if ready is not None:
             ready()
         for a, b in _blocks(first, last, info, STAGED_BLOCK_BYTES if dest is not None else BLOCK_BYTES):

@@ -20,7 +20,7 @@ import pytest
 
 from h5serve.daemon.checksum import RunningCrc
 from h5serve.hdf5.rawcopy import FileCopier
-from h5serve.hdf5.reads import read_shard_into
+from h5serve.hdf5.reads import ShardWrite, read_shard_into
 from h5serve.hdf5.source import inspect_dataset
 from h5serve.order.sharding import RowRange, Selection
 from h5serve.util.crc import LOAD_CRC
@@ -66,8 +66,8 @@ def _hashed_read(path: Path, key: str, rows: RowRange | Selection, span: tuple[i
         try:
             os.posix_fallocate(fd, 0, out.nbytes)
             crc = RunningCrc()
-            read_shard_into(f[key], info, rows, out, span=span, dest=(fd, 0), hashed=crc.update,
-                            write_behind=write_behind)
+            read_shard_into(f[key], info, rows, out, span=span,
+                            how=ShardWrite((fd, 0), crc.update, write_behind=write_behind))
             written = np.frombuffer(os.pread(fd, out.nbytes, 0), dtype=info.dtype).reshape(out.shape)
         finally:
             os.close(fd)

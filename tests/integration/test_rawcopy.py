@@ -20,7 +20,7 @@ import pytest
 from h5serve.client import SharedH5Dataset
 from h5serve.errors import DataError, SourceChanged
 from h5serve.hdf5.rawcopy import copy_rows, read_stored_rows, stored_rows
-from h5serve.hdf5.reads import read_shard_into
+from h5serve.hdf5.reads import ShardWrite, read_shard_into
 from h5serve.hdf5.source import inspect_dataset
 from h5serve.order.sharding import Selection
 
@@ -158,7 +158,8 @@ def test_chunks_out_of_file_order_and_unwritten_chunks(workdir: Path, monkeypatc
         dest.truncate(ROWS * 192)
         with mmap.mmap(dest.fileno(), ROWS * 192) as m:
             out = np.frombuffer(m, np.uint8).reshape(ROWS, *SHAPE)
-            copied = read_shard_into(f["x"], info, Selection("contiguous", 1, 0), out, dest=(dest.fileno(), 0))
+            copied = read_shard_into(f["x"], info, Selection("contiguous", 1, 0), out,
+                                     how=ShardWrite((dest.fileno(), 0)))
             assert np.array_equal(out, want)
             del out
     assert copied == 600 * 192  # all but the blocks of rows 200..399 and 400..599
@@ -189,7 +190,8 @@ def test_file_ending_early_is_a_data_error(workdir: Path, monkeypatch: pytest.Mo
 
         with pytest.raises(DataError, match=r"cannot read rows 500\.\.999 .*truncated"):
             read_shard_into(f["x"], inspect_dataset(f, "x"), Selection("contiguous", 1, 0),
-                            np.zeros((ROWS, *SHAPE), np.uint8), cut_after_first_block, dest=(dest.fileno(), 0))
+                            np.zeros((ROWS, *SHAPE), np.uint8), cut_after_first_block,
+                            how=ShardWrite((dest.fileno(), 0)))
 
 
 # ----- end to end, through a real daemon --------------------------------------------------

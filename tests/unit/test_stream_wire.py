@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from h5serve.client.stream import resolve_stream
+from h5serve.client.stream import StreamAsk, resolve_stream
 from h5serve.errors import ConfigError, ProtocolError
 from h5serve.hdf5.source import DatasetInfo
 from h5serve.order.sharding import STREAM, RowRange, Selection
@@ -87,22 +87,23 @@ def test_a_window_of_tiny_blocks_holds_what_the_budget_holds_pages_for() -> None
     """1,200 one-row blocks of one byte under a 4 MiB budget: two pages a block, 512 blocks
     (the window counted 4,097 bytes a block and took 1,023, twice the budget in tmpfs)."""
     x = DatasetInfo(key="x", rows=1200, row_shape=(), dtype=np.dtype("uint8"), chunk_rows=1, chunked=True)
-    config = resolve_stream([x], None, 1, budget=4 << 20)
+    config = resolve_stream([x], StreamAsk(None, 1, budget=4 << 20))
     assert (config.block_bytes, config.block_cost, config.capacity) == (1, 8192, 512)
 
 
 def test_the_window_fits_the_daemons_budget_or_says_by_how_much() -> None:
     block = 128 * (1024 + 8)
     cost = (4096 + 128 * 1024) + 8192  # a segment per key in whole pages: y's 1 KiB of rows takes a page
-    config = resolve_stream(_info(), "1MiB", 128, budget=2 << 20)
+    config = resolve_stream(_info(), StreamAsk("1MiB", 128, budget=2 << 20))
     assert (config.capacity, config.block_cost, config.budget) == ((1 << 20) // block, cost, 2 << 20)
-    assert resolve_stream(_info(), "1MiB", 128).capacity == config.capacity  # the same order without a daemon
-    assert resolve_stream(_info(), None, 128, budget=2 << 20).capacity == (2 << 20) // cost
+    without = resolve_stream(_info(), StreamAsk("1MiB", 128))
+    assert without.capacity == config.capacity  # the same order without a daemon
+    assert resolve_stream(_info(), StreamAsk(None, 128, budget=2 << 20)).capacity == (2 << 20) // cost
     with pytest.raises(ConfigError, match=r"window='3MiB' \(3.0 MiB\) is larger than the daemon's budget of 2.0 MiB"):
-        resolve_stream(_info(), "3MiB", 128, budget=2 << 20)
+        resolve_stream(_info(), StreamAsk("3MiB", 128, budget=2 << 20))
     with pytest.raises(ConfigError, match=r"holds 7 blocks \(those in use and those prefetched ahead of them\), "
                                           r"which take 7 x 140.0 KiB = 980.0 KiB .* budget of "
                                           r"950.0 KiB: pass a window of at most 774.0 KiB \(6 blocks\)"):
-        resolve_stream(_info(), 7 * block, 128, budget=950 * 1024)
+        resolve_stream(_info(), StreamAsk(7 * block, 128, budget=950 * 1024))
     with pytest.raises(ConfigError, match="the daemon's budget is 100.0 KiB, smaller than one block"):
-        resolve_stream(_info(), None, 128, budget=100 * 1024)
+        resolve_stream(_info(), StreamAsk(None, 128, budget=100 * 1024))
