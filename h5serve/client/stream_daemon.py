@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -66,7 +67,7 @@ from ..hdf5.source import DatasetInfo
 from ..order.sharding import GLOBAL, STREAM
 from ..order.stream_order import BlockLayout
 from ..segments import HEADER_SIZE, AttachedSegment
-from ..segments.stitch import can_stitch
+from ..segments.stitch import can_stitch, mappings_in_use, max_mappings
 from ..util.units import format_bytes
 from ..wire.connection import DaemonClient
 from ..wire.protocol import Acquire, AcquireResult
@@ -79,7 +80,10 @@ from .spec import BackendSpec
 from .stitched import StitchedBlocks
 from .stream_refusal import no_room_message
 
-__all__ = ["DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "PREFETCH_DEPTH", "STITCH_ENV", "check_window", "daemon_window"]
+__all__ = [
+    "DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "MAX_MAPPED_ENV", "PREFETCH_DEPTH", "STITCH_ENV", "check_window",
+    "daemon_window", "mappable_blocks",
+]
 
 log = logging.getLogger("h5serve.client")
 
@@ -91,6 +95,10 @@ _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
 # mapped: enough to keep the daemon's loaders busy, and far below the loads one user may queue
 # (the daemon's MAX_QUEUED_LOADS_PER_UID), which a window of thousands of tiny blocks filled
 PREFETCH_DEPTH = 64
+# of the memory mappings (vm.max_map_count) and descriptors (RLIMIT_NOFILE) the kernel lets a
+# process have, the share a stream's mapped blocks may take; the rest is the program's own
+KERNEL_SHARE = 0.5
+MAX_MAPPED_ENV = "H5SERVE_MAX_MAPPED_BLOCKS"  # a lower cap on the blocks a process keeps mapped (tests, sites)
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,6 @@ class DaemonBlocks:
         self._streamed = ([infos[i] for i in streamed], [self.out_dtypes[i] for i in streamed])  # block by block
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
-        self._keeps_all = self.capacity >= self.layout.n_blocks  # the window holds every block: kept mapped
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
@@ -134,7 +141,14 @@ class DaemonBlocks:
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        self._stitched = StitchedBlocks(self.layout, len(self._streamed[0]), self.capacity) if self._stitch else None
+        # the blocks this process keeps mapped: the window's, or fewer where the kernel's limits on
+        # mappings and descriptors would be reached first (a window of 100,000s of small blocks):
+        # past them the least recently used block is unmapped here (the daemon keeps it loaded)
+        # and mapped again when a batch needs it, so the order and the node's memory do not change
+        self.mapped_cap = min(self.capacity, mappable_blocks(len(self._streamed[0]), self._stitch))
+        self._keeps_all = self.mapped_cap >= self.layout.n_blocks  # the window holds every block: kept mapped
+        self._stitched = (StitchedBlocks(self.layout, len(self._streamed[0]), self.mapped_cap) if self._stitch
+                          else None)
         self._client: DaemonClient | None = None
         self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
         # per block: _NONE, _ASKED (in _asked) or _HELD (in _held), so that a step's window is
@@ -281,7 +295,7 @@ class DaemonBlocks:
         if segments is not None:
             self._held.move_to_end(block)
             return segments
-        while len(self._held) >= self.capacity:  # no hint freed room (plain indices): the LRU block goes
+        while len(self._held) >= self.mapped_cap:  # no hint freed room (plain indices): the LRU block goes
             victim = next((b for b in self._held if b not in needed), None)
             if victim is None:
                 break  # one batch spans more blocks than the window: map them, the daemon's budget decides
@@ -309,10 +323,11 @@ class DaemonBlocks:
         if self._stitched is not None:
             try:
                 self._stitched.place(block, segments)
-            except BaseException:
+            finally:
+                # placed, a slot's mapping holds the file (and with it the lease): no descriptor
+                # per block, so a window of many blocks never reaches the descriptor limit
                 for segment in segments:
                     segment.close()
-                raise
         self._held[block] = segments
         self._state[block] = _HELD
         self.attaches += 1
@@ -469,6 +484,28 @@ def _arrays(segment: AttachedSegment) -> Arrays:
         raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: it is damaged; "
                            "the daemon loads it again once it is removed")
     return segment.data, segment.values
+
+
+def mappable_blocks(keys: int, stitched: bool) -> int:
+    """How many blocks of ``keys`` streamed keys this process may keep mapped within KERNEL_SHARE
+    of the kernel's limits, counting what it maps and opens already: a stitched block takes
+    a mapping per key and splits its stitch's reservation once more (no descriptor: the slot's
+    mapping holds the file); an unstitched one a mapping and two descriptors per key (ours,
+    holding the lease, and Python's mmap's own). At least PREFETCH_DEPTH; ``MAX_MAPPED_ENV`` lowers
+    it. A batch's own blocks are mapped whatever the cap (at most its rows')."""
+    keys = max(keys, 1)
+    room = (int(max_mappings() * KERNEL_SHARE) - mappings_in_use()) // (2 * keys)
+    if not stitched:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if limit != resource.RLIM_INFINITY:
+            try:
+                open_now = len(os.listdir("/proc/self/fd"))
+            except OSError:
+                open_now = 0
+            room = min(room, (int(limit * KERNEL_SHARE) - open_now) // (2 * keys))
+    room = max(room, PREFETCH_DEPTH)
+    asked = os.environ.get(MAX_MAPPED_ENV, "")
+    return min(room, int(asked)) if asked.isdigit() and int(asked) > 0 else room
 
 
 def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:

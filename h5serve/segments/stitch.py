@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import SegmentError
 from ..util.units import PAGE_BYTES
 
-__all__ = ["Stitch", "can_stitch"]
+__all__ = ["Stitch", "can_stitch", "mappings_in_use", "max_mappings"]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
@@ -50,6 +50,25 @@ _LIBC = _libc() if os.uname().sysname == "Linux" else None
 
 def _pages(size: int) -> int:
     return -(-size // PAGE_BYTES) * PAGE_BYTES
+
+
+def max_mappings() -> int:
+    """The most memory mappings the kernel lets a process have (``vm.max_map_count``; its
+    default where it cannot be read)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+def mappings_in_use() -> int:
+    """The memory mappings this process has now (lines of ``/proc/self/maps``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
 
 
 def can_stitch(data_offset: int) -> bool:
