@@ -1,7 +1,7 @@
 """First batch against file size, cold (report only): how long a fresh job waits for its first
 batch as the file grows, in global mode waiting for the load (``wait_ready=True``, as before
 ready at once), global mode ready at once (the default: h5py serves while the daemon loads,
-client/progressive.py) and stream mode.
+client/backends/progressive.py) and stream mode.
 
     python -m bench.ready [--sizes 512,2048,8192] [--data-dir /tmp/h5serve-bench-data] [--json out.json]
 

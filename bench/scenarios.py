@@ -400,7 +400,7 @@ def _load(path: Path, flags: tuple[str, ...], mode: str = "contiguous", warm_fil
                 SharedH5Dataset(warm_file, "x", rank=0, world_size=1, runtime_dir=daemon.runtime_dir,
                                 fallback="error").close()
                 # idle a moment, as a daemon is when a job starts: its spare loader is forked
-                # 20 ms after the last load and then copies the pages it shares (daemon/spare.py)
+                # 20 ms after the last load and then copies the pages it shares (daemon/loading/spare.py)
                 time.sleep(0.2)
             if cold:
                 drop_page_cache(path)

@@ -40,6 +40,11 @@ MOVED = {
     "h5serve.inspect": "h5serve.cli.inspect",
     # modules moved inside a package since (the house, third pass)
     "h5serve.client.connection": "h5serve.wire.connection",
+    "h5serve.client.loader": "h5serve.client.dataloader",
+    "h5serve.client.sampler": "h5serve.client.samplers.shuffle",
+    "h5serve.client.node_sampler": "h5serve.client.samplers.node",
+    "h5serve.client.stream_sampler": "h5serve.client.streaming.sampler",
+    "h5serve.client.stream": "h5serve.client.streaming.backend",
 }
 
 

@@ -373,7 +373,7 @@ def inspect_file(
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shapes = [KeyShape(d.chunk_rows or 1, d.row_bytes, d.rows, d.vlen) for d in datasets if d.counted]
     # the window a daemon's budget holds, within the size of its shm filesystem (never what is free
-    # at the moment: automatic stream mode sizes it so, client/automatic.py)
+    # at the moment: automatic stream mode sizes it so, client/streaming/automatic.py)
     recommended, window = recommend({n.mode: n.bytes for n in needs}, mode, world_size > ranks_per_node,
                                     min(budget, shm.size), shapes)
     if mode == STREAM:

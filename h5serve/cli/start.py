@@ -32,7 +32,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     args.allow_root = [os.path.abspath(root) for root in args.allow_root or ()]
-    from ..daemon.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
+    from ..daemon.access.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
     from ..util.units import parse_size
 
     account = lookup_user(args.user) if args.user else None
@@ -153,8 +153,8 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
 def _run_foreground(args: argparse.Namespace, location: Any) -> int:
     from ..daemon import DaemonConfig, serve
     from ..daemon._process import set_undumpable, start_from_root
+    from ..daemon.access.privileges import drop_privileges, lookup_group, lookup_user
     from ..daemon.config import DEFAULT_STALL_TIMEOUT_S
-    from ..daemon.privileges import drop_privileges, lookup_group, lookup_user
     from ..util.units import parse_size
 
     logging.basicConfig(

@@ -15,14 +15,14 @@ h5serve.errors
 from typing import Any
 
 from ..errors import H5ServeError
+from .dataloader import ShmDataLoader, make_loader, seed_worker
 from .dataset import Batch, DictBatch, SampleList, SharedH5Dataset, TupleBatch, collate
-from .loader import ShmDataLoader, make_loader, seed_worker
-from .node_sampler import NodePlace, NodeShuffleSampler
 from .ragged import Padded, RaggedList
-from .sampler import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
+from .samplers.node import NodePlace, NodeShuffleSampler
+from .samplers.shuffle import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 from .stats import LoaderSnapshot, LoaderStats
-from .stream_batch import StreamBatch
-from .stream_sampler import StreamSampler
+from .streaming.batch import StreamBatch
+from .streaming.sampler import StreamSampler
 
 __all__ = [
     "SharedH5Dataset",

@@ -22,8 +22,8 @@ import torch
 
 from ..errors import H5ServeError
 from ..order.sharding import balanced_contiguous_shard, interleaved_indices, shard_indices
-from .backend_protocol import Backend
-from .backends import MemoryBackend
+from .backends.protocol import Backend
+from .backends.sources import MemoryBackend
 from .dataset import SharedH5Dataset
 from .lazy import H5LazyDataset, h5_worker_init_fn
 

@@ -26,15 +26,17 @@ from ..hdf5.files import describe_files, expand_paths
 from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
-from . import automatic, progressive, ring
-from .backend_protocol import Backend
-from .backends import lazy_backend
+from . import ring
+from .backends import progressive
+from .backends.protocol import Backend
+from .backends.sources import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
-from .resharding import check_not_measured_by_distributed_sampler
+from .samplers.resharding import check_not_measured_by_distributed_sampler
 from .spec import BackendSpec, describe_spec
-from .stream import StreamBackend
-from .stream_batch import StreamBatch
+from .streaming import automatic
+from .streaming.backend import StreamBackend
+from .streaming.batch import StreamBatch
 
 if TYPE_CHECKING:
     from ..topology import NodeLayout
@@ -92,8 +94,8 @@ class SharedH5Dataset(Dataset):
     not fit); ``make_loader`` picks a
     ``StreamSampler`` that draws each rank's rows across the blocks in the window
     (h5serve/order/stream_order.py). With a daemon, every block is a segment in the node's shared
-    memory, one copy per node, prefetched in that order (client/stream_daemon.py); without
-    one, each process reads its blocks itself (client/stream.py). Every kind of data: many
+    memory, one copy per node, prefetched in that order (client/streaming/daemon_blocks.py); without
+    one, each process reads its blocks itself (client/streaming/backend.py). Every kind of data: many
     files (blocks laid out per file, never spanning two), variable-length rows (the window
     counts their values), strings, compressed chunks, several keys.
 
@@ -103,7 +105,7 @@ class SharedH5Dataset(Dataset):
     then ``ds.mode == "stream"`` (``ds.requested_mode`` keeps what was asked, ``ds.auto_streamed``
     the plan) and make_loader's batches are block-shuffled (StreamSampler). Every rank decides
     alike (in a torch.distributed process group: one all-reduce, so build the dataset on every
-    rank; client/automatic.py). No daemon: the lazy fallback as before.
+    rank; client/streaming/automatic.py). No daemon: the lazy fallback as before.
     ``auto_stream=False``: the lazy fallback always.
 
     Rank and world size come from the arguments, else an initialized torch.distributed
@@ -118,7 +120,7 @@ class SharedH5Dataset(Dataset):
     DataLoader worker on its own); a load that fails leaves h5py serving, with the fallback
     warning. ``wait_ready=True`` (and ``fallback="error"``) waits for the load in the
     constructor, as benchmarks want; ``wait_ready=False`` never waits, whatever the size;
-    ``ds.wait_until_ready()`` waits later. h5serve/client/progressive.py.
+    ``ds.wait_until_ready()`` waits later. h5serve/client/backends/progressive.py.
 
     The fast path: ``make_loader(ds, batch_size)``, or a DataLoader with
     ``collate_fn=h5serve.client.collate`` (one gather per batch, no per-sample tensors).
@@ -258,7 +260,7 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
-        if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/stream.py)
+        if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
@@ -266,7 +268,7 @@ class SharedH5Dataset(Dataset):
                                  whole=self.auto_streamed.whole if self.auto_streamed else None)
         backend: Backend | progressive.ProgressiveBackend | None = None
         error = None
-        try:  # ready at once: h5py serves while the daemon loads (client/progressive.py)
+        try:  # ready at once: h5py serves while the daemon loads (client/backends/progressive.py)
             backend = progressive.connect(self.spec, self.rank, self._announce_fallback, self._description,
                                           True if self.fallback == "error" else self._wait_ready, self._settled)
         except H5ServeError as exc:
@@ -288,7 +290,8 @@ class SharedH5Dataset(Dataset):
 
     def _stream_instead(self, plan: automatic.StreamPlan,
                         ) -> Backend | StreamBackend | progressive.ProgressiveBackend:
-        """Serve a global/node dataset that does not fit shared memory in stream mode (client/automatic.py)."""
+        """Serve a global/node dataset that does not fit shared memory in stream mode
+        (client/streaming/automatic.py)."""
         warnings.warn(automatic.warning_text(plan, self.mode, self._shown_path()), RuntimeWarning, stacklevel=4)
         if self.layout is None:
             self._stream_selection(self.rank, self.world_size, None, None, None, None)
@@ -297,7 +300,7 @@ class SharedH5Dataset(Dataset):
         return self._open_backend()
 
     def _settled(self, backend: Backend) -> None:
-        """The daemon's load is over (client/progressive.py): serve from ``backend`` directly."""
+        """The daemon's load is over (client/backends/progressive.py): serve from ``backend`` directly."""
         self._backend = backend
 
     def _announce_fallback(self, exc: H5ServeError) -> None:

@@ -18,9 +18,9 @@ from ..hdf5.description import describe
 from ..hdf5.reads import read_rows
 from ..hdf5.source import resolve_dtype
 from ..order.sharding import Selection
-from .chunkcache import ChunkCache
+from .backends.chunkcache import ChunkCache
+from .backends.handle import H5Handle
 from .gather import as_positions
-from .handle import H5Handle
 
 __all__ = ["H5LazyDataset", "h5_worker_init_fn"]
 

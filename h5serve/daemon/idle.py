@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from ..segments import any_leased
 from .config import IDLE_CHECK_INTERVAL_S
-from .store import SegmentStore
+from .store.store import SegmentStore
 
 __all__ = ["IdleWatch", "in_use", "leases_held"]
 

@@ -46,19 +46,19 @@ from ..wire.protocol import (
     encode_ok,
 )
 from ..wire.runtime import PIDFILE_NAME, SOCKET_NAME, ensure_runtime_dir
-from .access import Peer, requester
+from .access.fdserver import HandoutServer
+from .access.peer import Peer, requester
 from .config import (
     DEFAULT_MEMORY_FRACTION,
     DaemonConfig,
     default_load_processes,
     default_loaders,
 )
-from .handout import HandoutServer
 from .idle import IdleWatch, in_use
-from .loader import start_forkserver
+from .loading.loader import start_forkserver
 from .metrics import Metrics
 from .notify import Notifier
-from .store import SegmentStore
+from .store.store import SegmentStore
 
 __all__ = ["serve", "Server", "ConnectionGuard", "raise_open_file_limit"]
 

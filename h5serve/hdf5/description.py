@@ -9,7 +9,7 @@ requested cast is allowed: source.check_cast), so a reader given a DatasetDescri
 reads. The shm backend, which reads none of it (the daemon does), checks the rows the
 daemon's segments hold with the same ``check_rows``.
 
-Torch-free and daemon-free; the daemon keeps its own verified reads (daemon/resolve.py).
+Torch-free and daemon-free; the daemon keeps its own verified reads (daemon/access/resolver.py).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class WriteBehind:
 
     _BUFFERS = 3
     # the buffers of the last writer closed in this process, for the next: a loader kept for
-    # stream blocks (daemon/streamloader.py) copies one small block after another, and fresh
+    # stream blocks (daemon/loading/streamloader.py) copies one small block after another, and fresh
     # buffers cost each load their page faults (about a sixth of a 1.5 MiB block's loader time)
     _spare: list[memoryview] = []
     _spare_lock = threading.Lock()

@@ -147,7 +147,7 @@ class ShardWrite:
     ``hashed``: called with every byte of ``out[k0:k1]`` as it is written, in ascending
     order (a load's checksum, computed while the bytes are in the CPU's cache). ``ready``:
     called once the rows' places in the file are known, before the first write (a load
-    waits there for its segment's reservation: daemon/reserve.py). ``write_behind``: hashed
+    waits there for its segment's reservation: daemon/loading/reserve.py). ``write_behind``: hashed
     copies are written by a thread of their own (rawcopy.WriteBehind), for a load that has a
     core to spare. ``places``: where the rows of each dataset (by name and dtype) are stored in
     the file ``dset`` is in, memoised there for the next call on that same open file (a loader

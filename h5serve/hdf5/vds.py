@@ -3,7 +3,7 @@
 h5serve serves a virtual dataset through h5py's reads (HDF5 assembles the rows from the
 mapped source datasets), so a segment holds exactly the bytes ``dset[...]`` returns. Every
 source file is found here the way HDF5 looks for it, and its identity becomes part of the
-segment key (daemon/resolve.py), so a source file changed, replaced or removed maps to a new
+segment key (daemon/access/resolver.py), so a source file changed, replaced or removed maps to a new
 segment, never to stale rows; the daemon checks each source file like the file itself
 (``--allow-root``, readable by the requesting user).
 

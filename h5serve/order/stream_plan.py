@@ -1,5 +1,5 @@
 """The stream window a node's memory allows for a file: what ``h5serve inspect`` recommends and
-what automatic stream mode (client/automatic.py) serves a global or node dataset with when it
+what automatic stream mode (client/streaming/automatic.py) serves a global or node dataset with when it
 does not fit. Pure arithmetic (no I/O, no torch), so both give the same numbers.
 
 The block is stream_order's default (whole chunks of every key, about 8 MiB), or smaller

@@ -5,7 +5,7 @@ Segments are owner-only in every deployment: a temporary is mode 0600; ``publish
 0400 with ``fchmod`` before the rename, so no process (root aside) can open a published
 segment for writing, and no other user can open it at all. A client of another uid (a
 ``--group`` member) maps only the segments the daemon grants it, from a descriptor it hands
-out (daemon/handout.py).
+out (daemon/access/fdserver.py).
 
 Lifecycle: ``create_segment`` makes ``<prefix>tmp-<pid>-<rand>`` (naming.py: it does not
 say which segment it becomes) and reserves every byte with ``posix_fallocate`` (a full tmpfs

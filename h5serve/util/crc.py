@@ -1,6 +1,6 @@
 """The content checksums a segment header can record: crc32 (zlib) and crc32c (Castagnoli).
 
-A load hashes every row it writes (daemon/checksum.py) so that ``h5serve status --verify``
+A load hashes every row it writes (daemon/loading/loadcrc.py) so that ``h5serve status --verify``
 can tell later whether anything wrote into a published segment. zlib's crc32 runs at ~2 GB/s
 on these machines, slower than the kernel copies a load (~3 GB/s): hashing set the pace of
 every load. The ``crc32c`` package computes CRC-32C with the CPU's crc32 instruction

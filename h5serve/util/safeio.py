@@ -51,7 +51,7 @@ def describe_owner(uid: int) -> str:
 def is_own_file(st: os.stat_result, owner: int | None = None) -> bool:
     """True when ``st`` (an lstat or fstat) is a regular file of ``owner`` (default: our euid):
     the only kind of file under a segment prefix that the daemon reads, evicts or removes
-    (segments/, daemon/leftovers.py)."""
+    (segments/, daemon/store/leftovers.py)."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == (os.geteuid() if owner is None else owner)
 
 

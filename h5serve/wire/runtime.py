@@ -42,7 +42,7 @@ __all__ = [
 
 MAX_IPC_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 SOCKET_NAME = "h5serve.sock"
-HANDOUT_SOCKET_NAME = "h5serve.fds"  # segment descriptors for the daemon's other users (daemon/handout.py)
+HANDOUT_SOCKET_NAME = "h5serve.fds"  # segment descriptors for the daemon's other users (daemon/access/fdserver.py)
 PIDFILE_NAME = "h5serve.pid"
 LOGFILE_NAME = "h5serve.log"
 DAEMON_USER_ENV = "H5SERVE_DAEMON_USER"

@@ -1,4 +1,4 @@
-"""Automatic stream mode (client/automatic.py): a global dataset 4x the real daemon's
+"""Automatic stream mode (client/streaming/automatic.py): a global dataset 4x the real daemon's
 --max-memory is served in stream mode from shared memory, with one warning naming the numbers,
 on 2 DDP ranks under torchrun (every row once per epoch, h5py's bytes, the daemon's memory
 never over its budget) and on one rank; ``auto_stream=False`` keeps the lazy fallback; no

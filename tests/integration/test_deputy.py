@@ -416,7 +416,7 @@ def test_an_unknown_peer_is_never_served_unchecked() -> None:
     """A request whose sender the transport did not report (no SO_PEERCRED) is refused by a
     daemon other users can reach (root, or --group), and is the daemon's own user's only
     where nobody else can connect (a per-user daemon without --group)."""
-    from h5serve.daemon.access import Peer, requester
+    from h5serve.daemon.access.peer import Peer, requester
     from h5serve.errors import AccessDenied
 
     known = Peer(1234, 1234, 1)

@@ -492,7 +492,7 @@ def test_the_default_lazy_cache_is_the_rank_s_share_of_the_node(tmp_path: Path, 
     """Every rank on a node caching its shard stays within half the node's memory together:
     the default budget is divided by torchrun's LOCAL_WORLD_SIZE (it was half the memory
     available in every process)."""
-    from h5serve.client.chunkcache import auto_cache_bytes
+    from h5serve.client.backends.chunkcache import auto_cache_bytes
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = auto_cache_bytes()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from h5serve.client import DistributedShuffleSampler, SharedH5Dataset, make_loader
-from h5serve.client.sampler import distributed_num_samples
+from h5serve.client.samplers.shuffle import distributed_num_samples
 from h5serve.errors import ConfigError
 from h5serve.order.sharding import ALL_MODES, GLOBAL, RowRange, Selection, shard_sizes
 

@@ -1,4 +1,4 @@
-"""A load's checksum is computed from the bytes on their way into the segment (daemon/checksum.py):
+"""A load's checksum is computed from the bytes on their way into the segment (daemon/loading/loadcrc.py):
 rows copied file to file through a small buffer, rows read through h5py in the staging buffer.
 
 Whatever path each block takes (copied, read through h5py for an unallocated chunk, strided
@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.daemon.checksum import RunningCrc
+from h5serve.daemon.loading.loadcrc import RunningCrc
 from h5serve.hdf5.rawcopy import FileCopier
 from h5serve.hdf5.reads import ShardWrite, read_shard_into
 from h5serve.hdf5.source import inspect_dataset

@@ -2,9 +2,9 @@
 to notice the segment.
 
 - A segment is reserved in a thread while the loader and its part processes get ready
-  (daemon/reserve.py): a full /dev/shm is still a ShmFull, with every part process stopped
+  (daemon/loading/reserve.py): a full /dev/shm is still a ShmFull, with every part process stopped
   and nothing left behind.
-- A spare loader (daemon/spare.py) waits for the next load: the load runs in it; the next
+- A spare loader (daemon/loading/spare.py) waits for the next load: the load runs in it; the next
   spare is started; spares die with the daemon (SIGKILL or ``h5serve stop``); a waiting
   spare has taken its own copies of the pages it shared with the forkserver.
 - A client waiting for a load attaches when the segment is published, not at its next poll.
@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset
-from h5serve.daemon import loaderpool
+from h5serve.daemon.loading import loaderpool
 from h5serve.errors import ShmFull
 from h5serve.wire import connection
 from h5serve.wire.arrival import PublishWatch

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch.utils.data import ConcatDataset, DataLoader
 
-import h5serve.client.files  # noqa: F401 - imported before tests drop privileges (as_user)
+import h5serve.client.backends.files  # noqa: F401 - imported before tests drop privileges (as_user)
 from h5serve.client import SharedH5Dataset, collate
-from h5serve.daemon.loader import MIN_PART_ENV
+from h5serve.daemon.loading.loader import MIN_PART_ENV
 from h5serve.errors import (
     AccessDenied,
     ConfigError,

@@ -70,7 +70,7 @@ def _is_spare(pid: int) -> bool:
 def loaders_of(daemon_pid: int) -> list[int]:
     """Loader processes and their part children: every descendant of the daemon below its
     direct children (the forkserver, and the resource tracker if any), but the spare loader
-    waiting for the next load (daemon/spare.py)."""
+    waiting for the next load (daemon/loading/spare.py)."""
     return [p for p, parent in descendants(daemon_pid).items() if parent != daemon_pid and not _is_spare(p)]
 
 
@@ -156,7 +156,7 @@ def h5_rows(path: Path, key: str, indices: np.ndarray) -> np.ndarray:
 
 # ----- 0. how a load is cut ---------------------------------------------------------------
 def test_plan_parts() -> None:
-    from h5serve.daemon.loader import MIN_PART_BYTES, plan_parts
+    from h5serve.daemon.loading.loader import MIN_PART_BYTES, plan_parts
     from h5serve.hdf5.source import DatasetInfo
     from h5serve.order.sharding import Selection
 

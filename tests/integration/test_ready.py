@@ -1,4 +1,4 @@
-"""Ready at once (client/progressive.py): while the daemon loads a shard, batches come through
+"""Ready at once (client/backends/progressive.py): while the daemon loads a shard, batches come through
 h5py, and each process switches to the segments between batches once they are ready.
 
 The load is made slow deterministically, not by size: the daemon's spare loader (the process
@@ -26,7 +26,7 @@ import pytest
 from torch.utils.data import DataLoader, get_worker_info
 
 from h5serve.client import SharedH5Dataset, collate
-from h5serve.client.progressive import LOADING
+from h5serve.client.backends.progressive import LOADING
 
 from ..helpers import Daemon, descendant_pids, make_h5, torchrun_two_ranks, wait_for
 

@@ -15,9 +15,9 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from h5serve.daemon.entries import Entry
-from h5serve.daemon.loader import LoadError
-from h5serve.daemon.store import SegmentStore
+from h5serve.daemon.loading.loader import LoadError
+from h5serve.daemon.store.entries import Entry
+from h5serve.daemon.store.store import SegmentStore
 from h5serve.wire.runtime import RuntimeLocation
 
 from ..helpers import make_meta, short_workdir

@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.daemon.loader import LoadError, LoadJob, LoadOk, run_load
+from h5serve.daemon.loading.loader import LoadError, LoadJob, LoadOk, run_load
 from h5serve.errors import AccessDenied, H5ServeError, UnsupportedDataset
 from h5serve.hdf5.identity import pinned_rows
 from h5serve.segments import SegmentMeta

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from h5serve.client import SharedH5Dataset, collate
-from h5serve.daemon.secret import KEY_NAME, load_secret
+from h5serve.daemon.access.secret import KEY_NAME, load_secret
 from h5serve.segments import HEADER_SIZE, SECRET_BYTES, read_meta, segment_name
 from h5serve.wire.runtime import RuntimeLocation
 

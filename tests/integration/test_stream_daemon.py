@@ -1,4 +1,4 @@
-"""Stream mode served by a real daemon (client/stream_daemon.py): a file 4x the daemon's
+"""Stream mode served by a real daemon (client/streaming/daemon_blocks.py): a file 4x the daemon's
 --max-memory streamed by a DDP job under torchrun (2 gloo ranks): every row once per epoch,
 h5py's bytes, the blocks mapped from shared memory, the daemon's memory never over its budget
 (sampled during the job), every block loaded once per node per epoch (the ranks share them),

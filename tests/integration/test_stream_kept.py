@@ -1,5 +1,5 @@
-"""Stream blocks from a real daemon, fast: loaders kept between blocks (daemon/loaderpool.py,
-streamloader.py) and prefetches that never evict (daemon/prefetch.py). Successive blocks are
+"""Stream blocks from a real daemon, fast: loaders kept between blocks (daemon/loading/loaderpool.py,
+streamloader.py) and prefetches that never evict (daemon/store/prefetch.py). Successive blocks are
 loaded by one loader process that stays (shown as ``h5serve-kept`` while it waits) and exits
 once idle for KEPT_IDLE_S; a file replaced at its path between two blocks is read anew (the
 loader never serves rows of the file it kept open for a new identity); a prefetch is refused
@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
-from h5serve.client.attach import open_acquired
-from h5serve.daemon.loaderpool import KEPT_IDLE_S
+from h5serve.client.backends.attach import open_acquired
+from h5serve.daemon.loading.loaderpool import KEPT_IDLE_S
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 

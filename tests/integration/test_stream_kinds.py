@@ -181,7 +181,7 @@ def test_ddp_job_streams_many_files_of_every_kind(parts: Path, daemon: Daemon, t
 
 
 def test_global_mode_over_the_budget_streams_many_files_of_every_kind(parts: Path) -> None:
-    """Automatic stream mode (client/automatic.py) for many files with variable-length rows:
+    """Automatic stream mode (client/streaming/automatic.py) for many files with variable-length rows:
     the daemon refuses the whole set for room, so it is streamed, with one warning, from
     shared memory; every row once, h5py's bytes."""
     files = sources(parts)["list"]

@@ -1,4 +1,4 @@
-"""Stream mode when the node has no room for a block (client/stream_daemon.py): a real daemon
+"""Stream mode when the node has no room for a block (client/streaming/daemon_blocks.py): a real daemon
 whose shm filesystem is full of other files (ShmFull) or whose budget is held nearly full by
 another job's segments (BudgetExceeded). The rank asks again with backoff: it goes on once
 room is made, or fails by its ``timeout=`` with a clear error naming the block and the

@@ -1,4 +1,4 @@
-"""Stream mode at scale, on a small case (client/stream_daemon.py): the mappings and descriptors
+"""Stream mode at scale, on a small case (client/streaming/daemon_blocks.py): the mappings and descriptors
 a rank holds for its window stay bounded whatever the window's number of blocks. A window of
 100,000s of small blocks (a node with a large budget and files of small chunks) would otherwise
 reach ``vm.max_map_count`` (65,530 by default) or the descriptor limit. Here the cap is lowered
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.client.stream_daemon import MAX_MAPPED_ENV
+from h5serve.client.streaming.daemon_blocks import MAX_MAPPED_ENV
 
 from ..helpers import running_daemon
 

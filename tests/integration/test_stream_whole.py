@@ -1,4 +1,4 @@
-"""Stream mode from a real daemon holds small keys whole (client/stream_daemon.py, ``whole_keys``):
+"""Stream mode from a real daemon holds small keys whole (client/streaming/daemon_blocks.py, ``whole_keys``):
 with the default window, labels that take at most 1/16 of the budget are one global segment,
 loaded once and held by the job, and only the images go block by block; h5py's bytes for every
 row, every row once, the same batches in forked and spawned DataLoader workers, the daemon's

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from h5serve.client.blockcache import BlockCache
-from h5serve.client.files import FileHandles
-from h5serve.client.stream import StreamConfig, default_window, node_memory
+from h5serve.client.backends.files import FileHandles
+from h5serve.client.streaming.backend import StreamConfig, default_window, node_memory
+from h5serve.client.streaming.blockcache import BlockCache
 from h5serve.hdf5.source import inspect_dataset
 from h5serve.order.stream_order import BlockLayout
 

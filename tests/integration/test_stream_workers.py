@@ -8,7 +8,7 @@ them), so a node's processes hold blocks of several steps at once, more than the
 window leaves room for when a block starts about every step. Idle workers that had run ahead
 kept those blocks mapped while the worker of the batch the ranks waited for found no room for
 its own, and their next batches come only after it: every rank waited until that worker's
-``timeout=`` failed it with BudgetExceeded (client/stream_daemon.py says what a worker keeps)."""
+``timeout=`` failed it with BudgetExceeded (client/streaming/daemon_blocks.py says what a worker keeps)."""
 
 from __future__ import annotations
 

@@ -241,7 +241,7 @@ def test_ragged_list_crosses_processes_as_one_tensor() -> None:
 def test_lazy_reads_cached_in_blocks_or_uncached_are_the_same(vfile: Path, no_daemon_env: Path) -> None:
     """The lazy backend's paths: the block cache before and after every block is read (small
     blocks, so a batch meets cached and unread ones), and uncached per-batch reads."""
-    from h5serve.client.vlencache import VlenCache
+    from h5serve.client.backends.vlencache import VlenCache
     from h5serve.hdf5.source import inspect_dataset
     from h5serve.order.sharding import Selection
 

@@ -1,10 +1,10 @@
-"""client/attach.py: how long a segment evicted before its mapping is asked for again."""
+"""client/backends/attach.py: how long a segment evicted before its mapping is asked for again."""
 
 from __future__ import annotations
 
 import time
 
-from h5serve.client.attach import EvictionRetry, asked_again
+from h5serve.client.backends.attach import EvictionRetry, asked_again
 from h5serve.wire.protocol import AcquireResult
 
 

@@ -1,4 +1,4 @@
-"""client/automatic.py's agreement: in a process group every rank takes the same decision and
+"""client/streaming/automatic.py's agreement: in a process group every rank takes the same decision and
 window, stream if any rank was refused, with the smallest budget and limit any rank knows
 (2 real gloo processes)."""
 
@@ -21,7 +21,7 @@ def _rank(rank: int, store: str, out: mp.Queue) -> None:
 
     import torch.distributed as dist
 
-    from h5serve.client.automatic import _agree
+    from h5serve.client.streaming.automatic import _agree
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -50,7 +50,7 @@ def test_ranks_agree_on_stream_and_the_smallest_limit(tmp_path: Path) -> None:
 
 
 def test_without_a_process_group_each_rank_keeps_its_own() -> None:
-    from h5serve.client.automatic import _agree
+    from h5serve.client.streaming.automatic import _agree
 
     assert _agree(False, None, None, 2) == (False, None, None)
     assert _agree(True, 5, 4, 1) == (True, 5, 4)

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from h5serve.daemon.entries import Entry
-from h5serve.daemon.store import SegmentStore
-from h5serve.daemon.vlenload import Room
+from h5serve.daemon.loading.vlenload import Room
+from h5serve.daemon.store.entries import Entry
+from h5serve.daemon.store.store import SegmentStore
 from h5serve.errors import BudgetExceeded
 from h5serve.order.sharding import STREAM
 from h5serve.segments import HEADER_SIZE, values_offset

@@ -1,4 +1,4 @@
-"""The descriptor hand-out's waiting room (daemon/handout.py): connections that have not sent
+"""The descriptor hand-out's waiting room (daemon/access/fdserver.py): connections that have not sent
 their request yet, per uid. One uid's flood displaces only its own connections; when all places
 are taken, the uid holding the most gives one up; silent connections are due after the timeout."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from h5serve.daemon.handout import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID, REQUEST_TIMEOUT_S, WaitingRoom
+from h5serve.daemon.access.fdserver import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID, REQUEST_TIMEOUT_S, WaitingRoom
 
 pytestmark = pytest.mark.timeout(60)
 

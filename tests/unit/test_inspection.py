@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from h5serve.daemon.inspection import (
+from h5serve.daemon.access.inspection import (
     MAX_ANSWER_BYTES,
     Inspection,
     InspectionFailed,

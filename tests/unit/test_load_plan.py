@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from h5serve.daemon.loader import MIN_PART_BYTES, load_spans, plan_parts
+from h5serve.daemon.loading.loader import MIN_PART_BYTES, load_spans, plan_parts
 from h5serve.hdf5.source import DatasetInfo
 from h5serve.order.sharding import Selection
 

@@ -16,7 +16,7 @@ from h5serve.client import (
     NodeShuffleSampler,
     SharedH5Dataset,
 )
-from h5serve.client.node_sampler import NodePlace
+from h5serve.client.samplers.node import NodePlace
 from h5serve.errors import ConfigError
 
 from ..helpers import make_h5

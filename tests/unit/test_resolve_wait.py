@@ -1,5 +1,5 @@
 """The control loop waits for a file's resolution RESOLVE_WAIT_S in all, however many acquires
-for it arrive meanwhile (daemon/resolve.py): a stream job's first prefetch sends one acquire per
+for it arrive meanwhile (daemon/access/resolver.py): a stream job's first prefetch sends one acquire per
 block and key, and each used to hold the loop for RESOLVE_WAIT_S (16 of them: 0.8 s)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from h5serve.daemon.access import Peer
-from h5serve.daemon.resolve import RESOLVE_WAIT_S, Resolver
+from h5serve.daemon.access.peer import Peer
+from h5serve.daemon.access.resolver import RESOLVE_WAIT_S, Resolver
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -80,8 +80,8 @@ def test_fewer_blocks_than_nodes_is_refused() -> None:
 
 
 def test_a_mid_epoch_resume_needs_the_same_files() -> None:
-    from h5serve.client.node_sampler import NodePlace
-    from h5serve.client.stream_sampler import StreamSampler
+    from h5serve.client.samplers.node import NodePlace
+    from h5serve.client.streaming.sampler import StreamSampler
 
     place = NodePlace(0, 1, 0, 1)
     sampler = StreamSampler(LAYOUT, 16, place, 8, seed=2)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.client.stream import StreamConfig
+from h5serve.client.streaming.backend import StreamConfig
 from h5serve.errors import ConfigError, DataError
 from h5serve.order.stream_order import BlockLayout
 

@@ -1,5 +1,5 @@
 """What a DataLoader worker keeps mapped between its batches (``StreamBatch.keep``,
-client/stream_sampler.py): only blocks alive at every step from the earliest batch the node's
+client/streaming/sampler.py): only blocks alive at every step from the earliest batch the node's
 loaders may still be gathering to the worker's next batch, so that an idle worker never holds a
 block the batch every rank waits for has no room for; nothing once its loader has no batch left
 for it; the order the same whatever the workers."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from h5serve.client import StreamSampler
-from h5serve.client.node_sampler import NodePlace
-from h5serve.client.stream_batch import StreamBatch
+from h5serve.client.samplers.node import NodePlace
+from h5serve.client.streaming.batch import StreamBatch
 from h5serve.errors import ConfigError
 from h5serve.order.stream_order import BlockLayout
 

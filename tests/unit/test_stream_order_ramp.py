@@ -1,4 +1,4 @@
-"""The window's ramp seen through StreamSampler (h5serve/order/stream_order.py, client/stream_sampler.py):
+"""The window's ramp seen through StreamSampler (h5serve/order/stream_order.py, client/streaming/sampler.py):
 the first batch needs two blocks, and the blocks asked for ahead never go deeper than a full
 window's prefetch while the window ramps up (deeper prefetches, not yet held, were evicted by
 the daemon's LRU before their use and loaded twice); when the node's blocks all fit, every one
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from h5serve.client import StreamSampler
-from h5serve.client.node_sampler import NodePlace
+from h5serve.client.samplers.node import NodePlace
 from h5serve.order.stream_order import BlockLayout
 
 LAYOUT = BlockLayout(64_000, 500)  # 128 blocks

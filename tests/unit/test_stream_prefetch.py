@@ -1,13 +1,13 @@
 """Stream blocks asked ahead of need: the wire's ``prefetch`` flag (strict, not sent when false)
-and the daemon's eviction order for it (daemon/prefetch.py)."""
+and the daemon's eviction order for it (daemon/store/prefetch.py)."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from h5serve.daemon.entries import Entry
-from h5serve.daemon.prefetch import Prefetched
+from h5serve.daemon.store.entries import Entry
+from h5serve.daemon.store.prefetch import Prefetched
 from h5serve.errors import ProtocolError
 from h5serve.order.sharding import STREAM
 from h5serve.wire.protocol import VERSION, Acquire, decode_request, encode_request

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from h5serve.client import SharedH5Dataset, StreamSampler, make_loader
-from h5serve.client.node_sampler import NodePlace
+from h5serve.client.samplers.node import NodePlace
 from h5serve.errors import ConfigError, SourceChanged
 from h5serve.order.stream_order import BlockLayout, node_epoch
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from h5serve.client.stream import key_shape, whole_cost, whole_keys
+from h5serve.client.streaming.backend import key_shape, whole_cost, whole_keys
 from h5serve.hdf5.source import DatasetInfo
 from h5serve.order.stream_plan import WHOLE_KEY_SHARE, daemon_window, plan_window, recommend
 from h5serve.segments import HEADER_SIZE

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from h5serve.client.stream import StreamAsk, resolve_stream
+from h5serve.client.streaming.backend import StreamAsk, resolve_stream
 from h5serve.errors import ConfigError, ProtocolError
 from h5serve.hdf5.source import DatasetInfo
 from h5serve.order.sharding import STREAM, RowRange, Selection

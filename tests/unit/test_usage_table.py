@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from h5serve.client import SharedH5Dataset
-from h5serve.client.stream_daemon import DEFAULT_WAIT_S
+from h5serve.client.streaming.daemon_blocks import DEFAULT_WAIT_S
 from h5serve.order.sharding import ALL_MODES, STREAM
 from h5serve.wire.connection import DEFAULT_TIMEOUT_S
 

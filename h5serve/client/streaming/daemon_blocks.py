@@ -1,0 +1,522 @@
+"""Stream mode served by the node's daemon: every block (h5serve/order/stream_order.py) of every key
+is one segment, asked for by its global rows (``Acquire(mode="stream", rows=(a, b))``; of many
+files, by its rows in the one file that holds it: a one-file acquire, ``files`` empty), so
+the ranks and jobs of a node that read the same block share one copy in shared memory and
+one load (the daemon's loads are single-flight; its loader processes load blocks side by
+side, ``--loaders``).
+
+Per process (a rank, or a DataLoader worker), ``DaemonBlocks``:
+
+- *whole keys*: a key whose rows are small beside the budget (labels; ``stream.whole_keys``)
+  is one global segment, asked for with the first prefetch, mapped at its first use and held
+  until the dataset closes; only the other keys go block by block.
+- *prefetch*: every batch carries the blocks its node's window takes next (``StreamBatch.ahead``,
+  by first use, as many as the window has room for); an acquire is sent for each without
+  waiting (the daemon answers "loading" at once and starts the load). Prefetched blocks are
+  not mapped until a batch needs them, so the daemon may evict them again if a block a rank
+  needs now must have the room: a prefetch never holds memory another rank waits for.
+- *attach*: a block a batch needs is waited for (``DaemonClient.acquire``) and mapped
+  read-only (``segments.open_segment``: by name, or the descriptor the daemon hands a
+  ``--group`` member); its shared lease keeps it from eviction while mapped.
+- *release*: a block's mappings are closed right after its last use on this rank
+  (``StreamBatch.done``), and any block outside the node's window at this step
+  (``StreamBatch.alive``) is closed too; once every rank and job of the node has closed it,
+  the daemon may evict it (LRU under ``--max-memory``). A dead rank's leases go with it (the
+  kernel drops its flocks).
+- *workers*: a DataLoader worker gathers batches ahead of the one its rank waits for, so the
+  node's processes map blocks of several steps at once, more than the window holds once blocks
+  start within those steps. After each batch a worker keeps only ``StreamBatch.keep``: the
+  blocks alive from the oldest batch the node may still be gathering to the worker's next one
+  (client/streaming/sampler.py), never those started since that oldest batch. So an idle worker
+  (its batches done, its next one sent only once its rank has taken the batch it waits for)
+  holds nothing that batch lacks room for: idle workers that had run ahead used to hold the
+  blocks of later steps while the batch every rank waited for found no room, until its
+  ``timeout=``. Without ``keep`` (a sampler not told of the workers) a worker keeps nothing.
+- *room*: when the daemon refuses a needed block because its budget is full of blocks
+  other ranks or jobs still hold (BudgetExceeded), the rank closes the blocks it maps (so that
+  two ranks apart by a few steps never each wait for the other's blocks) and asks again with
+  backoff until ``wait_s`` (``timeout=``, default DEFAULT_WAIT_S); so it does when the daemon
+  fails the load because its shm filesystem is full (ShmFull: other files there), and when it
+  refuses to queue the load because this user already has as many loads waiting for a loader as
+  one user may (CapacityError). Then it fails with that class, naming the block, the window, the
+  budget and the blocks it holds. Nothing waits forever; the daemon and the other ranks carry
+  on, and the node serves the next job once there is room.
+- *depth*: a process has at most PREFETCH_DEPTH blocks asked for and not mapped; a prefetch
+  refused (CapacityError: the budget, the shm filesystem or the load queue) stops there until the
+  next batch. A window of thousands of tiny blocks used to ask for all of them at its first batch,
+  and the daemon's refusal past the loads one user may queue failed that batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from ...errors import CapacityError, ConfigError, SegmentError
+from ...hdf5.source import DatasetInfo
+from ...order.sharding import GLOBAL, STREAM
+from ...order.stream_order import BlockLayout
+from ...segments import HEADER_SIZE, AttachedSegment
+from ...segments.stitch import can_stitch, mappings_in_use, max_mappings
+from ...util.units import format_bytes
+from ...wire.connection import DaemonClient
+from ...wire.protocol import Acquire, AcquireResult
+from ..backends.attach import EvictionRetry, attach_asking_again
+from ..backends.sources import ShmBackend
+from ..gather import as_column
+from ..ragged import RaggedColumn
+from ..spec import BackendSpec
+from .blockcache import Arrays, gather_by_block
+from .refusal import no_room_message
+from .stitched import StitchedBlocks
+
+__all__ = [
+    "DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "MAX_MAPPED_ENV", "PREFETCH_DEPTH", "STITCH_ENV", "check_window",
+    "daemon_window", "mappable_blocks",
+]
+
+log = logging.getLogger("h5serve.client")
+
+_NONE, _ASKED, _HELD = 0, 1, 2  # what a process has of a block (DaemonBlocks._state)
+STITCH_ENV = "H5SERVE_STITCH"  # "0": gather a block at a time (the benchmark compares both)
+DEFAULT_WAIT_S = 120.0  # how long a needed block may wait for room in the daemon's budget (timeout= overrides)
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
+# blocks a process asks for ahead (prefetches, and its window's blocks not mapped yet) and has not
+# mapped: enough to keep the daemon's loaders busy, and far below the loads one user may queue
+# (the daemon's MAX_QUEUED_LOADS_PER_UID), which a window of thousands of tiny blocks filled
+PREFETCH_DEPTH = 64
+# of the memory mappings (vm.max_map_count) and descriptors (RLIMIT_NOFILE) the kernel lets a
+# process have, the share a stream's mapped blocks may take; the rest is the program's own
+KERNEL_SHARE = 0.5
+MAX_MAPPED_ENV = "H5SERVE_MAX_MAPPED_BLOCKS"  # a lower cap on the blocks a process keeps mapped (tests, sites)
+
+
+@dataclass(frozen=True)
+class DaemonWindow:
+    """What the client learnt from the node's daemon for stream mode: its memory budget."""
+
+    budget: int  # the daemon's --max-memory (or what it derived from /dev/shm), bytes
+
+
+def daemon_window(spec: BackendSpec) -> DaemonWindow:
+    """Ask the node's daemon (ping) for its budget.
+
+    Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon)."""
+    with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
+        info = client.ping()
+        budget = info.get("budget")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # an older daemon: its status
+            budget = int(client.status()["memory"]["budget"])
+    return DaemonWindow(budget)
+
+
+class DaemonBlocks:
+    """The blocks of ``layout`` of the datasets ``infos`` as daemon segments, at most
+    ``capacity`` mapped by this process at a time (more only while one batch spans more);
+    ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
+
+    def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
+                 capacity: int, budget: int, block_cost: int, whole: Sequence[bool] = ()) -> None:
+        self.spec, self.infos, self.layout = spec, infos, layout
+        self.whole = [bool(w) for w in whole] or [False] * len(infos)  # keys held whole, not block by block
+        self.out_dtypes = [np.dtype(d) for d in out_dtypes]
+        streamed = [i for i, w in enumerate(self.whole) if not w]
+        self._streamed = ([infos[i] for i in streamed], [self.out_dtypes[i] for i in streamed])  # block by block
+        self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
+        self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
+        # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
+        self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
+                        and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        # the blocks this process keeps mapped: the window's, or fewer where the kernel's limits on
+        # mappings and descriptors would be reached first (a window of 100,000s of small blocks):
+        # past them the least recently used block is unmapped here (the daemon keeps it loaded)
+        # and mapped again when a batch needs it, so the order and the node's memory do not change
+        self.mapped_cap = min(self.capacity, mappable_blocks(len(self._streamed[0]), self._stitch))
+        self._keeps_all = self.mapped_cap >= self.layout.n_blocks  # the window holds every block: kept mapped
+        self._stitched = (StitchedBlocks(self.layout, len(self._streamed[0]), self.mapped_cap) if self._stitch
+                          else None)
+        self._client: DaemonClient | None = None
+        self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
+        # per block: _NONE, _ASKED (in _asked) or _HELD (in _held), so that a step's window is
+        # compared with what this process has in numpy, not a Python loop over the window
+        self._state = np.zeros(max(self.layout.n_blocks, 1), dtype=np.int8)
+        self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
+        self._whole: dict[int, AttachedSegment] = {}  # keys held whole, mapped (by key index)
+        self._whole_asked = False  # their acquires sent (their loads started)
+        self._partial: list[AttachedSegment | None] = []  # the keys of the block being mapped, mapped so far
+        self.attaches = 0  # blocks mapped by this process
+        self.peak = 0  # most blocks mapped at once
+        self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
+        self.ready_waits = 0  # needed blocks that were not loaded yet when a batch needed them
+        self.yields = 0  # times this process let its mapped blocks go while it waited for room
+        self.waited_s = 0.0  # seconds spent waiting for needed blocks (loads and room)
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            # a forked worker: the parent's mappings and socket are not this process's to use or
+            # close (closing an inherited fd would not drop the parent's lease, but the parent's
+            # ZeroMQ context must never be touched here); dropped, the worker maps its own (its
+            # copy of the stitched blocks' address range unmapped: the parent's stays)
+            if self._stitched is not None:
+                self._stitched.close()
+            self._reset()
+
+    @property
+    def reads(self) -> int:
+        """Blocks mapped by this process (BlockCache's name: blocks it read)."""
+        return self.attaches
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks mapped now, least recently used first."""
+        self._check_pid()
+        return list(self._held)
+
+    def client(self) -> DaemonClient:
+        if self._client is None:
+            self._client = DaemonClient(self.spec.runtime_dir, self.spec.timeout, self.spec.daemon_user)
+        return self._client
+
+    def _requests(self, block: int, prefetch: bool = False) -> list[Acquire]:
+        """One acquire per key for ``block``; of many files, the block's rows of the one file that
+        holds them (a block never spans two): the segment is that file's, shared with any job
+        that reads the file, alone or in another set."""
+        if self.spec.files:
+            index, a, b = self.layout.locate(block)
+            path = self.spec.files[index]
+        else:
+            (a, b), path = self.layout.span(block), self.spec.path
+        sel = self.spec.selection
+        return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str,
+                        rows=(a, b), prefetch=prefetch)
+                for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
+
+    def _whole_request(self, index: int) -> Acquire:
+        sel = self.spec.selection
+        dtype = self.spec.dtypes[index]
+        return Acquire(self.spec.path, self.spec.keys[index], sel.world_size, sel.rank, GLOBAL,
+                       None if dtype is None else dtype.str)
+
+    # ----- the window -------------------------------------------------------------------------
+    def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
+        """The blocks in ``state`` that none of ``windows`` holds."""
+        inside = np.zeros(len(self._state), dtype=bool)
+        for window in windows:
+            inside[np.asarray(window, dtype=np.int64)] = True
+        return np.flatnonzero((self._state == state) & ~inside)
+
+    def retain(self, alive: np.ndarray) -> None:
+        """Close every mapped block not in ``alive`` (the node's window at this step); none when
+        the window holds every block (``release``)."""
+        self._check_pid()
+        if self._keeps_all:
+            return
+        for block in self._outside(_HELD, alive).tolist():
+            self._close(block)
+
+    def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """After a batch: close the blocks of ``done`` (this rank has used them for the last time
+        this epoch) and, in a DataLoader worker, every block outside ``keep`` (what the sampler
+        says it may hold until its next batch; None: nothing, the sampler was not told of the
+        workers). A window that holds every block keeps them mapped for the next epoch instead
+        (as global mode keeps its segment: nothing else of this stream will need their room, and
+        mapping them again each epoch is most of an epoch's cost)."""
+        self._check_pid()
+        if self._keeps_all:
+            return
+        for block in np.asarray(done).tolist():
+            self._close(int(block))
+        if keep is None and get_worker_info() is None:
+            return  # the rank gathers its own batches: it keeps what its window holds
+        for block in self._outside(_HELD, np.zeros(0, dtype=np.int64) if keep is None else keep).tolist():
+            self._close(block)
+
+    def _close(self, block: int) -> None:
+        if self._stitched is not None:
+            self._stitched.remove(block)
+        if self._state[block] == _HELD:
+            self._state[block] = _NONE
+        for segment in self._held.pop(block, []):
+            segment.close()
+
+    def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
+        """Ask for the blocks of ``alive``, then ``ahead``, not mapped or asked for yet, without waiting: the
+        daemon starts their loads. At most PREFETCH_DEPTH blocks are asked for and not mapped at a
+        time; a full budget, shm filesystem or load queue (CapacityError) stops the prefetch here
+        (the blocks are asked for again when needed). Forgets the prefetches outside ``alive`` and
+        ``ahead`` (the window has passed them: nothing held, nothing to close)."""
+        self._check_pid()
+        alive = np.asarray(alive, dtype=np.int64)
+        ahead = np.asarray(ahead, dtype=np.int64)[:PREFETCH_DEPTH]  # further ahead is never asked for
+        for block in self._outside(_ASKED, ahead, alive).tolist():
+            del self._asked[block]
+            self._state[block] = _NONE
+        client = self.client()
+        if not self._whole_asked and any(self.whole):  # the keys held whole: their loads start now
+            self._whole_asked = True
+            for index in (i for i, w in enumerate(self.whole) if w):
+                try:
+                    client.request(self._whole_request(index))
+                except CapacityError:
+                    break  # asked again, waiting, at their first use
+        # the window's own blocks first: at the start of an epoch (or a resume) none is asked
+        # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
+        # prefetches, which the daemon refuses rather than evict another rank's next block for
+        for prefetch, blocks in ((False, alive), (True, ahead)):
+            for block in blocks[self._state[blocks] == _NONE].tolist():
+                if len(self._asked) >= PREFETCH_DEPTH:
+                    return
+                if self._state[block] != _NONE:
+                    continue  # listed twice
+                try:
+                    self._asked[block] = [AcquireResult.from_wire(client.request(r))
+                                          for r in self._requests(block, prefetch)]
+                except CapacityError:
+                    return
+                self._state[block] = _ASKED
+
+    # ----- gathering --------------------------------------------------------------------------
+    def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
+        segments = self._held.get(block)
+        if segments is not None:
+            self._held.move_to_end(block)
+            return segments
+        while len(self._held) >= self.mapped_cap:  # no hint freed room (plain indices): the LRU block goes
+            victim = next((b for b in self._held if b not in needed), None)
+            if victim is None:
+                break  # one batch spans more blocks than the window: map them, the daemon's budget decides
+            self._close(victim)
+        requests = self._requests(block)
+        asked = self._asked.pop(block, None)
+        self._state[block] = _NONE
+        answers: list[AcquireResult | None] = [None] * len(requests) if asked is None else list(asked)
+        # its keys mapped so far, which a wait for room for the next one lets go too (``_let_go``):
+        # mapped again then
+        partial: list[AttachedSegment | None] = [None] * len(requests)
+        self._partial = partial
+        try:
+            while None in partial:
+                i = partial.index(None)
+                partial[i], answers[i] = self._attach(requests[i], answers[i], block), None
+        except BaseException:
+            for segment in partial:
+                if segment is not None:
+                    segment.close()
+            raise
+        finally:
+            self._partial = []
+        segments = [segment for segment in partial if segment is not None]
+        if self._stitched is not None:
+            try:
+                self._stitched.place(block, segments)
+            finally:
+                # placed, a slot's mapping holds the file (and with it the lease): no descriptor
+                # per block, so a window of many blocks never reaches the descriptor limit
+                for segment in segments:
+                    segment.close()
+        self._held[block] = segments
+        self._state[block] = _HELD
+        self.attaches += 1
+        self.peak = max(self.peak, len(self._held))
+        return segments
+
+    def _attach(self, request: Acquire, result: AcquireResult | None, block: int) -> AttachedSegment:
+        """``block``'s segment of ``request``'s key, mapped (``result``: the daemon's last answer, if any).
+
+        Raised when it stays unmappable for ``wait_s`` (evicted each time between the answer and
+        the mapping): SegmentError; as ``_wait_ready`` is."""
+        # evicted between the answer and the mapping (a block nobody held yet, its room taken for
+        # another process's block: many workers short of room): asked again until wait_s
+        client = self.client()
+        segment, result = attach_asking_again(client, result, lambda: self._wait_ready(client, request, block),
+                                              EvictionRetry(deadline=time.monotonic() + self.wait_s))
+        m = segment.meta
+        assert request.rows is not None
+        if m.key != request.key or m.row_range.span != request.rows or m.row_range.step != 1:
+            segment.close()
+            raise SegmentError(f"segment {result.name} does not hold rows [{request.rows[0]}, {request.rows[1]}) "
+                               f"of {request.key!r} (stream block {block})")
+        return segment
+
+    def _wait_ready(self, client: DaemonClient, request: Acquire, block: int | None) -> AcquireResult:
+        """The block's segment (``block`` None: a key held whole), loaded: waits for the load,
+        and for room while there is none, up to ``wait_s``: in the daemon's budget while other
+        ranks or jobs hold it full (BudgetExceeded), in its shm filesystem while other files
+        fill it (ShmFull: the daemon keeps a failed load's error for a few seconds, then loads
+        it again when asked), or in its load queue while this user's loads fill it (CapacityError).
+
+        Raised when there is no room by then: the same class, naming the block, the window, the
+        budget and the blocks this process holds."""
+        started = time.monotonic()
+        deadline = started + self.wait_s
+        pause = _FIRST_BACKOFF_S
+        self.ready_waits += 1
+        while True:
+            try:
+                result = client.acquire(request, None, None if self.spec.timeout is None else deadline)
+                self.waited_s += time.monotonic() - started
+                return result
+            except CapacityError as exc:
+                if time.monotonic() + pause > deadline:
+                    raise type(exc)(no_room_message(request, block, bool(self.spec.files), self.wait_s, self.capacity,
+                                                    self.block_cost, self.budget, list(self._held), exc)) from exc
+                self._let_go()
+                self.budget_waits += 1
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_BACKOFF_S)
+
+    def _let_go(self) -> None:
+        """Close every block mapped, and the keys of the block being mapped (``_block`` maps them
+        again): a rank that waits for room holds nothing meanwhile. Ranks apart by a few steps
+        each held their own window's blocks, together the whole budget, and each waited for the
+        other's (a job without a collective per step, or workers running ahead). The blocks stay
+        loaded unless another rank needs the room; a later batch maps them again."""
+        if not self._held and not any(s is not None for s in self._partial):
+            return
+        self.yields += 1
+        for held in list(self._held):
+            self._close(held)
+        for i, segment in enumerate(self._partial):
+            if segment is not None:
+                segment.close()
+                self._partial[i] = None
+
+    def _whole_segment(self, index: int) -> AttachedSegment:
+        """Key ``index``'s whole segment, mapped at its first use (waiting as a needed block
+        waits: ``_wait_ready``) and held.
+
+        Raised when there is no room in time: BudgetExceeded or ShmFull; as a load fails."""
+        segment = self._whole.get(index)
+        if segment is not None:
+            return segment
+        client, request = self.client(), self._whole_request(index)
+        result = self._wait_ready(client, request, None)
+        segment = ShmBackend.attach_one(client, request, result,
+                                        None if self.spec.timeout is None else time.monotonic() + self.wait_s)
+        self._whole[index] = segment
+        return segment
+
+    def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
+        """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them
+        (and the keys held whole).
+
+        Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
+        load one: its error class."""
+        self._check_pid()
+        streamed = self._gather_stitched(rows) if self._stitched is not None else gather_by_block(
+            rows, self.layout, *self._streamed, lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
+        if len(streamed) == len(self.infos):
+            return streamed
+        columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
+        parts = iter(streamed)
+        for index, whole in enumerate(self.whole):
+            if not whole:
+                columns.append(next(parts))
+                continue
+            taken = self._whole_segment(index).data.take(rows, axis=0)
+            wanted = self.out_dtypes[index]
+            columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
+        return columns
+
+    def _gather_stitched(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
+        """The streamed keys' rows ``rows``: the blocks not placed yet mapped (``_block``), then
+        one gather per key across every block (stitched.py)."""
+        assert self._stitched is not None
+        stitched = self._stitched
+        ids = self.layout.block_of(rows)
+        missing = stitched.missing(ids)
+        parts = None
+        if len(missing):
+            needed = set(np.unique(ids).tolist())
+            for block in missing.tolist():
+                self._block(int(block), needed)
+            if len(stitched.missing(ids)):  # it waited for room and let this batch's blocks go meanwhile
+                parts = stitched.gather_each(ids, rows, lambda block: self._block(block, needed))
+        columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
+        for taken, info, wanted in zip(parts or stitched.gather(ids, rows), *self._streamed):
+            taken = taken if taken.dtype == info.dtype else taken.astype(info.dtype)  # as gather_by_block casts
+            columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
+        return columns
+
+    def close(self) -> None:
+        if self._stitched is not None and self._pid == os.getpid():
+            for block in list(self._held):
+                self._close(block)
+            self._stitched.close()
+        if self._pid == os.getpid():
+            for block in list(self._held):
+                self._close(block)
+            for segment in self._whole.values():
+                segment.close()
+            if self._client is not None:
+                self._client.close()
+        self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        # a spawned worker maps its own
+        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None,
+                     _whole_asked=False, _partial=[])
+        return state
+
+
+def _arrays(segment: AttachedSegment) -> Arrays:
+    """A block segment's rows as gather_by_block takes them (variable-length: offsets and values).
+
+    Raised when a variable-length segment has no values part: SegmentError."""
+    if not segment.meta.vlen:
+        return segment.data
+    if segment.values is None:
+        raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: it is damaged; "
+                           "the daemon loads it again once it is removed")
+    return segment.data, segment.values
+
+
+def mappable_blocks(keys: int, stitched: bool) -> int:
+    """How many blocks of ``keys`` streamed keys this process may keep mapped within KERNEL_SHARE
+    of the kernel's limits, counting what it maps and opens already: a stitched block takes
+    a mapping per key and splits its stitch's reservation once more (no descriptor: the slot's
+    mapping holds the file); an unstitched one a mapping and two descriptors per key (ours,
+    holding the lease, and Python's mmap's own). At least PREFETCH_DEPTH; ``MAX_MAPPED_ENV`` lowers
+    it. A batch's own blocks are mapped whatever the cap (at most its rows')."""
+    keys = max(keys, 1)
+    room = (int(max_mappings() * KERNEL_SHARE) - mappings_in_use()) // (2 * keys)
+    if not stitched:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if limit != resource.RLIM_INFINITY:
+            try:
+                open_now = len(os.listdir("/proc/self/fd"))
+            except OSError:
+                open_now = 0
+            room = min(room, (int(limit * KERNEL_SHARE) - open_now) // (2 * keys))
+    room = max(room, PREFETCH_DEPTH)
+    asked = os.environ.get(MAX_MAPPED_ENV, "")
+    return min(room, int(asked)) if asked.isdigit() and int(asked) > 0 else room
+
+
+def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:
+    """Raised when a window of ``capacity`` blocks costing ``block_cost`` each in shared memory
+    (``block_bytes`` of rows and a header page per key, in whole pages) does not fit the daemon's ``budget``:
+    ConfigError naming them."""
+    if capacity * block_cost > budget:
+        fits = budget // block_cost
+        raise ConfigError(
+            f"window={format_bytes(window)} holds {capacity} blocks (those in use and those prefetched ahead of "
+            f"them), which take {capacity} x {format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in "
+            f"the daemon's shared memory (rows and a header page per key, in whole pages), more than its budget of "
+            f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
+            "window=None for what the budget holds, or start the daemon with a larger --max-memory")

@@ -1,0 +1,110 @@
+"""The store's records: a segment it knows (``Entry``), a load that failed (``LoadFailure``),
+and the counters ``status`` shows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess
+from pathlib import Path
+
+from ...order.sharding import STREAM
+from ...segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta
+from ...util.safeio import is_own_file
+
+__all__ = ["COUNTERS", "Entry", "LoadFailure", "load_log_level", "not_ours", "shown_state"]
+
+# Shown in `status --json` from the start, so watchers never see a key appear.
+# damaged: published segments found changed (missing, truncated, made writable, header rewritten)
+# and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
+COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
+            "damaged", "stalled")
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A failed load, remembered for FAILURE_MEMORY_S so pollers get its error, not a retry."""
+
+    at: float  # time.monotonic() when it failed
+    code: str  # as in h5serve.errors
+    message: str
+
+
+@dataclass
+class Entry:
+    name: str  # the keyed segment name (naming.segment_name): the store's key for it
+    meta: SegmentMeta
+    state: str  # "loading" | "ready" | "stale" (source changed; evicted once unheld)
+    # the file in the shm dir: ``name``, or a fresh name when a file not ours held that ("": ``name``)
+    file: str = ""
+    requester: int = -1  # uid whose request started the load (the per-uid queue bound counts it)
+    waiting: set[int] = field(default_factory=set)  # uids that asked while it was queued (fair starts)
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    hits: int = 0
+    tmp_name: str = ""
+    process: ForkServerProcess | None = None  # a loader, started by loader_context()
+    reply: Connection | None = None
+    load_started: float = 0.0
+    load_seconds: float = 0.0
+    load_parts: int = 0  # processes the load was split across (0: not loaded by this daemon)
+    load_read_seconds: float = 0.0  # of load_seconds, reading the rows into the segment
+    load_copied_bytes: int = 0  # of the rows' bytes, copied file to file instead of through h5py (rawcopy)
+    header: bytes = b""  # the header as published, compared byte for byte before each hit
+    checksum: str = ""  # "crc32:..." of the rows, as the loader computed it ("" when not computed)
+    activity: tuple[int, int] = (0, 0)  # (rows done, activity counter) last read from the temporary
+    active_at: float = 0.0  # when ``activity`` last moved (monotonic)
+    asked_as: tuple[str, int, int] = ("", 0, 0)  # (mode, world_size, rank) of the latest acquire ("": the meta's)
+    modes: set[str] = field(default_factory=set)  # every mode it was asked for (one segment serves several)
+    spans: tuple[tuple[int, int], ...] | None = None  # its load's parts, planned here (None: by the loader)
+    stamp: PublishStamp = UNKNOWN_STAMP  # inode and ctime as published, checked before each hit and by clients
+    granted: set[int] = field(default_factory=set)  # uids (not the daemon's, not root) answered for it: they
+    # may have its descriptor (handout.py) and see it in status
+    # a variable-length load in flight: the bytes its segment may grow to (its loader stops past them), set
+    # when its loader starts (store._room_of); 0 otherwise
+    room: int = 0
+
+    def __post_init__(self) -> None:
+        self.file = self.file or self.name
+
+    @property
+    def charge(self) -> int:
+        """What it counts against the budget: its segment's pages in tmpfs (``allocated_size``:
+        the real size once loaded; a variable-length load waiting for a loader, its estimate),
+        or, while a variable-length load runs, the room its loader may fill. Every budget check
+        of the store sums this and nothing else."""
+        if self.state == "loading":
+            return max(self.room, self.meta.allocated_size)
+        return self.meta.allocated_size
+
+    def label(self) -> tuple[str, int, int]:
+        """(mode, world_size, rank) shown in status: the latest request's, else the loaded one's."""
+        return self.asked_as if self.asked_as[0] else (self.meta.mode, self.meta.world_size, self.meta.rank)
+
+
+def load_log_level(meta: SegmentMeta) -> int:
+    """The level of a segment's loading, loaded and evicted lines: DEBUG for a stream block (a
+    stream loads and evicts blocks tens of times a second: INFO lines would bury the log and
+    cost the daemon's loop; ``status`` and the metrics count them), INFO for the rest."""
+    return logging.DEBUG if meta.mode == STREAM else logging.INFO
+
+
+def not_ours(st: os.stat_result) -> bool:
+    """For remove_if: keep (leave alone) anything that is not a regular file of ours."""
+    return not is_own_file(st)
+
+
+def shown_state(entry: Entry, shm_dir: Path) -> str:
+    """``entry.state`` as ``status`` shows it: ``damaged`` for a published segment whose file is
+    no longer as published (one lstat: replaced, or its ctime moved); its next request loads
+    it again."""
+    if entry.state == "loading" or not entry.stamp.ino:
+        return entry.state
+    try:
+        st = os.lstat(shm_dir / entry.file)
+    except OSError:
+        return "damaged"
+    return entry.state if entry.stamp.matches(st) else "damaged"
