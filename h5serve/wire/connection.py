@@ -43,7 +43,7 @@ from .protocol import (
 )
 from .runtime import RuntimeLocation, daemon_lock_held, resolve_runtime, trusted_daemon_uids, trusted_owner
 
-__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "WATCHED_POLL_S", "poll_pause"]
+__all__ = ["DaemonClient", "DEFAULT_TIMEOUT_S", "FIRST_POLL_S", "TRUST_RECHECK_S", "WATCHED_POLL_S", "poll_pause"]
 
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -56,6 +56,12 @@ ARRIVED_POLL_S = 0.0005
 # process and the daemon, CPU a load on a small node would rather have (~20 polls of a
 # 0.15 s load at the short pauses).
 WATCHED_POLL_S = 0.2
+# How long a connected client goes on trusting what it checked on disk (the runtime dir's,
+# socket's and pidfile's owners, the daemon's lock) before it checks again. Stream mode sends
+# hundreds of requests a second, and the checks (stats, an open and a flock) were a third of a
+# rank's CPU. A socket only another trusted user could bind (the runtime dir is writable by
+# its owner alone, checked) is what zmq reconnects to if the daemon restarts meanwhile.
+TRUST_RECHECK_S = 1.0
 
 
 class _ProcessContext(zmq.Context):
@@ -123,6 +129,7 @@ class DaemonClient:
         self._sock: zmq.Socket | None = None
         self._closer: weakref.finalize | None = None  # closes _sock, also when this client is freed unclosed
         self._next_id = 0
+        self._trusted_until = 0.0  # a monotonic time: the on-disk checks passed on this socket until then
 
     def __enter__(self) -> DaemonClient:
         return self
@@ -134,6 +141,7 @@ class DaemonClient:
         """Close the connection (at once: nothing waits to be sent); the next request opens
         another. In a forked child, the parent's socket is dropped untouched."""
         closer, self._closer, self._sock = self._closer, None, None
+        self._trusted_until = 0.0
         if closer is not None:
             closer()
 
@@ -167,6 +175,17 @@ class DaemonClient:
         self.daemon_uid = owner
         return daemon_lock_held(self.location, owner)
 
+    def _checked(self) -> bool:
+        """``available()``, or True without looking again while this process's live socket
+        passed it less than TRUST_RECHECK_S ago."""
+        now = time.monotonic()
+        if self._sock is not None and self._pid == os.getpid() and now < self._trusted_until:
+            return True
+        if not self.available():
+            return False
+        self._trusted_until = now + TRUST_RECHECK_S
+        return True
+
     def request(self, request: Request, timeout: float | None = None, retries: int = 1) -> dict[str, Any]:
         """Send one request and wait for its reply; on a timeout, rebuild the socket and send
         it again up to ``retries`` times (every request is idempotent).
@@ -174,11 +193,7 @@ class DaemonClient:
         Raised when no daemon runs there or it does not answer in time: DaemonUnavailable.
         Raised when the daemon answers with an error: that error's H5ServeError subclass.
         """
-        if not self.available():
-            raise DaemonUnavailable(
-                f"no h5serve daemon is running on {self.location.directory}; start one with "
-                f"`h5serve start` (or set H5SERVE_RUNTIME_DIR / runtime_dir to where it runs)"
-            )
+        self._check_available()
         timeout = self.timeout if timeout is None else timeout
         for _ in range(retries + 1):
             reply = self._round_trip(request, timeout)
@@ -192,6 +207,47 @@ class DaemonClient:
             f"the h5serve daemon at {self.location.endpoint} did not answer within {timeout:g}s; "
             "check `h5serve status` and its log, or raise timeout="
         )
+
+    def _check_available(self) -> None:
+        if not self._checked():
+            raise DaemonUnavailable(
+                f"no h5serve daemon is running on {self.location.directory}; start one with "
+                f"`h5serve start` (or set H5SERVE_RUNTIME_DIR / runtime_dir to where it runs)"
+            )
+
+    def request_many(self, requests: list[Request]) -> list[dict[str, Any] | Exception]:
+        """Send every request at once, then take their replies (one wait for them all, not a
+        round trip each): each a result, or the error its reply carries (not raised). Idempotent
+        requests only (stream mode's prefetches).
+
+        Raised when no daemon runs there or the replies do not all come within the timeout:
+        DaemonUnavailable."""
+        self._check_available()
+        if not requests:
+            return []
+        first = self._next_id + 1
+        self._next_id += len(requests)
+        replies: dict[int, dict[str, Any] | Exception] = {}
+        try:
+            sock = self._socket()
+            for i, request in enumerate(requests):
+                sock.send(encode_request(first + i, request), zmq.NOBLOCK)
+            deadline = time.monotonic() + self.timeout
+            while len(replies) < len(requests) and (remaining := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                    continue
+                reply_id, result = decode_reply(sock.recv())
+                if first <= reply_id < first + len(requests):
+                    replies[reply_id] = result
+        except zmq.ZMQError as exc:
+            self.close()
+            raise DaemonUnavailable(f"cannot talk to the daemon at {self.location.endpoint}: {exc}") from exc
+        if len(replies) < len(requests):
+            self.close()  # never reuse a socket that may still receive the late replies
+            raise DaemonUnavailable(
+                f"the h5serve daemon at {self.location.endpoint} answered {len(replies)} of {len(requests)} requests "
+                f"within {self.timeout:g}s; check `h5serve status` and its log, or raise timeout=")
+        return [replies[first + i] for i in range(len(requests))]
 
     def _round_trip(self, request: Request, timeout: float) -> dict[str, Any] | Exception | None:
         """The reply (a result, or the error to raise), or None on timeout."""

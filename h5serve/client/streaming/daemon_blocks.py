@@ -276,18 +276,27 @@ class DaemonBlocks:
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
         # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
         # prefetches, which the daemon refuses rather than evict another rank's next block for
+        wanted: list[tuple[int, bool]] = []  # (block, prefetch)
         for prefetch, blocks in ((False, alive), (True, ahead)):
             for block in blocks[self._state[blocks] == _NONE].tolist():
-                if len(self._asked) >= PREFETCH_DEPTH:
-                    return
-                if self._state[block] != _NONE:
-                    continue  # listed twice
-                try:
-                    self._asked[block] = [AcquireResult.from_wire(client.request(r))
-                                          for r in self._requests(block, prefetch)]
-                except CapacityError:
-                    return
-                self._state[block] = _ASKED
+                if len(self._asked) + len(wanted) >= PREFETCH_DEPTH:
+                    break
+                if (block, False) not in wanted and (block, True) not in wanted:  # listed twice
+                    wanted.append((block, prefetch))
+        if not wanted:
+            return
+        per_block = [self._requests(block, prefetch) for block, prefetch in wanted]
+        # sent together, their replies taken together: one wait, not a round trip a block and key
+        replies = iter(client.request_many([r for requests in per_block for r in requests]))
+        for (block, _), requests in zip(wanted, per_block):
+            answers = [next(replies) for _ in requests]
+            refused = next((a for a in answers if isinstance(a, Exception)), None)
+            if isinstance(refused, CapacityError):
+                return  # a full budget, shm filesystem or load queue: the rest are asked for again when needed
+            if refused is not None:
+                raise refused
+            self._asked[block] = [AcquireResult.from_wire(a) for a in answers if not isinstance(a, Exception)]
+            self._state[block] = _ASKED
 
     # ----- gathering --------------------------------------------------------------------------
     def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:

@@ -1,0 +1,111 @@
+"""Stream mode at scale: a window of very many small blocks (one chunk each) streamed for a
+full epoch by one rank from the daemon, every row checked once; the peak of the rank's
+mappings (``/proc/self/maps`` lines) and descriptors, the epoch's time and both processes' CPU.
+
+    python -m bench.stream_scale [--blocks 150000] [--block-kib 32]
+
+A node with a budget of hundreds of GiB and files of small chunks is where stream mode is used;
+a block per segment and a mapping per block would reach ``vm.max_map_count`` (65,530) there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .common import BenchDaemon, log
+
+ROW_BYTES = 1024
+
+
+def scale_file(data_dir: Path, blocks: int, block_rows: int) -> Path:
+    path = data_dir / f"scale-{blocks}x{block_rows}.h5"
+    if path.exists():
+        return path
+    rows = blocks * block_rows
+    with h5py.File(path.with_suffix(".tmp"), "w") as f:
+        x = f.create_dataset("x", (rows, ROW_BYTES), dtype=np.uint8, chunks=(block_rows, ROW_BYTES))
+        step = 65536
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            x[a:b] = (np.arange(a, b, dtype=np.int64) % 251).astype(np.uint8)[:, None]
+        f.create_dataset("y", data=np.arange(rows, dtype=np.int64))
+    path.with_suffix(".tmp").rename(path)
+    return path
+
+
+def _count(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def stream_scale(data_dir: Path, blocks: int, block_kib: int) -> dict[str, float]:
+    from h5serve.client import SharedH5Dataset, make_loader
+
+    block_rows = block_kib * 1024 // ROW_BYTES
+    path = scale_file(data_dir, blocks, block_rows)
+    budget = int(blocks * (block_kib + 4) * 1024 * 1.1) + (64 << 20)
+    with BenchDaemon("--max-memory", str(budget)) as daemon:
+        ds = SharedH5Dataset(path, "x", "y", mode="stream", block_rows=block_rows, rank=0, world_size=1,
+                             runtime_dir=daemon.runtime_dir, fallback="error")
+        try:
+            maps0, fds0 = _count("/proc/self/maps"), len(os.listdir("/proc/self/fd"))
+            peak_maps = peak_fds = 0
+            seen = np.zeros(blocks * block_rows, dtype=np.int8)
+            wall, cpu = time.perf_counter(), time.process_time()
+            for i, (xb, yb) in enumerate(make_loader(ds, 256, seed=0)):
+                y = yb.numpy()
+                seen[y] += 1
+                if not np.array_equal(xb.numpy()[:, 0], (y % 251).astype(np.uint8)):
+                    raise AssertionError(f"batch {i}: wrong rows")
+                if i % 64 == 0:
+                    peak_maps = max(peak_maps, _count("/proc/self/maps"))
+                    peak_fds = max(peak_fds, len(os.listdir("/proc/self/fd")))
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            capacity = ds._backend.config.capacity if hasattr(ds, "_backend") else -1  # noqa: SLF001
+        finally:
+            ds.close()
+        daemon_cpu = _proc_cpu(daemon.pid)
+    assert (seen == 1).all(), "a row came more or less than once"
+    out = {"blocks": blocks, "block_kib": block_kib, "window_blocks": capacity, "epoch_s": wall, "rank_cpu_s": cpu,
+           "daemon_cpu_s": daemon_cpu, "maps_before": maps0, "maps_peak": peak_maps, "fds_before": fds0,
+           "fds_peak": peak_fds, "max_map_count": _count_int("/proc/sys/vm/max_map_count"),
+           "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
+    log(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()))
+    return out
+
+
+def _count_int(path: str) -> int:
+    with open(path) as f:
+        return int(f.read())
+
+
+def _proc_cpu(pid: int | None) -> float:
+    if pid is None:
+        return -1.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return -1.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=150_000)
+    parser.add_argument("--block-kib", type=int, default=32)
+    parser.add_argument("--data-dir", type=Path, default=Path("/tmp/h5serve-bench-scale"))
+    args = parser.parse_args()
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    stream_scale(args.data_dir, args.blocks, args.block_kib)
+
+
+if __name__ == "__main__":
+    main()
