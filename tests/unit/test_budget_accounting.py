@@ -120,3 +120,41 @@ def test_the_load_index_follows_the_store_without_a_scan(store: SegmentStore) ->
     first.state = "ready"  # published
     del store.entries["b"]  # failed: dropped from the store
     assert (store.loads.running(), store.loads.queued(), store.loads_pending()) == ([], [], False)
+
+
+def test_the_running_total_is_the_sum_of_charges_whatever_changes() -> None:
+    """``Entries`` keeps the budget's total as entries come, go and change state, room or meta
+    (the store reads it on every load instead of summing every segment): after any sequence
+    it equals the sum it replaced, and an entry that left changes it no more."""
+    import random
+
+    from h5serve.daemon.store.entries import Entries
+
+    entries = Entries()
+    rng = random.Random(7)
+    gone: list[Entry] = []
+    for step in range(2000):
+        op = rng.random()
+        names = list(entries)
+        if op < 0.35 or not names:
+            name = f"b{rng.randrange(300)}"
+            entries[name] = Entry(name, _block(rng.randrange(1000)), rng.choice(["loading", "ready"]),
+                                  room=rng.choice([0, 3 * PAGE_BYTES, 40 * PAGE_BYTES]))
+        elif op < 0.5:
+            entry = entries.pop(rng.choice(names))
+            assert entry is not None
+            gone.append(entry)
+        elif op < 0.6:
+            del entries[rng.choice(names)]
+        elif op < 0.75:
+            entries[rng.choice(names)].state = rng.choice(["loading", "ready", "stale"])
+        elif op < 0.85:
+            entries[rng.choice(names)].room = rng.choice([0, 5 * PAGE_BYTES, 70 * PAGE_BYTES])
+        elif op < 0.95:
+            entry = entries[rng.choice(names)]
+            entry.meta = make_meta(rows=rng.randrange(1, 9000), row_shape=(), dtype="uint8")  # another size
+        elif gone:
+            rng.choice(gone).state = "loading"  # left: must not count
+        assert entries.ledger.total == sum(e.charge for e in entries.values()), step
+    entries.clear()
+    assert entries.ledger.total == 0

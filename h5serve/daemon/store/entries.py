@@ -15,7 +15,7 @@ from ...order.sharding import STREAM
 from ...segments import UNKNOWN_STAMP, PublishStamp, SegmentMeta
 from ...util.safeio import is_own_file
 
-__all__ = ["COUNTERS", "Entry", "LoadFailure", "load_log_level", "not_ours", "shown_state"]
+__all__ = ["COUNTERS", "Entries", "Entry", "LoadFailure", "load_log_level", "not_ours", "shown_state"]
 
 # Shown in `status --json` from the start, so watchers never see a key appear.
 # damaged: published segments found changed (missing, truncated, made writable, header rewritten)
@@ -31,6 +31,18 @@ class LoadFailure:
     at: float  # time.monotonic() when it failed
     code: str  # as in h5serve.errors
     message: str
+
+
+class Ledger:
+    """The sum of ``Entry.charge`` over the entries of one ``Entries``: what the budget counts."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
+CHARGED_FIELDS = frozenset({"state", "room", "meta"})  # what ``Entry.charge`` reads
 
 
 @dataclass
@@ -66,6 +78,18 @@ class Entry:
     # a variable-length load in flight: the bytes its segment may grow to (its loader stops past them), set
     # when its loader starts (store._room_of); 0 otherwise
     room: int = 0
+    # the store's running total of charges, while the entry is in an ``Entries`` (kept as the
+    # fields ``charge`` reads change: CHARGED_FIELDS)
+    ledger: Ledger | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        ledger = self.__dict__.get("ledger")
+        if ledger is None or name not in CHARGED_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        before = self.charge
+        object.__setattr__(self, name, value)
+        ledger.total += self.charge - before
 
     def __post_init__(self) -> None:
         self.file = self.file or self.name
@@ -108,3 +132,65 @@ def shown_state(entry: Entry, shm_dir: Path) -> str:
     except OSError:
         return "damaged"
     return entry.state if entry.stamp.matches(st) else "damaged"
+
+
+class Entries(dict[str, Entry]):
+    """The store's entries by name, with the sum of their charges kept as they come, go and
+    change (``ledger.total``): the budget is checked on every load, and summing every segment
+    each time made a stream's epoch cost grow with the square of its window's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = Ledger()
+
+    def _enter(self, entry: Entry) -> None:
+        if entry.ledger is not None and entry.ledger is not self.ledger:
+            raise ValueError(f"segment {entry.name} is in another store's records already")
+        entry.ledger = self.ledger
+        self.ledger.total += entry.charge
+
+    def _leave(self, entry: Entry) -> None:
+        self.ledger.total -= entry.charge
+        entry.ledger = None
+
+    def __setitem__(self, name: str, entry: Entry) -> None:
+        old = self.get(name)
+        if old is entry:
+            return
+        if old is not None:
+            self._leave(old)
+        self._enter(entry)
+        super().__setitem__(name, entry)
+
+    def __delitem__(self, name: str) -> None:
+        self._leave(self[name])
+        super().__delitem__(name)
+
+    def pop(self, name: str, *default: Entry | None) -> Entry | None:  # type: ignore[override]
+        if name in self:
+            entry = self[name]
+            del self[name]
+            return entry
+        if default:
+            return default[0]
+        raise KeyError(name)
+
+    def clear(self) -> None:
+        for entry in self.values():
+            entry.ledger = None
+        super().clear()
+        self.ledger.total = 0
+
+    def popitem(self) -> tuple[str, Entry]:
+        raise TypeError("Entries: remove by name (del, pop)")
+
+    def setdefault(self, *_: object) -> Entry:
+        raise TypeError("Entries: set by name")
+
+    def update(self, *others: object, **named: Entry) -> None:
+        for other in others:
+            items = other.items() if isinstance(other, dict) else other
+            for name, entry in items:  # type: ignore[attr-defined]
+                self[name] = entry
+        for name, entry in named.items():
+            self[name] = entry

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .entries import COUNTERS, Entry, LoadFailure
+from .entries import COUNTERS, Entries, Entry, LoadFailure
 
 __all__ = ["LoadIndex", "Records"]
 
@@ -60,7 +60,7 @@ class LoadIndex:
 class Records:
     """The store's records; never rebound (the reaper holds the same objects)."""
 
-    entries: dict[str, Entry] = field(default_factory=dict)
+    entries: Entries = field(default_factory=Entries)
     failures: dict[str, LoadFailure] = field(default_factory=dict)
     counters: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(COUNTERS, 0)))
     errors: Counter[str] = field(default_factory=Counter)  # error replies by code

@@ -358,7 +358,7 @@ class SegmentStore:
     def used_bytes(self) -> int:
         """What the budget counts now: every segment's pages in tmpfs, a variable-length load
         in flight its room (``Entry.charge``)."""
-        return sum(e.charge for e in self.entries.values())
+        return self.entries.ledger.total  # kept as entries come, go and change (entries.Entries)
 
     def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False) -> None:
         """Evict least-recently-used segments no client holds until ``needed`` fits the budget
