@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.client.streaming.daemon_blocks import MAX_MAPPED_ENV
+from h5serve.client.streaming.window_fit import MAX_MAPPED_ENV
 
 from ..helpers import running_daemon
 

@@ -56,7 +56,8 @@ from ..backends.protocol import NoHooks
 from ..spec import BackendSpec, describe_spec
 from .batch import StreamBatch
 from .blockcache import BlockCache, worker_capacity
-from .daemon_blocks import DaemonBlocks, DaemonWindow, check_window, daemon_window
+from .daemon_blocks import DaemonBlocks
+from .window_fit import DaemonWindow, check_window, daemon_window
 
 __all__ = ["StreamAsk", "StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "key_shape",
            "node_memory", "resolve_stream", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",

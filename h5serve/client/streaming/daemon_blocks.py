@@ -51,24 +51,21 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from ...errors import CapacityError, ConfigError, SegmentError
+from ...errors import CapacityError, SegmentError
 from ...hdf5.source import DatasetInfo
 from ...order.sharding import GLOBAL, STREAM
 from ...order.stream_order import BlockLayout
 from ...segments import HEADER_SIZE, AttachedSegment
-from ...segments.stitch import can_stitch, mappings_in_use, max_mappings
-from ...util.units import format_bytes
+from ...segments.stitch import can_stitch
 from ...wire.connection import DaemonClient
 from ...wire.protocol import Acquire, AcquireResult
 from ..backends.attach import EvictionRetry, attach_asking_again
@@ -79,11 +76,9 @@ from ..spec import BackendSpec
 from .blockcache import Arrays, gather_by_block
 from .refusal import no_room_message
 from .stitched import StitchedBlocks
+from .window_fit import mappable_blocks
 
-__all__ = [
-    "DaemonBlocks", "DaemonWindow", "DEFAULT_WAIT_S", "MAX_MAPPED_ENV", "PREFETCH_DEPTH", "STITCH_ENV", "check_window",
-    "daemon_window", "mappable_blocks",
-]
+__all__ = ["DaemonBlocks", "DEFAULT_WAIT_S", "PREFETCH_DEPTH", "STITCH_ENV"]
 
 log = logging.getLogger("h5serve.client")
 
@@ -95,29 +90,6 @@ _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
 # mapped: enough to keep the daemon's loaders busy, and far below the loads one user may queue
 # (the daemon's MAX_QUEUED_LOADS_PER_UID), which a window of thousands of tiny blocks filled
 PREFETCH_DEPTH = 64
-# of the memory mappings (vm.max_map_count) and descriptors (RLIMIT_NOFILE) the kernel lets a
-# process have, the share a stream's mapped blocks may take; the rest is the program's own
-KERNEL_SHARE = 0.5
-MAX_MAPPED_ENV = "H5SERVE_MAX_MAPPED_BLOCKS"  # a lower cap on the blocks a process keeps mapped (tests, sites)
-
-
-@dataclass(frozen=True)
-class DaemonWindow:
-    """What the client learnt from the node's daemon for stream mode: its memory budget."""
-
-    budget: int  # the daemon's --max-memory (or what it derived from /dev/shm), bytes
-
-
-def daemon_window(spec: BackendSpec) -> DaemonWindow:
-    """Ask the node's daemon (ping) for its budget.
-
-    Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon)."""
-    with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
-        info = client.ping()
-        budget = info.get("budget")
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # an older daemon: its status
-            budget = int(client.status()["memory"]["budget"])
-    return DaemonWindow(budget)
 
 
 class DaemonBlocks:
@@ -145,7 +117,7 @@ class DaemonBlocks:
         # mappings and descriptors would be reached first (a window of 100,000s of small blocks):
         # past them the least recently used block is unmapped here (the daemon keeps it loaded)
         # and mapped again when a batch needs it, so the order and the node's memory do not change
-        self.mapped_cap = min(self.capacity, mappable_blocks(len(self._streamed[0]), self._stitch))
+        self.mapped_cap = min(self.capacity, mappable_blocks(len(self._streamed[0]), self._stitch, PREFETCH_DEPTH))
         self._keeps_all = self.mapped_cap >= self.layout.n_blocks  # the window holds every block: kept mapped
         self._stitched = (StitchedBlocks(self.layout, len(self._streamed[0]), self.mapped_cap) if self._stitch
                           else None)
@@ -493,39 +465,3 @@ def _arrays(segment: AttachedSegment) -> Arrays:
         raise SegmentError(f"segment {segment.path} holds variable-length rows without their values: it is damaged; "
                            "the daemon loads it again once it is removed")
     return segment.data, segment.values
-
-
-def mappable_blocks(keys: int, stitched: bool) -> int:
-    """How many blocks of ``keys`` streamed keys this process may keep mapped within KERNEL_SHARE
-    of the kernel's limits, counting what it maps and opens already: a stitched block takes
-    a mapping per key and splits its stitch's reservation once more (no descriptor: the slot's
-    mapping holds the file); an unstitched one a mapping and two descriptors per key (ours,
-    holding the lease, and Python's mmap's own). At least PREFETCH_DEPTH; ``MAX_MAPPED_ENV`` lowers
-    it. A batch's own blocks are mapped whatever the cap (at most its rows')."""
-    keys = max(keys, 1)
-    room = (int(max_mappings() * KERNEL_SHARE) - mappings_in_use()) // (2 * keys)
-    if not stitched:
-        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if limit != resource.RLIM_INFINITY:
-            try:
-                open_now = len(os.listdir("/proc/self/fd"))
-            except OSError:
-                open_now = 0
-            room = min(room, (int(limit * KERNEL_SHARE) - open_now) // (2 * keys))
-    room = max(room, PREFETCH_DEPTH)
-    asked = os.environ.get(MAX_MAPPED_ENV, "")
-    return min(room, int(asked)) if asked.isdigit() and int(asked) > 0 else room
-
-
-def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:
-    """Raised when a window of ``capacity`` blocks costing ``block_cost`` each in shared memory
-    (``block_bytes`` of rows and a header page per key, in whole pages) does not fit the daemon's ``budget``:
-    ConfigError naming them."""
-    if capacity * block_cost > budget:
-        fits = budget // block_cost
-        raise ConfigError(
-            f"window={format_bytes(window)} holds {capacity} blocks (those in use and those prefetched ahead of "
-            f"them), which take {capacity} x {format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in "
-            f"the daemon's shared memory (rows and a header page per key, in whole pages), more than its budget of "
-            f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
-            "window=None for what the budget holds, or start the daemon with a larger --max-memory")

@@ -1,0 +1,77 @@
+"""What a stream's window may hold on this node: the daemon's budget (``daemon_window``,
+``check_window``) and, in each process, the kernel's limits on mappings and descriptors
+(``mappable_blocks``)."""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+from ...errors import ConfigError
+from ...segments.stitch import mappings_in_use, max_mappings
+from ...util.units import format_bytes
+from ...wire.connection import DaemonClient
+from ..spec import BackendSpec
+
+__all__ = ["DaemonWindow", "KERNEL_SHARE", "MAX_MAPPED_ENV", "check_window", "daemon_window", "mappable_blocks"]
+
+# of the memory mappings (vm.max_map_count) and descriptors (RLIMIT_NOFILE) the kernel lets a
+# process have, the share a stream's mapped blocks may take; the rest is the program's own
+KERNEL_SHARE = 0.5
+MAX_MAPPED_ENV = "H5SERVE_MAX_MAPPED_BLOCKS"  # a lower cap on the blocks a process keeps mapped (tests, sites)
+
+
+@dataclass(frozen=True)
+class DaemonWindow:
+    """What the client learnt from the node's daemon for stream mode: its memory budget."""
+
+    budget: int  # the daemon's --max-memory (or what it derived from /dev/shm), bytes
+
+
+def daemon_window(spec: BackendSpec) -> DaemonWindow:
+    """Ask the node's daemon (ping) for its budget.
+
+    Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon)."""
+    with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
+        info = client.ping()
+        budget = info.get("budget")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # an older daemon: its status
+            budget = int(client.status()["memory"]["budget"])
+    return DaemonWindow(budget)
+
+
+def mappable_blocks(keys: int, stitched: bool, floor: int) -> int:
+    """How many blocks of ``keys`` streamed keys this process may keep mapped within KERNEL_SHARE
+    of the kernel's limits, counting what it maps and opens already: a stitched block takes
+    a mapping per key and splits its stitch's reservation once more (no descriptor: the slot's
+    mapping holds the file); an unstitched one a mapping and two descriptors per key (ours,
+    holding the lease, and Python's mmap's own). At least ``floor``; ``MAX_MAPPED_ENV`` lowers
+    it. A batch's own blocks are mapped whatever the cap (at most its rows')."""
+    keys = max(keys, 1)
+    room = (int(max_mappings() * KERNEL_SHARE) - mappings_in_use()) // (2 * keys)
+    if not stitched:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if limit != resource.RLIM_INFINITY:
+            try:
+                open_now = len(os.listdir("/proc/self/fd"))
+            except OSError:
+                open_now = 0
+            room = min(room, (int(limit * KERNEL_SHARE) - open_now) // (2 * keys))
+    room = max(room, floor)
+    asked = os.environ.get(MAX_MAPPED_ENV, "")
+    return min(room, int(asked)) if asked.isdigit() and int(asked) > 0 else room
+
+
+def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, budget: int) -> None:
+    """Raised when a window of ``capacity`` blocks costing ``block_cost`` each in shared memory
+    (``block_bytes`` of rows and a header page per key, in whole pages) does not fit the daemon's ``budget``:
+    ConfigError naming them."""
+    if capacity * block_cost > budget:
+        fits = budget // block_cost
+        raise ConfigError(
+            f"window={format_bytes(window)} holds {capacity} blocks (those in use and those prefetched ahead of "
+            f"them), which take {capacity} x {format_bytes(block_cost)} = {format_bytes(capacity * block_cost)} in "
+            f"the daemon's shared memory (rows and a header page per key, in whole pages), more than its budget of "
+            f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
+            "window=None for what the budget holds, or start the daemon with a larger --max-memory")
