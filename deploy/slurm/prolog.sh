@@ -25,8 +25,10 @@
 # H5SERVE_RUNTIME_DIR=/run/h5serve/$SLURM_JOB_ID to every task; the epilog stops the daemon
 # (unlinking its segments) and removes the dir.
 #
-# Root only ever writes in directories no user can write to (/run/h5serve, /run/h5serve-jobs:
-# checked to be real directories of root's, not symlinks), and every step has a timeout.
+# Root only ever writes in directories no user can write to (/run/h5serve, its .holds and .root,
+# /run/h5serve-jobs: checked to be real directories of root's, not symlinks), takes its lock
+# only in the 0700 .root (no user can open it) and for at most LOCK_WAIT_S, and every step
+# has a timeout. With H5SERVE_KEEP_S, see start_kept and docs/operations.md (kept daemons).
 #
 # Fail open: any failure is logged (logger -t h5serve, i.e. syslog/journal) and the script
 # still exits 0. A failing prolog makes Slurm drain the node and requeue the job; without the
