@@ -46,12 +46,13 @@ TERM_GRACE_S=10               # SIGTERM to SIGKILL
 STATUS_TIMEOUT_S=5            # a kept daemon that does not answer `status` in time is not idle
 IDLE_MIN_S=2                  # idle: the daemon's own look (once a second) found nothing in use
 SHM=${H5SERVE_SHM_DIR:-/dev/shm}
+ROLE=epilog   # in the log: "prolog" when the prolog runs --make-room
 JOB_UID=""
 JOB_GID=""
 AS_JOB_USER=()  # setpriv prefix: the uid and gid set by job_identity, no other groups
 
 log() {
-    local line="epilog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*"
+    local line="$ROLE job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*"
     logger -t h5serve -- "$line" 2>/dev/null || true
     # H5SERVE_LOG (site config): also append to this root-owned file (nodes without syslog)
     [ -z "${H5SERVE_LOG:-}" ] || printf '%s h5serve: %s\n' "$(date '+%F %T')" "$line" >> "$H5SERVE_LOG" 2>/dev/null || true
@@ -163,12 +164,13 @@ stop_daemon() {
     # if it still runs.
     local dir=$1 out pids pid i
     pids=$(daemon_pids "$dir" | tr '\n' ' ') || return 0
+    pids=${pids% }
     if [ "${2:-}" != signals ]; then
         out=$(timeout -k 5 40 "${AS_JOB_USER[@]}" "$H5SERVE_BIN" stop --runtime-dir "$dir" 2>&1) \
             || log "h5serve stop failed: ${out//$'\n'/ | }"
     fi
     if daemon_pids "$dir" >/dev/null; then
-        log "daemon (pid $pids) still running; sending SIGTERM to its process group"
+        log "daemon (pid $pids) running; sending SIGTERM to its process group"
         for pid in $pids; do as_job_user_kill TERM "-$pid" || as_job_user_kill TERM "$pid" || true; done
         for pid in $pids; do as_job_user_kill CONT "-$pid" || true; done  # a stopped daemon handles SIGTERM once continued
         for ((i = 0; i < TERM_GRACE_S * 5; i++)); do
@@ -317,6 +319,7 @@ main() {
     load_config
     case "${1:-}" in
         --make-room)
+            ROLE=prolog
             { numeric "${2:-}" && numeric "${3:-}"; } || { log "usage: --make-room UID BYTES"; return 1; }
             make_room "$2" "$3"
             return

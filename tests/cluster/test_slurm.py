@@ -345,10 +345,16 @@ def test_shm_too_small_says_so_in_job_output(env: Env) -> None:
 
 
 def reap_all(e: Env) -> None:
-    """Back to per-job daemons: KEEP_S=0, and the epilog's --stop-idle on every node stops what is kept."""
+    """Back to per-job daemons: KEEP_S=0, and the epilog's --stop-idle on every node stops what is
+    kept, once the daemons say they are idle (2 s after their last use)."""
     e.s.site(site(e.py))
-    for i in range(len(e.s.nodes)):
-        e.s.command(["/etc/slurm/h5serve/epilog.sh", "--stop-idle"], node=i)
+
+    def stopped() -> bool:
+        for i in range(len(e.s.nodes)):
+            e.s.command(["/etc/slurm/h5serve/epilog.sh", "--stop-idle"], node=i)
+        return not any("h5serve.daemon" in line for line in leftovers(e))
+
+    assert wait_for(stopped, 60, interval=1), leftovers(e)
 
 
 def test_keep_second_job_attaches_and_daemon_goes_after_keep_s(env: Env) -> None:
