@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import json
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import time
@@ -190,6 +192,13 @@ def take_lock(fd: int, patience: float = 5.0) -> bool:
             if time.monotonic() > end:
                 return False
             time.sleep(0.05)  # the attacker's pace
+
+
+def says_idle(site: Site, user: User) -> bool:
+    """The user's kept daemon reports itself idle, as the prolog asks (2 s unused, no hold)."""
+    done = site.py.run("status", "--json", "--runtime-dir", str(kept_dir(user)), user=user, timeout=30)
+    idle = json.loads(done.stdout)["idle_exit"] if done.returncode == 0 else None
+    return bool(idle) and idle["idle_s"] >= 2 and not idle["holds"]
 
 
 def in_mount_namespace(prepare: Callable[[], None], body: Callable[[], object], timeout: float = 240) -> None:
@@ -410,6 +419,7 @@ def test_room_is_taken_from_idle_daemons_least_recently_used_first_and_logged(
             held = job_ids()  # b's next job runs: its kept daemon is held
             run_script(PROLOG, held, b, site.config(600))
             group_a = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pid_a]
+            assert wait_for(lambda: says_idle(site, a) and says_idle(site, d), 30)
             job, config = job_ids(), site.config(600, "--max-memory 1P")
             run_script(PROLOG, job, c, config)
             logged = site.logged()
@@ -434,3 +444,38 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+LOCKS = min(12000, resource.getrlimit(resource.RLIMIT_NOFILE)[1] - 100)
+
+
+def test_thousands_of_locks_held_by_a_user_never_slow_a_stop(site: Site, job_ids: Jobs,
+                                                             users: tuple[User, User]) -> None:
+    """b holds 12000 flocks (one line each in /proc/locks, which root reads to verify the daemon
+    it signals): b's job that needs room still gets it, a's idle daemon stopped, promptly."""
+    a, b = users
+    pid = kept_idle(site, job_ids, a)
+    ready, target = site.workdir / "locked", site.workdir / "many"
+    target.touch()
+    target.chmod(0o644)
+    ready.parent.chmod(0o777)
+
+    def hold_many_locks() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, LOCKS + 100), hard))
+        fds = [os.open(target, os.O_RDONLY) for _ in range(LOCKS)]
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # shared: each open file description is a line of its own
+        os.close(os.open(ready, os.O_WRONLY | os.O_CREAT, 0o644))
+        while True:
+            signal.pause()
+
+    with running_as(b, hold_many_locks):
+        assert wait_for(ready.exists, 60) and wait_for(lambda: says_idle(site, a), 30)
+        with open("/proc/locks") as f:
+            assert sum(1 for _ in f) >= LOCKS
+        job, config = job_ids(), site.config(600, "--max-memory 1P")
+        took, _ = run_script(PROLOG, job, b, config, timeout=200)
+        assert not alive(pid), f"a's idle kept daemon was not stopped to make room\n{site.logged()}"
+        assert took < PROLOG_BOUND_S, f"b's prolog took {took:.0f}s\n{site.logged()}"
+        run_script(EPILOG, job, b, config)
