@@ -273,7 +273,7 @@ import json, sys
 s = json.load(sys.stdin)
 idle = s.get("idle_exit") or {}
 if idle and not idle.get("holds") and float(idle["idle_s"]) >= float(sys.argv[1]):
-    print(int(float(idle["idle_s"])), int(s["memory"]["used"]))
+    print("%.3f" % float(idle["idle_s"]), int(s["memory"]["used"]))
 else:
     sys.exit(1)' "$IDLE_MIN_S" 2>/dev/null
 }
@@ -312,7 +312,7 @@ make_room() {
         fi
         exec 9>&-
         [ -n "$free" ] && [ "$free" -lt "$need" ] || return 0
-    done < <(printf %s "$list" | sort -rn)
+    done < <(printf %s "$list" | LC_ALL=C sort -rn)
 }
 
 main() {

@@ -414,6 +414,7 @@ def test_room_is_taken_from_idle_daemons_least_recently_used_first_and_logged(
     with throwaway_user() as c, throwaway_user() as d:
         try:
             pid_a = kept_idle(site, job_ids, a)
+            assert wait_for(lambda: says_idle(site, a), 30)  # a's last use clearly before d's
             pid_d = kept_idle(site, job_ids, d)
             pid_b = kept_idle(site, job_ids, b)
             held = job_ids()  # b's next job runs: its kept daemon is held
