@@ -3,45 +3,56 @@
 #
 # slurm.conf: Epilog=/etc/slurm/h5serve/epilog.sh (see prolog.sh for the whole setup).
 #
-# Runs as root on every node of every job at job end; acts only where the prolog left a
-# runtime dir (/run/h5serve/$SLURM_JOB_ID), so it needs no opt-in check and is idempotent.
+# Runs as root on every node of every job at job end; acts only where the prolog left
+# something (/run/h5serve/$SLURM_JOB_ID, or a hold in /run/h5serve/.holds/<uid>), so it needs
+# no opt-in check and is idempotent.
 #
-# Everything in that dir belongs to the job's user, who may have rewritten it: the pidfile
-# can name any process, be a FIFO or a symlink. So root never reads, follows, signals or
-# deletes on the strength of it. Every step that touches the user's files or processes runs
-# as the job's user (setpriv), with a timeout:
+# Per-job daemon (/run/h5serve/$SLURM_JOB_ID). Everything in that dir belongs to the job's
+# user, who may have rewritten it: the pidfile can name any process, be a FIFO or a symlink.
+# So root never reads, follows, signals or deletes on the strength of it. Every step that
+# touches the user's files or processes runs as the job's user (setpriv), with a timeout:
+# 1. `h5serve stop`: the daemon unlinks its segments and exits.
+# 2. If it still runs: SIGTERM (and SIGCONT), then SIGKILL after 10 s, to its process group
+#    (the daemon leads its own session: its forkserver and loaders go with it), sent as the
+#    job user, and only to a process of the job's uid that holds the exclusive flock on the
+#    runtime dir's pidfile (the daemon holds it all its life) or, when the pidfile was
+#    replaced, that runs `h5serve.daemon --runtime-dir <this dir>` and holds an exclusive flock.
+# 3. Remove the segments it left in /dev/shm: regular files of the job's uid whose names carry
+#    that uid and a hash of the runtime dir.
+# 4. Remove the runtime dir's contents as the job user, then the empty dir as root.
 #
-# 1. `h5serve stop`, as the job user: the daemon unlinks every segment of the job and exits.
-#    Processes that still map a segment keep reading it until they unmap.
-# 2. If a daemon still runs: SIGTERM, then SIGKILL, sent as the job user, and only to a
-#    process of the job's uid that holds the exclusive flock on the runtime dir's pidfile (the
-#    daemon holds it all its life) or, when the pidfile was replaced, that runs
-#    `h5serve.daemon --runtime-dir <this dir>` and holds an exclusive flock.
-# 3. Remove the segments it left in /dev/shm, as the job user: regular files of the job's uid
-#    whose names carry that uid and a hash of this job's runtime dir.
-# 4. Remove the runtime dir's contents as the job user, then the empty dir as root; and the
-#    systemd env file.
+# Kept daemon (H5SERVE_KEEP_S, /run/h5serve/user-<uid>): the daemon exits on its own
+# (--idle-exit) once none of its user's jobs holds it; the epilog only removes this job's hold.
+#
+# Also called by prolog.sh as `epilog.sh --make-room UID BYTES` (a job of UID needs BYTES of
+# /dev/shm for a new daemon: stop idle kept daemons of other users, least recently used first,
+# while less is free), and by an admin as `epilog.sh --stop-idle` (stop every idle kept daemon).
 #
 # Fail open: failures are logged with `logger -t h5serve` and the script exits 0. A failing
 # epilog drains the node.
 
-set -u
-cd / || exit 0
+set -euo pipefail
+cd /
 
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 CONFIG=${H5SERVE_SLURM_CONFIG:-/etc/default/h5serve-slurm}
 RUN_ROOT=/run/h5serve
 ENV_ROOT=/run/h5serve-jobs
-KEEP_ROOT=$RUN_ROOT/.keep        # H5SERVE_KEEP_S: root's bookkeeping of kept daemons (below)
-KEEP_LOCK=$RUN_ROOT/.keep.lock
-SELF=$(readlink -f -- "$0")
+ROOT_STATE=$RUN_ROOT/.root    # 0700, root's: root's lock (prolog.sh)
+HOLDS=$RUN_ROOT/.holds        # 0755, root's: <uid>/<job id>, one per running job on a kept daemon
+LOCK_WAIT_S=60                # at most this long for root's lock
+TERM_GRACE_S=10               # SIGTERM to SIGKILL
+STATUS_TIMEOUT_S=5            # a kept daemon that does not answer `status` in time is not idle
+IDLE_MIN_S=2                  # idle: the daemon's own look (once a second) found nothing in use
+SHM=${H5SERVE_SHM_DIR:-/dev/shm}
+ROLE=epilog   # in the log: "prolog" when the prolog runs --make-room
 JOB_UID=""
 JOB_GID=""
-AS_JOB_USER=()  # setpriv prefix: the job's uid and gid, no other groups (set by job_identity)
+AS_JOB_USER=()  # setpriv prefix: the uid and gid set by job_identity, no other groups
 
 log() {
-    local line="epilog job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*"
+    local line="$ROLE job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-$(hostname)}: $*"
     logger -t h5serve -- "$line" 2>/dev/null || true
     # H5SERVE_LOG (site config): also append to this root-owned file (nodes without syslog)
     [ -z "${H5SERVE_LOG:-}" ] || printf '%s h5serve: %s\n' "$(date '+%F %T')" "$line" >> "$H5SERVE_LOG" 2>/dev/null || true
@@ -52,27 +63,23 @@ config_trusted() {
     local perms
     [ -f "$1" ] && [ ! -L "$1" ] || return 1
     perms=$(stat -c '%u %a' -- "$1" 2>/dev/null) || return 1
-    case "$perms" in
-        "0 "*[0-7][0145][0145]) return 0 ;;
-    esac
+    case "$perms" in "0 "*[0-7][0145][0145]) return 0 ;; esac
     return 1
 }
 
+numeric() { case "${1:-}" in "" | *[!0-9]*) return 1 ;; esac; }
+
 job_identity() {
-    # JOB_UID/JOB_GID from slurmd's environment (SLURM_JOB_GID, else the uid's primary group),
-    # or from uid $1 (a kept daemon's owner, when reaping).
-    JOB_UID=${1:-${SLURM_JOB_UID:-}}
-    [ -z "${1:-}" ] || SLURM_JOB_GID=""
-    case "$JOB_UID" in "" | *[!0-9]*) log "SLURM_JOB_UID='$JOB_UID' is not a uid; leaving everything as it is"; return 1 ;; esac
-    if [ "$JOB_UID" -eq 0 ]; then
-        log "job of root: h5serve starts no daemon for root jobs; nothing to do"
-        return 1
-    fi
-    JOB_GID=${SLURM_JOB_GID:-}
-    case "$JOB_GID" in
-        "" | *[!0-9]*) JOB_GID=$(timeout 10 getent passwd "$JOB_UID" | cut -d: -f4) ;;
-    esac
-    case "$JOB_GID" in "" | *[!0-9]*) log "no group for uid $JOB_UID; leaving everything as it is"; return 1 ;; esac
+    # Sets JOB_UID, JOB_GID and AS_JOB_USER for uid $1, gid $2 (slurmd's SLURM_JOB_GID) if
+    # given, else the group of runtime dir $3 (root made it with the user's group; the user can
+    # only move it to a group they are in), else the uid's primary group. Nothing else changes.
+    JOB_UID=$1
+    numeric "$JOB_UID" || { log "uid '$JOB_UID' is not a uid; leaving everything as it is"; return 1; }
+    [ "$JOB_UID" -ne 0 ] || { log "a job of root: h5serve starts no daemon for root; nothing to do"; return 1; }
+    JOB_GID=${2:-}
+    numeric "$JOB_GID" || JOB_GID=$(stat -c %g -- "$3" 2>/dev/null) || JOB_GID=""
+    numeric "$JOB_GID" || JOB_GID=$(timeout 10 getent passwd "$JOB_UID" | cut -d: -f4) || JOB_GID=""
+    numeric "$JOB_GID" || { log "no group for uid $JOB_UID; leaving everything as it is"; return 1; }
     command -v setpriv >/dev/null 2>&1 || { log "setpriv not found (util-linux); leaving everything as it is"; return 1; }
     # Whatever runs with this prefix can only touch what the job user could: a path or pid
     # the user planted gains them nothing.
@@ -80,9 +87,8 @@ job_identity() {
 }
 
 pidfile_pid() {
-    # The pid written in the pidfile of runtime dir $1: read as the job user, only from a
-    # regular file (no symlink), at most 32 bytes, with a timeout (a FIFO swapped in after the
-    # check must not hang the node).
+    # The pid in runtime dir $1's pidfile: read as the job user, only from a regular file, at
+    # most 32 bytes, with a timeout (a FIFO swapped in after the check must not hang the node).
     local pidfile=$1/h5serve.pid pid
     [ -f "$pidfile" ] && [ ! -L "$pidfile" ] || return 1
     pid=$(timeout -k 1 5 "${AS_JOB_USER[@]}" head -c 32 -- "$pidfile" 2>/dev/null) || return 1
@@ -105,15 +111,15 @@ owned_by_job() {
 holds_write_flock() {
     # True when process $1 holds an exclusive flock, on inode $2 when given (/proc/locks
     # lines: "N: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF"; waiters are
-    # "N: -> FLOCK ..." and do not count).
-    local _n kind _adv mode pid dev _rest
-    while read -r _n kind _adv mode pid dev _rest; do
-        if [ "$kind" = FLOCK ] && [ "$mode" = WRITE ] && [ "$pid" = "$1" ] \
-            && { [ -z "${2:-}" ] || [ "${dev##*:}" = "$2" ]; }; then
-            return 0
-        fi
-    done < /proc/locks
-    return 1
+    # "N: -> FLOCK ..." and do not count). awk, not a bash read loop: a user holding thousands
+    # of locks makes the file long, and bash reads it a byte per system call.
+    # shellcheck disable=SC2016  # awk's own $ fields
+    timeout 10 awk -v pid="$1" -v ino="${2:-}" '
+        $2 == "FLOCK" && $4 == "WRITE" && $5 == pid {
+            n = split($6, dev, ":")
+            if (ino == "" || dev[n] == ino) { found = 1; exit }
+        }
+        END { exit !found }' /proc/locks
 }
 
 runs_daemon_of() {
@@ -126,10 +132,9 @@ runs_daemon_of() {
 }
 
 daemon_pids() {
-    # The daemon of runtime dir $1, verified: a process of the job's uid holding the
-    # exclusive flock on the pidfile's inode. If the pidfile was replaced (its inode is no
-    # longer the locked one), processes of the job's uid that run h5serve.daemon on this dir
-    # and hold an exclusive flock. Signals go out as the job user either way.
+    # The daemon of runtime dir $1, verified: a process of the job's uid holding the exclusive
+    # flock on the pidfile's inode; if the pidfile was replaced, processes of the job's uid
+    # that run h5serve.daemon on this dir and hold an exclusive flock.
     local dir=$1 pid ino found=1 status
     if pid=$(pidfile_pid "$dir") && ino=$(stat -c %i -- "$dir/h5serve.pid" 2>/dev/null) \
         && owned_by_job "$pid" && holds_write_flock "$pid" "$ino"; then
@@ -147,32 +152,40 @@ daemon_pids() {
     return $found
 }
 
-signal_daemon() {
-    # Send signal $1 to the verified daemon of runtime dir $2, as the job user.
-    local pid
-    for pid in $(daemon_pids "$2"); do
-        timeout -k 1 5 "${AS_JOB_USER[@]}" kill "-$1" "$pid" 2>/dev/null \
-            || log "cannot send SIG$1 to pid $pid"
-    done
+as_job_user_kill() {
+    # kill -$1 $2 (a pid, or -pgid) as the job user: nothing the user could not signal.
+    timeout -k 1 5 "${AS_JOB_USER[@]}" kill "-$1" -- "$2" 2>/dev/null
 }
 
 stop_daemon() {
-    # `h5serve stop` as the job user, then SIGTERM, then SIGKILL. False if it still runs.
-    local dir=$1 out i
-    out=$(timeout -k 5 40 "${AS_JOB_USER[@]}" \
-        "$H5SERVE_BIN" stop --runtime-dir "$dir" 2>&1) || log "h5serve stop failed: ${out//$'\n'/ | }"
-    daemon_pids "$dir" >/dev/null || return 0
-    log "daemon (pid $(daemon_pids "$dir" | tr '\n' ' ')) still running after stop; sending SIGTERM"
-    signal_daemon TERM "$dir"
-    signal_daemon CONT "$dir"  # a stopped (SIGSTOP) daemon handles SIGTERM only once continued
-    for i in 1 2 3 4 5 6 7 8 9 10; do
+    # Stop runtime dir $1's daemon and its process group: `h5serve stop` as the job user
+    # (unless $2 is "signals"), then SIGTERM and SIGCONT, SIGKILL after TERM_GRACE_S, to each
+    # verified daemon's group (it leads its own session: `h5serve start` starts it so). False
+    # if it still runs.
+    local dir=$1 out pids pid i
+    pids=$(daemon_pids "$dir" | tr '\n' ' ') || return 0
+    pids=${pids% }
+    if [ "${2:-}" != signals ]; then
+        out=$(timeout -k 5 40 "${AS_JOB_USER[@]}" "$H5SERVE_BIN" stop --runtime-dir "$dir" 2>&1) \
+            || log "h5serve stop failed: ${out//$'\n'/ | }"
+    fi
+    if daemon_pids "$dir" >/dev/null; then
+        log "daemon (pid $pids) running; sending SIGTERM to its process group"
+        for pid in $pids; do as_job_user_kill TERM "-$pid" || as_job_user_kill TERM "$pid" || true; done
+        for pid in $pids; do as_job_user_kill CONT "-$pid" || true; done  # a stopped daemon handles SIGTERM once continued
+        for ((i = 0; i < TERM_GRACE_S * 5; i++)); do
+            daemon_pids "$dir" >/dev/null || break
+            sleep 0.2
+        done
+    fi
+    # SIGKILL to what is left of each group: a daemon that ignored SIGTERM, its loaders
+    for pid in $pids; do as_job_user_kill KILL "-$pid" || true; done
+    for ((i = 0; i < 10; i++)); do
         daemon_pids "$dir" >/dev/null || return 0
-        sleep 1
+        sleep 0.2
     done
-    log "daemon ignored SIGTERM for ${i}s; sending SIGKILL"
-    signal_daemon KILL "$dir"
-    sleep 1
-    ! daemon_pids "$dir" >/dev/null
+    log "daemon (pid $pids) survived SIGKILL"
+    return 1
 }
 
 namespace_of() {
@@ -189,31 +202,40 @@ namespace_of() {
 }
 
 remove_leftover_segments() {
-    # Segment names are h5serve-<uid>-<namespace>-<hash> in the shm dir (see
-    # h5serve.segments.segment_prefix). Only regular files of the job's uid are removed, by
-    # the job user: another user's file under the same prefix is never touched.
-    local dir=$1 ns shm=${H5SERVE_SHM_DIR:-/dev/shm} removed
-    ns=$(namespace_of "$dir") || { log "cannot hash $dir (no b2sum or python3); leftover segments stay in $shm"; return 0; }
-    removed=$(timeout -k 5 60 "${AS_JOB_USER[@]}" \
-        find "$shm" -maxdepth 1 -type f -user "$JOB_UID" -name "h5serve-$JOB_UID-$ns-*" -print -delete 2>/dev/null | wc -l)
-    [ "${removed:-0}" -eq 0 ] || log "removed $removed leftover segment file(s) of $dir from $shm"
+    # Segment names are h5serve-<uid>-<namespace>-<hash> (h5serve.segments.segment_prefix).
+    # Only regular files of the job's uid are removed, by the job user.
+    local dir=$1 ns removed
+    ns=$(namespace_of "$dir") || { log "cannot hash $dir (no b2sum or python3); leftover segments stay in $SHM"; return 0; }
+    removed=$(timeout -k 5 20 "${AS_JOB_USER[@]}" \
+        find "$SHM" -maxdepth 1 -type f -user "$JOB_UID" -name "h5serve-$JOB_UID-$ns-*" -print -delete 2>/dev/null | wc -l) \
+        || log "removing leftover segments of $dir from $SHM failed or timed out"
+    [ "${removed:-0}" -eq 0 ] || log "removed $removed leftover segment file(s) of $dir from $SHM"
 }
 
 remove_runtime_dir() {
-    # The dir's entries are the job user's: removed by that user (no symlink followed, nothing
-    # of root's reachable); the dir itself, in root's $RUN_ROOT, by root once it is empty.
+    # The dir's entries are the job user's: removed by that user (no symlink followed); the dir
+    # itself, in root's $RUN_ROOT, by root once it is empty.
     local dir=$1 owner
     owner=$(stat -c %u -- "$dir" 2>/dev/null) || return 0
     if [ "$owner" = "$JOB_UID" ]; then
-        timeout -k 5 60 "${AS_JOB_USER[@]}" \
-            find "$dir" -mindepth 1 -delete 2>/dev/null
+        timeout -k 5 20 "${AS_JOB_USER[@]}" find "$dir" -mindepth 1 -delete 2>/dev/null || true
     fi
     rmdir -- "$dir" 2>/dev/null || log "cannot remove $dir (owner uid $owner): not empty or not a directory; left as it is"
 }
 
+retire() {
+    # Stop runtime dir $1's daemon ($2: "signals" to skip `h5serve stop`), remove its leftover
+    # segments and the dir. job_identity done.
+    if ! stop_daemon "$1" "${2:-}"; then
+        log "daemon on $1 cannot be stopped; leaving $1 and its segments"
+        return 1
+    fi
+    remove_leftover_segments "$1"
+    remove_runtime_dir "$1"
+}
+
 load_config() {
     H5SERVE_BIN=h5serve
-    H5SERVE_KEEP_S=0
     if [ -e "$CONFIG" ]; then
         if config_trusted "$CONFIG"; then
             # shellcheck source=/dev/null
@@ -222,180 +244,98 @@ load_config() {
             log "$CONFIG is not a regular file that only root can write; ignoring it"
         fi
     fi
-    case "$H5SERVE_KEEP_S" in "" | *[!0-9]*) log "H5SERVE_KEEP_S='$H5SERVE_KEEP_S' is not a number of seconds; 0"; H5SERVE_KEEP_S=0 ;; esac
 }
 
 # ----- kept daemons (H5SERVE_KEEP_S > 0): one per user per node, /run/h5serve/user-<uid> ---------
-#
-# Root's bookkeeping, in $KEEP_ROOT (0700: no user can read or forge it), changed only under an
-# exclusive flock on $KEEP_LOCK, which the prolog holds too while it registers a job and starts
-# or reuses the daemon. So the last epilog of a user racing that user's next prolog either
-# stops the daemon before the prolog starts one, or sees the new job and leaves it.
-#   $KEEP_ROOT/<uid>/jobs/<job id>   the user's jobs running on this node
-#   $KEEP_ROOT/<uid>/idle-since      when the last of them ended (epoch seconds)
-# A daemon with no job for H5SERVE_KEEP_S seconds is stopped by whichever comes first: the
-# timer the epilog arms when a user's last job ends (one per node: `epilog.sh --timer`,
-# detached, sleeping until the next expiry, at most 30 s at a time; it exits when no kept
-# daemon is idle), or the next prolog or epilog of any user.
 
-keep_lock() {
-    # fd 9: the exclusive lock on $KEEP_LOCK, in root's $RUN_ROOT (a real dir of root's: no user
-    # can plant the name), waited for at most 120 s.
-    [ -d "$RUN_ROOT" ] && [ ! -L "$RUN_ROOT" ] && [ "$(stat -c %u -- "$RUN_ROOT")" = 0 ] || return 1
-    exec 9>>"$KEEP_LOCK" || return 1
-    flock -w 120 9 || { log "waited 120 s for $KEEP_LOCK; giving up"; return 1; }
-}
-
-keep_unlock() {
-    exec 9>&-
-}
-
-stop_kept() {
-    # Stop uid $1's kept daemon, remove its segments, runtime dir and bookkeeping. Lock held.
-    local uid=$1 dir=$RUN_ROOT/user-$1
-    job_identity "$uid" || { rm -rf -- "${KEEP_ROOT:?}/$uid"; return 0; }
-    if [ -d "$dir" ] && [ ! -L "$dir" ]; then
-        if ! stop_daemon "$dir"; then
-            log "kept daemon of uid $uid on $dir cannot be stopped; leaving it"
-            return 1
-        fi
-        remove_leftover_segments "$dir"
-        remove_runtime_dir "$dir"
-    fi
-    rm -rf -- "${KEEP_ROOT:?}/$uid"
-}
-
-idle_for() {
-    # Seconds uid $1 has had no job on this node; nothing (false) while it has one.
-    local since
-    [ -z "$(ls -A -- "$KEEP_ROOT/$1/jobs" 2>/dev/null)" ] || return 1
-    since=$(head -c 20 -- "$KEEP_ROOT/$1/idle-since" 2>/dev/null) || since=0
-    case "$since" in "" | *[!0-9]*) since=0 ;; esac
-    echo $(( $(date +%s) - since ))
-}
-
-reap_expired() {
-    # Stop every kept daemon idle for H5SERVE_KEEP_S seconds or more. Lock held. Prints the
-    # seconds until the next expiry, if a kept daemon is idle but not yet expired.
-    local state uid idle next=""
-    for state in "$KEEP_ROOT"/*; do
-        [ -d "$state" ] || continue
-        uid=${state##*/}
-        case "$uid" in "" | *[!0-9]*) continue ;; esac
-        idle=$(idle_for "$uid") || continue
-        if [ "$idle" -ge "$H5SERVE_KEEP_S" ]; then
-            log "stopping the kept daemon of uid $uid: no job for ${idle}s (H5SERVE_KEEP_S=$H5SERVE_KEEP_S)"
-            stop_kept "$uid"
-        elif [ -z "$next" ] || [ $((H5SERVE_KEEP_S - idle)) -lt "$next" ]; then
-            next=$((H5SERVE_KEEP_S - idle))
-        fi
-    done
-    [ -z "$next" ] || echo "$next"
+held() {
+    # True while uid $1 has a job registered on this node (its holds; a missing dir: none).
+    [ -n "$(ls -A -- "$HOLDS/$1" 2>/dev/null)" ]
 }
 
 shm_free() {
-    df -B1 --output=avail -- "${H5SERVE_SHM_DIR:-/dev/shm}" 2>/dev/null | tail -n 1 | tr -d ' '
+    local line
+    line=$(df -B1 --output=avail -- "$SHM" 2>/dev/null) || return 1
+    line=${line##*$'\n'}
+    line=${line// /}
+    numeric "$line" && echo "$line"
 }
 
-release_for() {
-    # A job of uid $1 needs $2 bytes of /dev/shm: stop idle kept daemons of other users, the
-    # longest idle first, until that much is free. Lock held.
-    local uid=$1 need=$2 free state other idle list=""
-    free=$(shm_free) || return 0
-    [ "${free:-0}" -lt "$need" ] || return 0
-    for state in "$KEEP_ROOT"/*; do
-        other=${state##*/}
-        case "$other" in "" | *[!0-9]* | "$uid") continue ;; esac
-        idle=$(idle_for "$other") || continue
-        list+="$idle $other"$'\n'
+idle_report() {
+    # "<idle seconds> <bytes used>" for runtime dir $1's daemon, as it reports them (`h5serve
+    # status --json`, asked as its user, answered within STATUS_TIMEOUT_S), when it says it is
+    # idle: started with --idle-exit (a kept daemon), no hold, unused for IDLE_MIN_S or more.
+    local json
+    json=$(timeout -k 1 "$STATUS_TIMEOUT_S" "${AS_JOB_USER[@]}" "$H5SERVE_BIN" status --json --runtime-dir "$1" \
+        2>/dev/null | head -c 16777216) || return 1
+    printf %s "$json" | timeout 10 python3 -I -c '
+import json, sys
+s = json.load(sys.stdin)
+idle = s.get("idle_exit") or {}
+if idle and not idle.get("holds") and float(idle["idle_s"]) >= float(sys.argv[1]):
+    print("%.3f" % float(idle["idle_s"]), int(s["memory"]["used"]))
+else:
+    sys.exit(1)' "$IDLE_MIN_S" 2>/dev/null
+}
+
+root_lock() {
+    # fd 9: root's lock, in the root-only $ROOT_STATE (no user can open it), waited for at most
+    # LOCK_WAIT_S. Everything done under it is bounded (TERM_GRACE_S, timeouts).
+    [ -d "$ROOT_STATE" ] && [ ! -L "$ROOT_STATE" ] && [ "$(stat -c '%u %a' -- "$ROOT_STATE")" = "0 700" ] \
+        || { log "$ROOT_STATE is not root's 0700 directory"; return 1; }
+    exec 9>>"$ROOT_STATE/lock" || return 1
+    flock -w "$LOCK_WAIT_S" 9 || { exec 9>&-; log "waited ${LOCK_WAIT_S}s for $ROOT_STATE/lock; giving up"; return 1; }
+}
+
+make_room() {
+    # A new daemon for a job of uid $1 will use $2 bytes of /dev/shm: while less is free, stop
+    # the idle kept daemons of other users (each says it is idle, none has a job here), least
+    # recently used first. $1 empty: every user's. Each stop is logged with what was needed.
+    local job_uid=$1 need=$2 free dir uid report list="" idle used
+    free=$(shm_free) || { log "cannot read the free space of $SHM; stopping no kept daemon"; return 0; }
+    [ "$free" -lt "$need" ] || return 0
+    for dir in "$RUN_ROOT"/user-*; do
+        uid=${dir##*/user-}
+        numeric "$uid" && [ "$uid" != "$job_uid" ] && [ -d "$dir" ] && [ ! -L "$dir" ] || continue
+        held "$uid" && continue
+        # the user's daemon reports, as the user: not idle, no answer or no group: not stopped
+        report=$(job_identity "$uid" "" "$dir" && idle_report "$dir") || continue
+        list+="$report $uid"$'\n'
     done
-    while read -r idle other; do
-        [ -n "$other" ] || continue
-        free=$(shm_free) || return 0
-        [ "${free:-0}" -lt "$need" ] || return 0
-        log "releasing the idle kept daemon of uid $other (no job for ${idle}s) for a job of uid $uid: ${free} bytes free in ${H5SERVE_SHM_DIR:-/dev/shm}, ${need} wanted"
-        stop_kept "$other"
-    done < <(printf %s "$list" | sort -rn)
-}
-
-arm_timer() {
-    # One detached timer per node (`epilog.sh --timer`): it holds $KEEP_ROOT/timer.lock while it
-    # waits, so a second one exits at once; it lets go of it under the keep lock when nothing is
-    # left to wait for, so an idle-since written after that arms a new one.
-    setsid -f "$BASH" "$SELF" --timer </dev/null >/dev/null 2>&1 || log "cannot arm the keep timer"
-}
-
-timer() {
-    local next
-    exec 8>>"$KEEP_ROOT/timer.lock" || return 1
-    flock -n 8 || return 0
-    while true; do
-        load_config  # the admin may have changed H5SERVE_KEEP_S since the timer was armed
-        keep_lock || return 1
-        next=$(reap_expired)
-        if [ -z "$next" ]; then
-            exec 8>&-
-            keep_unlock
-            return 0
+    while read -r idle used uid; do
+        numeric "$uid" || continue
+        root_lock || return 0
+        # under the lock: the user's next prolog registers its hold under it before reusing the daemon
+        if free=$(shm_free) && [ "$free" -lt "$need" ] && ! held "$uid"; then
+            log "stopping the idle kept daemon of uid $uid (unused for ${idle}s, $used bytes) for a job of uid ${job_uid:-none}: $free bytes free in $SHM, $need needed"
+            ( job_identity "$uid" "" "$RUN_ROOT/user-$uid" && retire "$RUN_ROOT/user-$uid" signals ) || true
         fi
-        keep_unlock
-        [ "$next" -lt 30 ] || next=29  # wakes at least every 30 s to re-read the config
-        sleep "$((next + 1))"
-    done
-}
-
-job_end_kept() {
-    # The job's epilog with a kept daemon: unregister the job; the user's last job on the node
-    # starts the idle clock (and the timer). Reaps what expired meanwhile. Lock held.
-    local uid=$SLURM_JOB_UID
-    rm -f -- "$KEEP_ROOT/$uid/jobs/$1"
-    if [ -z "$(ls -A -- "$KEEP_ROOT/$uid/jobs" 2>/dev/null)" ]; then
-        date +%s > "$KEEP_ROOT/$uid/idle-since"
-        log "last job of uid $uid on this node ended; its daemon stays ${H5SERVE_KEEP_S}s"
-    fi
-    reap_expired >/dev/null
+        exec 9>&-
+        [ -n "$free" ] && [ "$free" -lt "$need" ] || return 0
+    done < <(printf %s "$list" | LC_ALL=C sort -rn)
 }
 
 main() {
     load_config
     case "${1:-}" in
-        --timer)
-            [ -d "$KEEP_ROOT" ] || return 0
-            timer
+        --make-room)
+            ROLE=prolog
+            { numeric "${2:-}" && numeric "${3:-}"; } || { log "usage: --make-room UID BYTES"; return 1; }
+            make_room "$2" "$3"
             return
             ;;
-        --reap | --release)
-            # From the prolog (before it takes the lock itself): expired daemons, and with
-            # --release UID BYTES idle daemons of other users while /dev/shm has less free.
-            [ -d "$KEEP_ROOT" ] || return 0
-            keep_lock || return 1
-            reap_expired >/dev/null
-            if [ "$1" = --release ]; then
-                case "${2:-}${3:-}" in "" | *[!0-9]*) ;; *) release_for "$2" "$3" ;; esac
-            fi
-            keep_unlock
-            return 0
+        --stop-idle)
+            make_room "" 4611686018427387904
+            return
             ;;
     esac
-    local job=${SLURM_JOB_ID:-}
-    case "$job" in
-        "" | *[!0-9]*) log "SLURM_JOB_ID='$job' is not a job id; is this running as a slurmd Epilog?"; return 1 ;;
-    esac
+    local job=${SLURM_JOB_ID:-} uid=${SLURM_JOB_UID:-}
+    numeric "$job" || { log "SLURM_JOB_ID='$job' is not a job id; is this running as a slurmd Epilog?"; return 1; }
     local dir=$RUN_ROOT/$job
 
-    if [ -d "$KEEP_ROOT" ] && [ ! -L "$KEEP_ROOT" ]; then
-        case "${SLURM_JOB_UID:-}" in "" | *[!0-9]*) ;; *)
-            if keep_lock; then
-                if [ -e "$KEEP_ROOT/$SLURM_JOB_UID/jobs/$job" ]; then
-                    job_end_kept "$job"
-                else
-                    reap_expired >/dev/null
-                fi
-                keep_unlock
-                [ -z "$(ls -A -- "$KEEP_ROOT" 2>/dev/null | grep -v '^timer.lock$')" ] || arm_timer
-            fi
-            ;;
-        esac
+    # This job's hold on its user's kept daemon: the daemon exits on its own once it has none.
+    if numeric "$uid" && [ -e "$HOLDS/$uid/$job" ]; then
+        rm -f -- "$HOLDS/$uid/$job" || log "cannot remove the hold $HOLDS/$uid/$job"
     fi
 
     # A systemd instance (H5SERVE_LAUNCH=systemd, or started by hand): stopping it sends
@@ -405,13 +345,8 @@ main() {
     fi
 
     if [ -d "$dir" ] && [ ! -L "$dir" ]; then
-        job_identity || return 1
-        if ! stop_daemon "$dir"; then
-            log "daemon on $dir cannot be stopped; leaving $dir and its segments"
-            return 1
-        fi
-        remove_leftover_segments "$dir"
-        remove_runtime_dir "$dir"
+        job_identity "$uid" "${SLURM_JOB_GID:-}" "$dir" || return 1
+        retire "$dir" || return 1
     fi
     rm -f -- "$ENV_ROOT/$job.env" "$ENV_ROOT/$job.env".*
     return 0

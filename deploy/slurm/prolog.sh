@@ -25,8 +25,10 @@
 # H5SERVE_RUNTIME_DIR=/run/h5serve/$SLURM_JOB_ID to every task; the epilog stops the daemon
 # (unlinking its segments) and removes the dir.
 #
-# Root only ever writes in directories no user can write to (/run/h5serve, /run/h5serve-jobs:
-# checked to be real directories of root's, not symlinks), and every step has a timeout.
+# Root only ever writes in directories no user can write to (/run/h5serve, its .holds and .root,
+# /run/h5serve-jobs: checked to be real directories of root's, not symlinks), takes its lock
+# only in the 0700 .root (no user can open it) and for at most LOCK_WAIT_S, and every step
+# has a timeout. With H5SERVE_KEEP_S, see start_kept and docs/operations.md (kept daemons).
 #
 # Fail open: any failure is logged (logger -t h5serve, i.e. syslog/journal) and the script
 # still exits 0. A failing prolog makes Slurm drain the node and requeue the job; without the
@@ -51,13 +53,13 @@
 #                                          # journald logs, watchdog
 #   H5SERVE_START_TIMEOUT=90               # seconds before giving up on a start
 #   H5SERVE_KEEP_S=600                     # keep one daemon per user per node, runtime dir
-#                                          # /run/h5serve/user-<uid>, until the user has had no
-#                                          # job here for that long (epilog.sh: "kept daemons";
-#                                          # docs/operations.md); 0 (default): one per job
+#                                          # /run/h5serve/user-<uid>, started with --idle-exit 600:
+#                                          # it exits once unused that long with no job of its
+#                                          # user here (docs/operations.md); 0 (default): one per job
 #   H5SERVE_LOG=/var/log/h5serve-slurm.log # also append log lines here (no syslog on the node)
 
-set -u
-cd / || exit 0
+set -euo pipefail
+cd /
 
 # Slurm runs prologs without a search path.
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -65,8 +67,9 @@ export PATH
 CONFIG=${H5SERVE_SLURM_CONFIG:-/etc/default/h5serve-slurm}
 RUN_ROOT=/run/h5serve          # h5serve@.service uses the same path
 ENV_ROOT=/run/h5serve-jobs     # per-job environment files for h5serve@.service
-KEEP_ROOT=$RUN_ROOT/.keep      # H5SERVE_KEEP_S: root's bookkeeping of kept daemons (epilog.sh)
-KEEP_LOCK=$RUN_ROOT/.keep.lock
+ROOT_STATE=$RUN_ROOT/.root     # 0700, root's: root's lock (no user can open it)
+HOLDS=$RUN_ROOT/.holds         # 0755, root's: <uid>/<job id>, one per running job on a kept daemon
+LOCK_WAIT_S=60                 # at most this long for root's lock (epilog.sh holds it as long at most)
 EPILOG=$(dirname -- "$(readlink -f -- "$0")")/epilog.sh   # installed next to this script
 
 log() {
@@ -76,47 +79,35 @@ log() {
     [ -z "${H5SERVE_LOG:-}" ] || printf '%s h5serve: %s\n' "$(date '+%F %T')" "$line" >> "$H5SERVE_LOG" 2>/dev/null || true
 }
 
-config_trusted() {
-    # The config is sourced as root: a regular file of root's that only root can write.
+root_only_writable() {
+    # $1 is a regular file of root's that only root can write (the config, the epilog: run as root).
     local perms
     [ -f "$1" ] && [ ! -L "$1" ] || return 1
     perms=$(stat -c '%u %a' -- "$1" 2>/dev/null) || return 1
-    case "$perms" in
-        "0 "*[0-7][0145][0145]) return 0 ;;
-    esac
+    case "$perms" in "0 "*[0-7][0145][0145]) return 0 ;; esac
     return 1
 }
 
 root_dir() {
-    # Create $1 (mode 0755, root's) if needed and check it is a real directory of root's that
-    # nobody else can write to: root writes in it, so no user may plant anything there.
-    if [ -L "$1" ]; then
-        log "$1 is a symbolic link; refusing to use it"
-        return 1
-    fi
-    timeout 10 install -d -m 0755 -o root -g root "$1" || { log "cannot create $1"; return 1; }
+    # Create $1 (mode $2, root's) if needed and check it is a real directory of root's with
+    # that mode: root writes in it, so no user may plant anything there.
     local perms
-    perms=$(stat -c '%F %u %a' -- "$1" 2>/dev/null)
-    if [ "$perms" != "directory 0 755" ]; then
-        log "$1 is not a root-owned directory with mode 755 ($perms); refusing to use it"
-        return 1
-    fi
+    [ ! -L "$1" ] || { log "$1 is a symbolic link; refusing to use it"; return 1; }
+    timeout 10 install -d -m "$2" -o root -g root "$1" || { log "cannot create $1"; return 1; }
+    perms=$(stat -c '%F %u %a' -- "$1" 2>/dev/null) || perms="?"
+    [ "$perms" = "directory 0 ${2#0}" ] || { log "$1 is not a root-owned directory with mode $2 ($perms); refusing to use it"; return 1; }
 }
 
 job_dir() {
-    # The job's runtime dir $1, 0700, owned by uid $2 / gid $3: created here by root in root's
-    # $RUN_ROOT (no user can have put anything at the name), or left by an earlier run of this
-    # prolog for the same job (then it must already be that user's real directory).
+    # The runtime dir $1, 0700, owned by uid $2 / gid $3: created here by root in root's
+    # $RUN_ROOT, or left by an earlier run (then it must already be that user's real directory).
     local dir=$1 uid=$2 gid=$3 perms
     if mkdir -m 0700 -- "$dir" 2>/dev/null; then
         chown -h -- "$uid:$gid" "$dir" || { log "cannot give $dir to uid $uid"; rmdir -- "$dir"; return 1; }
         return 0
     fi
-    perms=$(stat -c '%F %u' -- "$dir" 2>/dev/null)
-    if [ "$perms" != "directory $uid" ]; then
-        log "$dir exists and is not a directory of uid $uid ($perms); refusing to use it"
-        return 1
-    fi
+    perms=$(stat -c '%F %u' -- "$dir" 2>/dev/null) || perms="?"
+    [ "$perms" = "directory $uid" ] || { log "$dir exists and is not a directory of uid $uid ($perms); refusing to use it"; return 1; }
 }
 
 write_env_file() {
@@ -132,79 +123,84 @@ write_env_file() {
     return 1
 }
 
-to_bytes() {
-    # 64G, 48M, 512MiB, 1.5GB, 1000000 -> bytes (h5serve's sizes are binary); nothing if unreadable.
-    local v=${1%B}
-    v=${v%i}
-    timeout 10 numfmt --from=iec -- "$v" 2>/dev/null
-}
-
 shm_need() {
-    # What a new job may need in /dev/shm: the daemon's --max-memory from H5SERVE_OPTS, else
-    # the whole of /dev/shm.
-    local prev="" word bytes
+    # Bytes of /dev/shm a new daemon started with options "$@" will use: its --max-memory
+    # (64G, 48M, 512MiB: binary). Without one the daemon takes 80% of what is free when it
+    # starts (h5serve/daemon/config.py, DEFAULT_MEMORY_FRACTION), which is there: 0.
+    local prev="" word size=""
     for word in "$@"; do
-        case "$word" in --max-memory=*) bytes=$(to_bytes "${word#*=}") && { echo "$bytes"; return; } ;; esac
-        if [ "$prev" = --max-memory ]; then bytes=$(to_bytes "$word") && { echo "$bytes"; return; }; fi
+        case "$word" in --max-memory=*) size=${word#*=} ;; esac
+        [ "$prev" != --max-memory ] || size=$word
         prev=$word
     done
-    df -B1 --output=size -- "${H5SERVE_SHM_DIR:-/dev/shm}" 2>/dev/null | tail -n 1 | tr -d ' '
+    [ -n "$size" ] || { echo 0; return; }
+    size=${size%[Bb]}
+    size=${size%i}
+    timeout 10 numfmt --from=iec -- "$size" 2>/dev/null || { log "cannot read --max-memory $size; making no room"; echo 0; }
 }
 
-epilog_trusted() {
-    # The prolog runs the epilog (reaping, releasing) as root: root's, writable by root only.
-    local perms
-    [ -f "$EPILOG" ] && [ ! -L "$EPILOG" ] || return 1
-    perms=$(stat -c '%u %a' -- "$EPILOG" 2>/dev/null) || return 1
-    case "$perms" in "0 "*[0-7][0145][0145]) return 0 ;; esac
-    log "$EPILOG is not root's and writable by root only; kept daemons are not reaped from the prolog"
+start_daemon() {
+    # h5serve start as root for user $1 on runtime dir $2 with options "${@:3}": it drops to the
+    # user and starts the daemon in its own session. Once more if the first try failed (a kept
+    # daemon may have been exiting, idle, just as it was found).
+    local user=$1 dir=$2 out try
+    shift 2
+    for try in 1 2; do
+        if out=$(timeout -k 5 "$H5SERVE_START_TIMEOUT" "$H5SERVE_BIN" start --user "$user" --runtime-dir "$dir" \
+            "$@" 2>&1); then
+            echo "$out"
+            return 0
+        fi
+        log "h5serve start failed (try $try): ${out//$'\n'/ | }"
+    done
     return 1
 }
 
 start_kept() {
-    # H5SERVE_KEEP_S > 0: the user's daemon on this node, /run/h5serve/user-<uid>, started or
-    # reused, with this job registered in root's bookkeeping (epilog.sh: "kept daemons"), all
-    # under the keep lock, so the user's last epilog cannot stop it between our check and the
-    # job's start. First: expired kept daemons are stopped, and idle ones of other users give
-    # their /dev/shm back while less than this job may need is free.
-    local user=$1 uid=$2 gid=$3 dir=$RUN_ROOT/user-$2 out need
+    # H5SERVE_KEEP_S > 0: the user's daemon on this node, /run/h5serve/user-<uid>, started with
+    # --idle-exit KEEP_S (it exits on its own) or reused. The job's hold, $HOLDS/<uid>/<job>,
+    # keeps it while the job runs (--hold-dir): registered under root's lock, which epilog.sh
+    # --make-room also takes before it stops an idle daemon, so it never stops one a job holds.
+    # False (the caller starts a per-job daemon) unless the hold was written.
+    local user=$1 uid=$2 gid=$3 dir=$RUN_ROOT/user-$2 hold=$HOLDS/$2/$SLURM_JOB_ID need out
     shift 3
-    if [ -L "$KEEP_ROOT" ]; then log "$KEEP_ROOT is a symbolic link; refusing to use it"; return 1; fi
-    timeout 10 install -d -m 0700 -o root -g root "$KEEP_ROOT" || { log "cannot create $KEEP_ROOT"; return 1; }
-    need=$(shm_need "$@")
-    if epilog_trusted; then
-        H5SERVE_SLURM_CONFIG=$CONFIG timeout -k 5 300 "$EPILOG" --release "$uid" "${need:-0}" \
-            || log "reaping kept daemons failed"
-    fi
-    exec 9>>"$KEEP_LOCK" || { log "cannot open $KEEP_LOCK"; return 1; }
-    flock -w 120 9 || { log "waited 120 s for $KEEP_LOCK; giving up"; return 1; }
-    timeout 10 install -d -m 0700 -o root -g root "$KEEP_ROOT/$uid" "$KEEP_ROOT/$uid/jobs" \
-        || { log "cannot create $KEEP_ROOT/$uid"; return 1; }
-    : > "$KEEP_ROOT/$uid/jobs/$SLURM_JOB_ID"
-    rm -f -- "$KEEP_ROOT/$uid/idle-since"
-    job_dir "$dir" "$uid" "$gid" || return 1
-    if ! out=$(timeout -k 5 "$H5SERVE_START_TIMEOUT" "$H5SERVE_BIN" start --user "$user" --runtime-dir "$dir" \
-        "$@" 2>&1); then
-        log "h5serve start failed: ${out//$'\n'/ | }"
+    root_dir "$ROOT_STATE" 0700 && root_dir "$HOLDS" 0755 && root_dir "$HOLDS/$uid" 0755 || return 1
+    exec 9>>"$ROOT_STATE/lock" || { log "cannot open $ROOT_STATE/lock"; return 1; }
+    flock -w "$LOCK_WAIT_S" 9 || { exec 9>&-; log "waited ${LOCK_WAIT_S}s for $ROOT_STATE/lock"; return 1; }
+    if ! { : > "$hold" && [ -f "$hold" ]; } 2>/dev/null; then
+        exec 9>&-
+        rm -f -- "$hold"
+        log "cannot register the job in $hold (/run full?)"
         return 1
     fi
-    case "$out" in
-        *"already serves"* | *"already running"*) log "reusing the kept daemon for $user on $dir" ;;
-        *) log "kept daemon for $user on $dir (stays ${H5SERVE_KEEP_S}s after the user's last job here)" ;;
-    esac
     exec 9>&-
+    need=$(shm_need "$@")
+    if [ "$need" -gt 0 ] && [ ! -S "$dir/h5serve.sock" ]; then  # a new daemon: room for it
+        if root_only_writable "$EPILOG"; then
+            H5SERVE_SLURM_CONFIG=$CONFIG timeout -k 5 600 "$EPILOG" --make-room "$uid" "$need" \
+                || log "making room failed"
+        else
+            log "$EPILOG is not root's and writable by root only; no room made for the job"
+        fi
+    fi
+    if job_dir "$dir" "$uid" "$gid" \
+        && out=$(start_daemon "$user" "$dir" "$@" --idle-exit "$H5SERVE_KEEP_S" --hold-dir "$HOLDS/$uid"); then
+        case "$out" in
+            *"already running"*) log "reusing the kept daemon for $user on $dir" ;;
+            *) log "kept daemon for $user on $dir (exits once unused for ${H5SERVE_KEEP_S}s with no job of $user here)" ;;
+        esac
+        return 0
+    fi
+    rm -f -- "$hold"
+    return 1
 }
 
 opted_in() {
-    case "${H5SERVE_ALL_JOBS:-no}" in
-        yes | true | 1) return 0 ;;
-    esac
+    case "${H5SERVE_ALL_JOBS:-no}" in yes | true | 1) return 0 ;; esac
     # The word h5serve anywhere in the comment, separated by spaces, commas or semicolons.
     local words=" ${SLURM_JOB_COMMENT:-} "
     words=${words//[,;]/ }
-    case "$words" in
-        *" h5serve "*) return 0 ;;
-    esac
+    case "$words" in *" h5serve "*) return 0 ;; esac
     return 1
 }
 
@@ -216,10 +212,7 @@ main() {
     H5SERVE_START_TIMEOUT=90
     H5SERVE_KEEP_S=0
     if [ -e "$CONFIG" ]; then
-        if ! config_trusted "$CONFIG"; then
-            log "$CONFIG is not a regular file that only root can write; refusing to source it"
-            return 1
-        fi
+        root_only_writable "$CONFIG" || { log "$CONFIG is not a regular file that only root can write; refusing to source it"; return 1; }
         # shellcheck source=/dev/null
         . "$CONFIG" || { log "cannot read $CONFIG"; return 1; }
     fi
@@ -242,19 +235,20 @@ main() {
     fi
     local dir=$RUN_ROOT/$job opts=()
     read -r -a opts <<< "$H5SERVE_OPTS"
-    root_dir "$RUN_ROOT" || return 1
+    root_dir "$RUN_ROOT" 0755 || return 1
     case "$H5SERVE_KEEP_S" in "" | *[!0-9]*) log "H5SERVE_KEEP_S='$H5SERVE_KEEP_S' is not a number of seconds; 0"; H5SERVE_KEEP_S=0 ;; esac
     if [ "$H5SERVE_KEEP_S" -gt 0 ]; then
         if [ "$H5SERVE_LAUNCH" = direct ]; then
-            start_kept "$user" "$uid" "$gid" ${opts[@]+"${opts[@]}"}
-            return
+            start_kept "$user" "$uid" "$gid" ${opts[@]+"${opts[@]}"} && return 0
+            log "no kept daemon for this job; starting one for this job only"
+        else
+            log "H5SERVE_KEEP_S needs H5SERVE_LAUNCH=direct; starting a daemon for this job only"
         fi
-        log "H5SERVE_KEEP_S needs H5SERVE_LAUNCH=direct; starting a daemon for this job only"
     fi
 
     case "$H5SERVE_LAUNCH" in
         systemd)
-            root_dir "$ENV_ROOT" || return 1
+            root_dir "$ENV_ROOT" 0755 || return 1
             write_env_file "$job" "$user" || { log "cannot write $ENV_ROOT/$job.env"; return 1; }
             if ! timeout -k 5 "$H5SERVE_START_TIMEOUT" systemctl start "h5serve@$job.service"; then
                 log "systemctl start h5serve@$job.service failed; see journalctl -u h5serve@$job"
@@ -263,12 +257,7 @@ main() {
             ;;
         direct)
             job_dir "$dir" "$uid" "$gid" || return 1
-            local out
-            if ! out=$(timeout -k 5 "$H5SERVE_START_TIMEOUT" "$H5SERVE_BIN" start --user "$user" --runtime-dir "$dir" \
-                ${opts[@]+"${opts[@]}"} 2>&1); then
-                log "h5serve start failed: ${out//$'\n'/ | }"
-                return 1
-            fi
+            start_daemon "$user" "$dir" ${opts[@]+"${opts[@]}"} >/dev/null || return 1
             ;;
         *)
             log "H5SERVE_LAUNCH='$H5SERVE_LAUNCH' must be direct or systemd"

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit (segments unlinked, as `h5serve stop` does) after SECONDS with no request but "
                    "`status`, no segment mapped by any process and no load running or queued; checked every "
                    "second (default 0: never)")
+    p.add_argument("--hold-dir", metavar="DIR",
+                   help="with --idle-exit: never idle while DIR has an entry (a SLURM prolog's hold for each "
+                   "running job of the daemon's user; a directory the user cannot write)")
     p.add_argument("--no-checksum", action="store_true",
                    help="do not store a checksum (crc32c, else crc32) of each segment's rows (hashed during the copy; "
                    "`status --verify` then cannot check content)")

@@ -28,7 +28,7 @@ STOP_TIMEOUT_S = 30.0
 
 def cmd_start(args: argparse.Namespace) -> int:
     # the daemon works from / (daemon/_process.start_from_root): paths given relative to here first
-    for name in ("runtime_dir", "shm_dir", "metrics_textfile"):
+    for name in ("runtime_dir", "shm_dir", "metrics_textfile", "hold_dir"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     args.allow_root = [os.path.abspath(root) for root in args.allow_root or ()]
@@ -116,7 +116,7 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
 
     cmd = [sys.executable, *SAFE_PYTHON_FLAGS, "-m", "h5serve.daemon", "--runtime-dir", str(location.directory)]
     for flag in ("shm_dir", "max_memory", "loaders", "load_processes", "log_level", "group", "user",
-                 "metrics_port", "metrics_addr", "metrics_textfile", "stall_timeout", "idle_exit"):
+                 "metrics_port", "metrics_addr", "metrics_textfile", "stall_timeout", "idle_exit", "hold_dir"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -182,6 +182,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         drop_page_cache=not args.keep_page_cache,
         metrics_paths=args.metrics_paths,
         idle_exit=args.idle_exit or 0.0,
+        hold_dir=Path(args.hold_dir) if args.hold_dir else None,
     )
     start_from_root()  # the daemon, its forkserver and loaders: from /, no implicit sys.path entry
     try:

@@ -67,7 +67,8 @@ def format_status(info: dict[str, Any]) -> str:
     idle = info.get("idle_exit")
     if idle:
         lines.append(f"idle exit: after {idle['after_s']:g}s unused (--idle-exit); unused for {idle['idle_s']:.0f}s "
-                     "(status requests do not count)")
+                     "(status requests do not count)"
+                     + (f"; {idle['holds']} hold(s) of running jobs" if idle.get("holds") else ""))
     segments = info["segments"]
     if not segments:
         lines.append("no segments")

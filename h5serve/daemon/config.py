@@ -77,6 +77,9 @@ class DaemonConfig:
     # exit (as `h5serve stop` does) after this many seconds with no request but status, no lease held
     # on a segment and no load running or queued (idle.py); 0: never
     idle_exit: float = 0.0
+    # with idle_exit: in use while this directory has an entry (a SLURM prolog's hold for each
+    # running job of the daemon's user: idle.holds); root's, so the user cannot forge a hold
+    hold_dir: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("loaders", "load_processes"):

@@ -10,7 +10,10 @@ Activity is what shows that someone uses the daemon, or is about to:
 - a load running or waiting for a loader, or a request whose file is still being resolved (its
   load starts then);
 - a lease held on one of its segments: a process that mapped one (and its forked DataLoader
-  workers) holds a shared ``flock`` on it for as long as it does.
+  workers) holds a shared ``flock`` on it for as long as it does;
+- a hold: an entry in ``--hold-dir`` (a SLURM prolog puts one there for each job of the
+  daemon's user running on the node, in a directory of root's, and the epilog removes it), so a
+  job that has not used its kept daemon yet does not lose it.
 
 A connection alone is not activity: every client that needs the daemon sends requests or holds
 a lease, and a ``status`` probe is a connection too.
@@ -27,12 +30,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from ..segments import any_leased
 from .config import IDLE_CHECK_INTERVAL_S
 from .store.store import SegmentStore
 
-__all__ = ["IdleWatch", "in_use", "leases_held"]
+__all__ = ["IdleWatch", "holds", "in_use", "leases_held"]
 
 
 class IdleWatch:
@@ -53,6 +57,10 @@ class IdleWatch:
     def idle_for(self) -> float:
         """Seconds since the last activity seen (0 while something is in use)."""
         return max(0.0, self._clock() - self.last_activity)
+
+    def status(self, hold_dir: Path | None) -> dict[str, float | int]:
+        """``idle_exit`` in the daemon's status: after how long, unused for how long, holds."""
+        return {"after_s": self.seconds, "idle_s": round(self.idle_for(), 3), "holds": holds(hold_dir)}
 
     def expired(self, used: Callable[[], bool]) -> bool:
         """Whether ``seconds`` have passed since the last activity. ``used()`` (loads, leases:
@@ -97,6 +105,19 @@ def leases_held(store: SegmentStore) -> bool:
     return any_leased(files)
 
 
-def in_use(store: SegmentStore) -> bool:
-    """Whether a load runs or waits, or a lease is held on a segment (the cheap look first)."""
-    return store.loads_pending() or leases_held(store)
+def holds(hold_dir: Path | None) -> int:
+    """Entries in ``hold_dir`` (none when it is unset, missing or unreadable: a hold is only
+    what can be seen)."""
+    if hold_dir is None:
+        return 0
+    try:
+        with os.scandir(hold_dir) as entries:
+            return sum(1 for _ in entries)
+    except OSError:
+        return 0
+
+
+def in_use(store: SegmentStore, hold_dir: Path | None = None) -> bool:
+    """Whether a load runs or waits, a lease is held on a segment, or a hold is in ``hold_dir``
+    (the cheap looks first)."""
+    return store.loads_pending() or holds(hold_dir) > 0 or leases_held(store)

@@ -264,8 +264,7 @@ class Server:
             "metrics_port": self.metrics.port if self.metrics is not None else None,
         }
         if isinstance(request, Status):  # another user sees only the segments it was granted
-            idle = None if self.idle is None else {"after_s": self.idle.seconds,
-                                                   "idle_s": round(self.idle.idle_for(), 3)}
+            idle = None if self.idle is None else self.idle.status(self.config.hold_dir)
             return {"schema_version": STATUS_SCHEMA_VERSION, **info, "idle_exit": idle,
                     **self.store.status(peer.uid if peer is not None else -1)}
         if isinstance(request, Shutdown):
@@ -450,7 +449,8 @@ class Server:
     def _exit_when_idle(self, sock: zmq.Socket) -> None:
         """Stop, as `h5serve stop` does, once --idle-exit seconds passed unused (idle.py); not
         while a request waits on the socket (answered first: an acquire or ping cancels the exit)."""
-        if self.idle is None or not self.idle.expired(lambda: in_use(self.store)) or sock.poll(0, zmq.POLLIN):
+        used = lambda: in_use(self.store, self.config.hold_dir)  # noqa: E731
+        if self.idle is None or not self.idle.expired(used) or sock.poll(0, zmq.POLLIN):
             return
         self._stop_reason = f"idle for {self.idle.idle_for():.0f}s, --idle-exit {self.idle.seconds:g}"
         log.info("no request but status, no lease held on a segment and no load for %.1fs (--idle-exit %g): "

@@ -3,7 +3,9 @@ torchrun (one per node): opens ARGV[1] with SharedH5Dataset (contiguous, fallbac
 unless $FALLBACK says otherwise), reads every row of its shard, checks each against h5py, and
 writes ``ARGV[2]/rank<N>.json``: rank, host, uid, backend, rows read, rows that differed, the
 runtime dir the TaskProlog gave it and how long opening took. ``--hold FILE`` waits (up to 120 s)
-for FILE after opening, for tests that act while a job runs."""
+for FILE after opening, for tests that act while a job runs; ``--start-after FILE`` waits (up to
+120 s) for FILE before opening, for tests that prepare the node first. AUTO_STREAM=0 passes
+auto_stream=False (no room: lazy reads, never stream mode)."""
 
 import json
 import os
@@ -20,9 +22,13 @@ from h5serve.client import SharedH5Dataset
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
     hold = sys.argv[sys.argv.index("--hold") + 1] if "--hold" in sys.argv else ""
+    start_after = sys.argv[sys.argv.index("--start-after") + 1] if "--start-after" in sys.argv else ""
+    if start_after:
+        wait_for_file(start_after)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     started = time.monotonic()
-    ds = SharedH5Dataset(path, x_key="x", y_key="y", mode="contiguous", fallback=os.environ.get("FALLBACK", "error"))
+    ds = SharedH5Dataset(path, x_key="x", y_key="y", mode="contiguous", fallback=os.environ.get("FALLBACK", "error"),
+                         auto_stream=os.environ.get("AUTO_STREAM", "1") != "0")
     opened = time.monotonic() - started
     with h5py.File(path) as f:
         x_all = f["x"][:]
@@ -39,10 +45,14 @@ def main() -> None:
         json.dump(report, f)
     os.replace(partial, os.path.join(out, f"rank{rank}.json"))
     if hold:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(hold) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for_file(hold)
     ds.close()
+
+
+def wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,17 @@ namespace node, deploy/slurm/ installed as docs/operations.md says), with jobs o
 - a hostile job user (symlinks and FIFOs in its runtime dir, a forged pid file, /dev/shm filled)
   cannot make the root prolog or epilog harm anything or hang;
 - /dev/shm too small: the job's output says so;
-- H5SERVE_KEEP_S: a user's second job attaches without loading; the daemon goes when the user
-  had no job for that long (the epilog's timer, with no job coming); an idle kept daemon gives
-  /dev/shm back to another user's job (logged); back-to-back jobs racing epilog and prolog.
+- H5SERVE_KEEP_S: a user's second job attaches without loading; the daemon goes once unused that
+  long with no job of its user (its own --idle-exit, with no job coming); an idle kept daemon
+  gives /dev/shm back to another user's job that needs it (logged); back-to-back jobs racing
+  epilog and prolog (tests/integration/test_slurm_keep.py has the hostile users).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -98,7 +100,8 @@ h5serve plan --json > "$OUT/plan-batch.json"
 echo "batch runtime dir: ${H5SERVE_RUNTIME_DIR:-none}"
 # as sbatch_example.sh: each task's rank from SLURM's variables
 srun bash -c 'h5serve plan --json > "$OUT/plan-task$SLURM_PROCID.json" && RANK=$SLURM_PROCID \
-  LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS exec "$PY" "$RANKPY" "$DATA" "$OUT" '"${HOLD:+--hold $HOLD}"
+  LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS exec "$PY" "$RANKPY" "$DATA" "$OUT" '"${HOLD:+--hold $HOLD} \
+  ${START_AFTER:+--start-after $START_AFTER}"
 """
 
 TORCHRUN = """#!/bin/bash
@@ -133,18 +136,22 @@ def check_ranks(e: Env, out: Path, user: User) -> list[dict]:
 
 
 def leftovers(e: Env) -> list[str]:
-    """Anything h5serve left on any node: segments, runtime dirs, daemons of the job users."""
+    """Anything h5serve left on any node: segments, runtime dirs, holds, daemons of the job users.
+    Root's own dirs stay (.root: its lock; .holds: one empty dir per user), and so does the
+    runtime dir of a kept daemon that exited (its log), without socket or pidfile."""
     found = []
     for node in e.s.nodes:
         found += [f"{node.hostname}:/dev/shm/{name}" for name in node.shm()]
         root = node.path(RUN_ROOT)
         if root.exists():
-            found += [f"{node.hostname}:{RUN_ROOT}/{p.name}" for p in root.iterdir()
-                      if p.name not in (".keep", ".keep.lock")]
-            keep = root / ".keep"
-            if keep.exists():
-                found += [f"{node.hostname}:{RUN_ROOT}/.keep/{p.name}" for p in keep.iterdir()
-                          if p.name != "timer.lock"]
+            for p in root.iterdir():
+                kept_and_gone = p.name.startswith("user-") and not any(
+                    (p / name).exists() for name in ("h5serve.sock", "h5serve.pid"))
+                if p.name not in (".root", ".holds") and not kept_and_gone:
+                    found.append(f"{node.hostname}:{RUN_ROOT}/{p.name}")
+            holds = root / ".holds"
+            if holds.exists():
+                found += [f"{node.hostname}:{hold}" for user in holds.iterdir() for hold in user.iterdir()]
         for pid in node.processes():
             try:
                 uid = os.stat(f"/proc/{pid}").st_uid
@@ -198,13 +205,52 @@ def submit(e: Env, user: User, script: str, out: Path, *options: str, data: Path
 ONE_NODE = ("-N1", "--ntasks=2")
 
 
+def loaders_of(e: Env, user: User, node: int, name: str) -> list[int]:
+    """Host pids of ``user``'s processes on ``node`` named ``name`` (h5serve-spare: a daemon's spare loader)."""
+    found = []
+    for pid in e.s.nodes[node].processes():
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == user.uid and Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def test_scancel_mid_load_leaves_nothing(env: Env) -> None:
+    """A load is running on every node when the job is cancelled: checked, not assumed. The
+    ranks wait for a go file; meanwhile each node's daemon has its spare loader SIGSTOPped, so
+    the first load of each node goes to it and stays in progress until the epilog stops the
+    daemon (and with it the stopped spare)."""
     env.s.site(site(env.py, max_memory="60M"))
     out = out_dir(env, env.a, "scancel")
-    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, HOLD=str(out / "never"))
-    assert wait_for(lambda: any(out.glob("plan-task*.json")), 90), env.s.output(job)  # tasks start loading
-    env.s.scancel(job)
-    assert env.s.wait(job, 90) == "CANCELLED"
+    go = env.s.cluster.shared / "scancel-go"
+    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", HOLD=str(out / "never"), START_AFTER=str(go))
+    runtime_dir = f"{RUN_ROOT}/{job}"
+    stopped: list[int] = []
+    try:
+        for i in range(len(env.s.nodes)):
+            assert wait_for(lambda i=i: loaders_of(env, env.a, i, "h5serve-spare"), 90), env.s.output(job)
+            for pid in loaders_of(env, env.a, i, "h5serve-spare"):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        go.touch()
+
+        def loading(i: int) -> bool:
+            return any(seg["state"] == "loading" for seg in status(env, env.a, i, runtime_dir)["segments"])
+
+        for i in range(len(env.s.nodes)):
+            assert wait_for(lambda i=i: loading(i), 90), f"no load in progress on node {i}\n{env.s.output(job)}"
+        assert all(loading(i) for i in range(len(env.s.nodes)))  # still running when the job is cancelled
+        env.s.scancel(job)
+        assert env.s.wait(job, 90) == "CANCELLED"
+    finally:
+        go.unlink(missing_ok=True)
+        for pid in stopped:  # stopped processes of a failed test must not outlive it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
 
 
@@ -282,7 +328,9 @@ def test_hostile_job_user_cannot_harm_or_hang_prolog_epilog(env: Env) -> None:
 def test_shm_too_small_says_so_in_job_output(env: Env) -> None:
     env.s.site(site(env.py, max_memory="1G"))
     out = out_dir(env, env.a, "small")
-    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, FALLBACK="lazy")
+    # AUTO_STREAM=0: a rank without room reads lazily (automatic stream mode would take some ranks
+    # in, depending on timing); each node's /dev/shm (64 MiB) holds one of its two 40 MiB shards
+    job = submit(env, env.a, SRUN, out, "-N2", "--ntasks-per-node=2", data=env.big, FALLBACK="lazy", AUTO_STREAM="0")
     assert env.s.wait(job, 150) == "COMPLETED", env.s.output(job)
     text = env.s.output(job)
     got = reports(out)
@@ -297,10 +345,16 @@ def test_shm_too_small_says_so_in_job_output(env: Env) -> None:
 
 
 def reap_all(e: Env) -> None:
-    """Back to per-job daemons: KEEP_S=0 and the epilog's --reap on every node stop what is kept."""
+    """Back to per-job daemons: KEEP_S=0, and the epilog's --stop-idle on every node stops what is
+    kept, once the daemons say they are idle (2 s after their last use)."""
     e.s.site(site(e.py))
-    for i in range(len(e.s.nodes)):
-        e.s.command(["/etc/slurm/h5serve/epilog.sh", "--reap"], node=i)
+
+    def stopped() -> bool:
+        for i in range(len(e.s.nodes)):
+            e.s.command(["/etc/slurm/h5serve/epilog.sh", "--stop-idle"], node=i)
+        return not any("h5serve.daemon" in line for line in leftovers(e))
+
+    assert wait_for(stopped, 60, interval=1), leftovers(e)
 
 
 def test_keep_second_job_attaches_and_daemon_goes_after_keep_s(env: Env) -> None:
@@ -328,11 +382,12 @@ def test_keep_second_job_attaches_and_daemon_goes_after_keep_s(env: Env) -> None
         second_open = max(r["open_s"] for r in reports(outs[0]))
         print(f"open (load) {first_open:.3f}s, second job open (attach) {second_open:.3f}s")
         assert "reusing the kept daemon" in env.s.syslog(0)
-        # no job comes: the epilog's timer stops it KEEP_S after the last job ended
+        # no job comes: the daemon exits on its own (--idle-exit KEEP_S), unused since the last job ended
         ended = time.monotonic()
         assert wait_for(lambda: leftovers(env) == [], keep + 30), leftovers(env)
         assert time.monotonic() - ended >= keep - 5
-        assert "no job for" in env.s.syslog(0) and "no job for" in env.s.syslog(1)
+        for node in env.s.nodes:
+            assert f"(--idle-exit {keep}): exiting" in node.path(f"{kept}/h5serve.log").read_text()
     finally:
         reap_all(env)
 
@@ -344,12 +399,15 @@ def test_keep_idle_daemon_gives_shm_to_another_users_job(env: Env) -> None:
         job, state = run_job(env, env.a, SRUN, out_a)
         assert state == "COMPLETED", env.s.output(job)
         assert any(name.startswith(f"h5serve-{env.a.uid}-") for name in env.s.nodes[0].shm())
+        kept = f"{RUN_ROOT}/user-{env.a.uid}"
+        for i in range(len(env.s.nodes)):  # idle as the daemons say (the prolog asks them too)
+            assert wait_for(lambda i=i: status(env, env.a, i, kept)["idle_exit"]["idle_s"] >= 2, 30)
         job, state = run_job(env, env.b, SRUN, out_b)
         assert state == "COMPLETED", env.s.output(job)
         check_ranks(env, out_b, env.b)
         for i, node in enumerate(env.s.nodes):
             assert not any(name.startswith(f"h5serve-{env.a.uid}-") for name in node.shm())
-            assert f"releasing the idle kept daemon of uid {env.a.uid}" in env.s.syslog(i)
+            assert f"stopping the idle kept daemon of uid {env.a.uid}" in env.s.syslog(i)
     finally:
         reap_all(env)
     assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)

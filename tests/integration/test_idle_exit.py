@@ -174,3 +174,24 @@ def test_idle_exit_zero_is_never() -> None:
             assert client.status()["idle_exit"] is None
     finally:
         d.stop()
+
+
+def test_a_hold_keeps_it_until_removed(tmp_path: Path) -> None:
+    """--hold-dir (a SLURM prolog's holds for the user's running jobs): an entry keeps the daemon
+    however long nobody asks it anything; status counts the holds; once the last goes, it exits."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    (holds / "4242").touch()
+    d = idle_daemon("--hold-dir", str(holds))
+    try:
+        d.start()
+        assert not exits(d, HELD_S), "the daemon exited while a hold was in --hold-dir"
+        with DaemonClient(d.runtime_dir, timeout=5) as client:
+            assert client.status()["idle_exit"]["holds"] == 1
+        (holds / "4242").unlink()
+        released = time.monotonic()
+        assert exits(d, EXIT_DEADLINE_S), "the daemon did not exit once its last hold was gone"
+        assert time.monotonic() - released >= IDLE_S - 0.05
+        assert_stopped_cleanly(d)
+    finally:
+        d.stop()
