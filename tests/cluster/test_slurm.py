@@ -50,8 +50,10 @@ class Env:
     big: Path  # more than a node's /dev/shm holds
 
 
-def site(py: PortablePython, keep: int = 0, max_memory: str = "48M") -> str:
-    return (f"H5SERVE_BIN={py.h5serve_bin}\nH5SERVE_OPTS=\"--max-memory {max_memory}\"\nH5SERVE_START_TIMEOUT=60\n"
+def site(py: PortablePython, keep: int = 0, max_memory: str | None = "48M") -> str:
+    """The site's h5serve settings; ``max_memory`` None: the daemon's default budget."""
+    opts = "" if max_memory is None else f"--max-memory {max_memory}"
+    return (f"H5SERVE_BIN={py.h5serve_bin}\nH5SERVE_OPTS=\"{opts}\"\nH5SERVE_START_TIMEOUT=60\n"
             f"H5SERVE_LOG={LOG}\nH5SERVE_KEEP_S={keep}\n")
 
 
@@ -408,6 +410,34 @@ def test_keep_idle_daemon_gives_shm_to_another_users_job(env: Env) -> None:
         for i, node in enumerate(env.s.nodes):
             assert not any(name.startswith(f"h5serve-{env.a.uid}-") for name in node.shm())
             assert f"stopping the idle kept daemon of uid {env.a.uid}" in env.s.syslog(i)
+    finally:
+        reap_all(env)
+    assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
+
+
+def test_keep_another_users_job_on_a_node_with_room_never_stops_a_kept_daemon(env: Env) -> None:
+    """The site's default settings (no --max-memory): A's idle kept daemon holds 8 MiB of a
+    64 MiB /dev/shm, B's job needs no more than is free, so A's daemon stays with its rows. The
+    earlier prolog took the whole /dev/shm as B's need and stopped every idle kept daemon."""
+    env.s.site(site(env.py, keep=300, max_memory=None))
+    try:
+        out_a, out_b = out_dir(env, env.a, "room-a"), out_dir(env, env.b, "room-b")
+        job, state = run_job(env, env.a, SRUN, out_a)
+        assert state == "COMPLETED", env.s.output(job)
+        kept = f"{RUN_ROOT}/user-{env.a.uid}"
+        for i in range(len(env.s.nodes)):  # idle as the daemons say: the prolog could stop them
+            assert wait_for(lambda i=i: status(env, env.a, i, kept)["idle_exit"]["idle_s"] >= 2, 30)
+        loads = [status(env, env.a, i, kept)["counters"]["loads"] for i in range(len(env.s.nodes))]
+        job, state = run_job(env, env.b, SRUN, out_b)
+        assert state == "COMPLETED", env.s.output(job)
+        check_ranks(env, out_b, env.b)
+        for i, node in enumerate(env.s.nodes):
+            assert any(name.startswith(f"h5serve-{env.a.uid}-") for name in node.shm()), env.s.syslog(i)
+            assert f"stopping the idle kept daemon of uid {env.a.uid}" not in env.s.syslog(i)
+        # A's next job attaches to the rows its daemon kept: nothing loaded again
+        job, state = run_job(env, env.a, SRUN, out_dir(env, env.a, "room-a2"))
+        assert state == "COMPLETED", env.s.output(job)
+        assert [status(env, env.a, i, kept)["counters"]["loads"] for i in range(len(env.s.nodes))] == loads
     finally:
         reap_all(env)
     assert wait_for(lambda: leftovers(env) == [], 30), leftovers(env)
