@@ -232,6 +232,9 @@ class DaemonBlocks:
         (the blocks are asked for again when needed). Forgets the prefetches outside ``alive`` and
         ``ahead`` (the window has passed them: nothing held, nothing to close)."""
         self._check_pid()
+        if (self._keeps_all and not self._asked and len(self._held) == self.layout.n_blocks
+                and (self._whole_asked or not any(self.whole))):
+            return  # every block mapped and kept: nothing to ask for, each batch (a second epoch's)
         alive = np.asarray(alive, dtype=np.int64)
         ahead = np.asarray(ahead, dtype=np.int64)[:PREFETCH_DEPTH]  # further ahead is never asked for
         for block in self._outside(_ASKED, ahead, alive).tolist():
