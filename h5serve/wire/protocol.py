@@ -120,6 +120,9 @@ class Acquire:
     files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
     rows: tuple[int, int] | None = None  # mode="stream": the block's global rows [start, stop)
     prefetch: bool = False  # mode="stream": asked ahead of need (the daemon refuses rather than evict for it)
+    # mode="stream", prototype (branch wip-arena): the block's rows in a slot of the key's arena of
+    # slots of this many rows (segments/arena.py), not a segment of its own; 0: not sent
+    arena: int = 0
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
@@ -153,6 +156,9 @@ class Acquire:
             raise ProtocolError(f"field 'prefetch' must be true or false, got {self.prefetch!r:.80}")
         if self.prefetch and self.mode != STREAM:
             raise ProtocolError(f"field 'prefetch' is for mode 'stream' only, not {self.mode!r}")
+        _check_int("arena", self.arena, 0, 2**40)
+        if self.arena and self.mode != STREAM:
+            raise ProtocolError(f"field 'arena' is for mode 'stream' only, not {self.mode!r}")
         _check_int("span", self.span, 1, self.world_size - self.rank)
         if self.span != 1 and self.mode != "node":
             raise ProtocolError(f"field 'span' must be 1 outside mode 'node', got {self.span}")
@@ -182,6 +188,10 @@ class AcquireResult:
     # published; a client maps only a file that still has both (0: not known, not checked)
     ino: int = 0
     ctime_ns: int = 0
+    # an arena block (prototype, Acquire.arena): its slot in the arena ``name`` and the slot's
+    # generation when the daemon answered (the rank checks both in the slot table under its lock)
+    slot: int = 0
+    generation: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,7 +207,8 @@ class AcquireResult:
         if not (value.state == "loading" and value.name == ""):  # no name yet while the file is resolved
             _check_str("name", value.name, MAX_PATH_CHARS)
         _check_str("shm_dir", value.shm_dir, MAX_PATH_CHARS)
-        for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino", "ino", "ctime_ns"):
+        for name in ("rows_done", "rows_total", "dataset_rows", "uid", "shm_dev", "shm_ino", "ino", "ctime_ns",
+                     "slot", "generation"):
             _check_int(name, getattr(value, name), 0, 2**63 - 1)
         return value
 
@@ -276,6 +287,8 @@ def encode_request(request_id: int, request: Request) -> bytes:
         del fields["rows"]
     if fields.get("prefetch") is False:  # not a prefetch: the message as before
         del fields["prefetch"]
+    if fields.get("arena") == 0:  # not an arena block (prototype): the message as before
+        del fields["arena"]
     return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
 
 

@@ -62,6 +62,7 @@ from ...hdf5.reads import ShardWrite, local_range, read_shard_into, shard_span, 
 from ...hdf5.source import DatasetInfo, inspect_dataset
 from ...order.sharding import RowRange, Selection
 from ...segments import SegmentMeta, SegmentWriter, create_segment
+from ...segments.arena import ArenaTarget
 from ...util.crc import LOAD_CRC
 from ...util.units import row_nbytes
 from .._process import LOADER_NAME, drop_forkserver_alive_fd, quiet_blas, set_pdeathsig, set_process_name
@@ -74,7 +75,7 @@ from .vlenload import Room, load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
            "loader_context", "start_forkserver", "plan_parts", "load_spans", "MIN_PART_BYTES",
-           "MIN_PART_ENV"]
+           "MIN_PART_ENV", "read_part"]
 
 # A part is worth its own process only above this many bytes of source rows (forking, opening
 # the file and faulting in a fresh mapping cost a few ms; small shards stay in one process).
@@ -105,6 +106,7 @@ class LoadJob:
     # variable-length rows: the bytes the segment may take, its share of the budget (vlenload.py); None for
     # fixed rows, whose segment's size is known before the load (the store counted exactly that)
     room: Room | None = None
+    arena: ArenaTarget | None = None  # prototype: a stream block into a slot of its arena (arenaload.py)
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,9 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     copied = read_shard_into(dset, info, rows, writer.data, progress, span,
                              ShardWrite(writer.data_target(), hashed, ready, write_behind=span is None, places=places))
     return PartResult(copied, -1 if crc is None else crc.value)
+
+
+read_part = _read_part  # the arena prototype's loads (arenaload.py) read through it too
 
 
 def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: Parts | None,

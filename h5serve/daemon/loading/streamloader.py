@@ -15,6 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from .._process import KEPT_NAME, LOADER_NAME, set_process_name
+from .arenaload import run_arena_load
 from .loader import LoadJob, run_load
 from .openfile import OpenFile
 
@@ -26,7 +27,8 @@ def serve_jobs(job: LoadJob, jobs: Connection, reply: Connection, daemon_gone: C
     ``jobs`` (it let this loader go, or is gone) or a job is not to be kept."""
     files = OpenFile()
     try:
-        while run_load(job, reply, daemon_gone, files) and job.keep:
+        while (run_arena_load(job, reply, daemon_gone, files) if job.arena is not None
+               else run_load(job, reply, daemon_gone, files)) and job.keep:
             set_process_name(KEPT_NAME)
             try:
                 job = jobs.recv()
