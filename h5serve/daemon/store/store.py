@@ -57,6 +57,7 @@ from ..loading.fileset import files_meta
 from ..loading.loader import LoadJob, load_spans, loader_context
 from ..loading.loaderpool import LoaderPool
 from ..loading.vlenload import Room
+from .arena import Arenas
 from .entries import Entry, load_log_level, not_ours
 from .leftovers import adopt_leftovers, own_files, publish_name
 from .loadindex import Records
@@ -116,6 +117,9 @@ class SegmentStore:
         # stream job asks for every block and key again and again, and building the meta and
         # hashing its name was a third of answering a hit
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
+        # prototype (branch wip-arena): stream blocks asked for in slots of an arena (arena.py)
+        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self._make_room,
+                             lambda: len(self.loads.running()))
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -236,6 +240,11 @@ class SegmentStore:
 
         Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting: CapacityError.
         """
+        if req.arena and not meta.vlen and not meta.files:  # prototype: a slot of the key's arena
+            result = self.arenas.acquire(req, meta, None if spans is None else spans(), uid)
+            if not self._answering:
+                self.arenas.launch()
+            return result
         entry = self.entries.get(name)
         if entry is not None and entry.state != "loading" and not self._ready_ok(entry):
             entry = None
@@ -313,6 +322,7 @@ class SegmentStore:
             self._answering = False
             try:
                 self._launch_pending()
+                self.arenas.launch()
             except Exception:  # out of processes or descriptors: the daemon never dies of a request
                 log.exception("could not start a loader; the load stays queued and is started again later")
 
@@ -358,7 +368,7 @@ class SegmentStore:
     def used_bytes(self) -> int:
         """What the budget counts now: every segment's pages in tmpfs, a variable-length load
         in flight its room (``Entry.charge``)."""
-        return self.entries.ledger.total  # kept as entries come, go and change (entries.Entries)
+        return self.entries.ledger.total + self.arenas.nbytes  # kept as entries come, go and change (entries.Entries)
 
     def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False) -> None:
         """Evict least-recently-used segments no client holds until ``needed`` fits the budget
@@ -402,12 +412,13 @@ class SegmentStore:
     def loads_pending(self) -> bool:
         """Whether a load runs or waits for a loader, or a request's file is still resolving
         (its load starts then): the idle exit (idle.py) waits for them."""
-        return bool(self._resolving) or self.loads.loading() > 0
+        return bool(self._resolving) or self.loads.loading() > 0 or self.arenas.pending()
 
     def load_fds(self) -> list[int]:
         """The pipes of running loaders: readable once a loader reports or dies, so the
         daemon's loop can wake for it instead of noticing on its next tick."""
-        return [e.reply.fileno() for e in self.loads.running() if e.reply is not None and not e.reply.closed]
+        return ([e.reply.fileno() for e in self.loads.running() if e.reply is not None and not e.reply.closed]
+                + self.arenas.fds())
 
     def _loading(self) -> bool:
         return bool(self.loads.running())
@@ -416,7 +427,9 @@ class SegmentStore:
         """Reap finished loaders (reaping.py: publish, fail, stop the stalled), then start queued
         loads in the slots freed."""
         self.reaper.poll()
+        self.arenas.poll()
         self._launch_pending()
+        self.arenas.launch()
 
     def spare_due_in(self) -> float:
         """Seconds until ``keep_spare`` would start a spare loader (inf: none is due)."""
@@ -453,6 +466,7 @@ class SegmentStore:
         Clients that already mapped a segment keep reading it: unlink removes the name, the
         memory goes when the last mapping does.
         """
+        self.arenas.close()
         self.pool.close()
         for entry in self.entries.values():
             if entry.process is not None:

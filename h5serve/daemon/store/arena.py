@@ -1,0 +1,274 @@
+"""The daemon's stream arenas (prototype, branch wip-arena; docs/architecture.md, *Stream arena*):
+a stream block of fixed-size rows asked for with ``Acquire.arena`` (its key's rows a slot)
+goes into a slot of one arena file per (source identity, key, dtype, rows a slot), not into a
+segment of its own (segments/arena.py has the layout and the leases).
+
+A slot is taken for a block at its first acquire: a slot never used yet while the budget has
+room for it (``make_room``: the store's eviction of other segments; an arena's slots are counted
+from their first use, ``nbytes``), else the least recently used ready slot the daemon can take a
+write lock on without waiting (no rank holds a read lock on it: nobody reads it), a prefetch
+only a slot some request needed since it was loaded (never another rank's next block). The write
+lock is held while a loader rewrites the slot and dropped after the table says (block,
+generation, READY). Everything here runs on the control loop's thread; loads go to the store's
+loader pool as jobs with ``LoadJob.arena``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import BudgetExceeded, SegmentError, error_from_code
+from ...segments import SegmentMeta, segment_prefix
+from ...segments.arena import (
+    ARENA_MARK,
+    FREE,
+    LOADING,
+    READY,
+    ArenaLayout,
+    ArenaTarget,
+    lock_range,
+    table_of,
+    write_header,
+)
+from ...util.units import format_bytes, row_nbytes
+from ...wire.protocol import Acquire, AcquireResult
+from ..config import FAILURE_MEMORY_S
+from ..loading.loader import LoadError, LoadJob, LoadOk
+from ..loading.loaderpool import LoaderPool
+
+__all__ = ["Arenas"]
+
+log = logging.getLogger("h5serve.daemon")
+
+
+@dataclass
+class _Slot:
+    index: int
+    block: int = -1  # start row of the block it holds
+    generation: int = 0
+    state: int = FREE
+    needed: bool = False  # a request that was no prefetch asked for its block since it was loaded
+    last_used: float = 0.0
+    meta: SegmentMeta | None = None
+    spans: tuple[tuple[int, int], ...] | None = None
+    uid: int = 0
+    process: ForkServerProcess | None = None
+    reply: Connection | None = None
+
+
+@dataclass
+class _Arena:
+    name: str
+    fd: int
+    ino: int
+    layout: ArenaLayout
+    table: np.ndarray
+    mapping: mmap.mmap
+    slots: list[_Slot] = field(default_factory=list)  # the slots used so far (grown one at a time)
+    slot_of: dict[int, int] = field(default_factory=dict)  # block start row -> slot
+    failures: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # block start -> code, message, when
+
+    def publish(self, slot: _Slot) -> None:
+        """The table's row for ``slot``: its block and generation first, its state last."""
+        self.table[slot.index, 0] = slot.block
+        self.table[slot.index, 1] = slot.generation
+        self.table[slot.index, 2] = slot.state
+
+
+class Arenas:
+    """Every arena of one daemon in ``shm_dir`` (files under its prefix, so shutdown and the next
+    daemon's leftovers remove them); ``max_memory``: the budget their used slots count against."""
+
+    def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
+                 pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool], None],
+                 other_loads: Callable[[], int]) -> None:
+        self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
+        self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
+        self._make_room, self._other_loads = make_room, other_loads
+        self._arenas: dict[tuple, _Arena] = {}
+        self._queue: list[tuple[_Arena, _Slot]] = []
+        self._running: list[tuple[_Arena, _Slot]] = []
+        self._reaping: list[ForkServerProcess] = []
+        self.loads = 0
+        self.reclaims = 0
+
+    @property
+    def nbytes(self) -> int:
+        """What the budget counts of the arenas: their headers and every slot used so far."""
+        return sum(a.layout.data_offset + len(a.slots) * a.layout.slot_bytes for a in self._arenas.values())
+
+    # ----- acquire --------------------------------------------------------------------------
+    def acquire(self, req: Acquire, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None,
+                uid: int) -> AcquireResult:
+        """``req``'s block in a slot: ready, or loading (its load queued).
+
+        Raised when no slot can be had (the budget full, every slot leased): BudgetExceeded; when
+        the block's last load failed moments ago: its error."""
+        assert req.rows is not None
+        arena = self._arena_of(req, meta)
+        start = req.rows[0]
+        failed = arena.failures.get(start)
+        if failed is not None:
+            if time.monotonic() - failed[2] < FAILURE_MEMORY_S:
+                raise error_from_code(failed[0], failed[1])
+            del arena.failures[start]
+        index = arena.slot_of.get(start)
+        if index is None:
+            slot = self._take_slot(arena, meta, req.prefetch)
+            slot.block, slot.generation, slot.state, slot.needed = start, slot.generation + 1, LOADING, False
+            slot.meta, slot.spans, slot.uid = meta, spans, uid
+            arena.publish(slot)
+            arena.slot_of[start] = slot.index
+            self._queue.append((arena, slot))
+        else:
+            slot = arena.slots[index]
+        slot.last_used = time.monotonic()
+        slot.needed = slot.needed or not req.prefetch
+        st = os.fstat(arena.fd)
+        dir_st = os.stat(self.shm_dir)
+        state = "ready" if slot.state == READY else "loading"
+        return AcquireResult(state, arena.name, str(self.shm_dir), meta.rows if state == "ready" else 0, meta.rows,
+                             meta.total_rows, os.getuid(), dir_st.st_dev, dir_st.st_ino, st.st_ino, 0,
+                             slot.index, slot.generation)
+
+    def _arena_of(self, req: Acquire, meta: SegmentMeta) -> _Arena:
+        key = (meta.source, meta.key, meta.dtype, req.arena)
+        arena = self._arenas.get(key)
+        if arena is not None:
+            return arena
+        row_bytes = row_nbytes(meta.row_shape, meta.np_dtype)
+        layout = ArenaLayout(1, req.arena, row_bytes, meta.dtype, tuple(meta.row_shape))
+        blocks = -(-meta.total_rows // req.arena)
+        layout = ArenaLayout(max(1, min(blocks, self.max_memory // layout.slot_bytes)), req.arena, row_bytes,
+                             meta.dtype, tuple(meta.row_shape))
+        name = f"{segment_prefix(self.namespace)}{ARENA_MARK}{secrets.token_hex(16)}"
+        dir_fd = os.open(self.shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o640 if self.group is not None else 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            os.ftruncate(fd, layout.file_size)  # sparse: tmpfs gives a slot its pages when it is written
+            write_header(fd, layout)
+            mapping = mmap.mmap(fd, layout.data_offset, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.shm_dir / name)
+            raise
+        arena = _Arena(name, fd, os.fstat(fd).st_ino, layout, table_of(mapping, layout), mapping)
+        self._arenas[key] = arena
+        log.info("stream arena %s for %s[%s]: %d slots of %d rows (%s each)", name, meta.source_path, meta.key,
+                 layout.n_slots, req.arena, format_bytes(layout.slot_bytes))
+        return arena
+
+    def _take_slot(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot:
+        """A slot for a new block, write-locked by this daemon."""
+        layout = arena.layout
+        if len(arena.slots) < layout.n_slots:
+            try:
+                self._make_room(layout.slot_bytes, meta, prefetch)
+            except BudgetExceeded:
+                pass  # no room for a new slot: reuse one of this arena's
+            else:
+                slot = _Slot(len(arena.slots))
+                arena.slots.append(slot)
+                if not lock_range(arena.fd, layout.slot_offset(slot.index), layout.slot_bytes, fcntl.F_WRLCK):
+                    raise BudgetExceeded(f"stream arena {arena.name}: a fresh slot is leased")  # never, but checked
+                return slot
+        for slot in sorted((s for s in arena.slots if s.state == READY and (s.needed or not prefetch)),
+                           key=lambda s: s.last_used):
+            if lock_range(arena.fd, layout.slot_offset(slot.index), layout.slot_bytes, fcntl.F_WRLCK):
+                del arena.slot_of[slot.block]
+                self.reclaims += 1
+                return slot
+        raise BudgetExceeded(
+            f"no room for a block of {meta.source_path}[{meta.key}]: its stream arena's {len(arena.slots)} slots "
+            f"({format_bytes(len(arena.slots) * layout.slot_bytes)}) are all being read or loaded and the budget "
+            f"({format_bytes(self.max_memory)}) has no room for another; ask again once ranks release blocks")
+
+    # ----- loads ----------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Start queued slot loads while loaders are free (the store's running loads count too)."""
+        while self._queue and len(self._running) + self._other_loads() < self.max_loaders:
+            arena, slot = self._queue.pop(0)
+            assert slot.meta is not None
+            layout = arena.layout
+            target = ArenaTarget(arena.name, arena.ino, layout.slot_offset(slot.index),
+                                 slot.meta.rows * layout.row_bytes)
+            job = LoadJob(self.shm_dir, "", "", slot.meta, self.group, os.getpid(), 1, False, False, slot.spans,
+                          keep=True, virtual_ok=slot.uid in (os.geteuid(), 0), arena=target)
+            slot.process, slot.reply = self.pool.launch(job)
+            self._running.append((arena, slot))
+
+    def poll(self) -> None:
+        """Reap finished slot loads: publish (the table, then the write lock dropped) or free the slot."""
+        still = []
+        for arena, slot in self._running:
+            assert slot.process is not None and slot.reply is not None
+            alive = slot.process.is_alive()
+            result: object = None
+            if slot.reply.poll():
+                try:
+                    result = slot.reply.recv()
+                except (EOFError, OSError):
+                    result = None
+            elif alive:
+                still.append((arena, slot))
+                continue
+            if isinstance(result, LoadOk) and self.pool.finished(slot.process):
+                self.pool.loaded()
+            else:
+                self.pool.forget(slot.process)
+                slot.reply.close()
+                self.pool.loaded()
+                self._reaping.append(slot.process)
+            slot.process, slot.reply = None, None
+            if isinstance(result, LoadOk):
+                slot.state = READY
+                self.loads += 1
+            else:
+                code, message = ((result.code, result.message) if isinstance(result, LoadError)
+                                 else (SegmentError.code, "the loader process died; see the daemon log"))
+                log.warning("stream arena %s slot %d: the load failed: %s", arena.name, slot.index, message)
+                arena.failures[slot.block] = (code, message, time.monotonic())
+                arena.slot_of.pop(slot.block, None)
+                slot.state, slot.block = FREE, -1
+            arena.publish(slot)
+            lock_range(arena.fd, arena.layout.slot_offset(slot.index), arena.layout.slot_bytes, fcntl.F_UNLCK)
+        self._running = still
+        self._reaping = [p for p in self._reaping if p.is_alive() or p.close() is not None]
+
+    def fds(self) -> list[int]:
+        """The pipes of running slot loads (the control loop wakes on them)."""
+        return [s.reply.fileno() for _, s in self._running if s.reply is not None and not s.reply.closed]
+
+    def pending(self) -> bool:
+        return bool(self._queue or self._running)
+
+    def close(self) -> None:
+        """Stop slot loads and close the arenas (the store's shutdown unlinks their files)."""
+        for _, slot in self._running:
+            if slot.process is not None:
+                slot.process.kill()
+                slot.process.join(timeout=5)
+        self._running, self._queue = [], []
+        for arena in self._arenas.values():
+            del arena.table
+            arena.mapping.close()
+            os.close(arena.fd)
+        self._arenas.clear()
