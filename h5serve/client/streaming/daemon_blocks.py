@@ -73,6 +73,7 @@ from ..backends.sources import ShmBackend
 from ..gather import as_column
 from ..ragged import RaggedColumn
 from ..spec import BackendSpec
+from .arena_blocks import ARENA_ENV, ArenaBlocks
 from .blockcache import Arrays, gather_by_block
 from .refusal import no_room_message
 from .stitched import StitchedBlocks
@@ -109,6 +110,8 @@ class DaemonBlocks:
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
+        # prototype (branch wip-arena): the daemon's arenas instead of a segment per block
+        self._use_arena = self._stitch and not spec.files and os.environ.get(ARENA_ENV) == "1"
         self._reset()
 
     def _reset(self) -> None:
@@ -119,8 +122,10 @@ class DaemonBlocks:
         # and mapped again when a batch needs it, so the order and the node's memory do not change
         self.mapped_cap = min(self.capacity, mappable_blocks(len(self._streamed[0]), self._stitch, PREFETCH_DEPTH))
         self._keeps_all = self.mapped_cap >= self.layout.n_blocks  # the window holds every block: kept mapped
-        self._stitched = (StitchedBlocks(self.layout, len(self._streamed[0]), self.mapped_cap) if self._stitch
-                          else None)
+        self._stitched = (StitchedBlocks(self.layout, len(self._streamed[0]), self.mapped_cap)
+                          if self._stitch and not self._use_arena else None)
+        self._arena = (ArenaBlocks(self.layout, len(self._streamed[0]), self._requests, self.client, self.wait_s,
+                                   PREFETCH_DEPTH, self._keeps_all) if self._use_arena else None)
         self._client: DaemonClient | None = None
         self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
         # per block: _NONE, _ASKED (in _asked) or _HELD (in _held), so that a step's window is
@@ -145,6 +150,8 @@ class DaemonBlocks:
             # copy of the stitched blocks' address range unmapped: the parent's stays)
             if self._stitched is not None:
                 self._stitched.close()
+            if self._arena is not None:
+                self._arena.close()  # in the child: unmapped, its parent's leases left alone
             self._reset()
 
     @property
@@ -195,6 +202,8 @@ class DaemonBlocks:
         """Close every mapped block not in ``alive`` (the node's window at this step); none when
         the window holds every block (``release``)."""
         self._check_pid()
+        if self._arena is not None:
+            self._arena.retain(alive)
         if self._keeps_all:
             return
         for block in self._outside(_HELD, alive).tolist():
@@ -208,6 +217,8 @@ class DaemonBlocks:
         (as global mode keeps its segment: nothing else of this stream will need their room, and
         mapping them again each epoch is most of an epoch's cost)."""
         self._check_pid()
+        if self._arena is not None:
+            self._arena.release(done)
         if self._keeps_all:
             return
         for block in np.asarray(done).tolist():
@@ -248,6 +259,9 @@ class DaemonBlocks:
                     client.request(self._whole_request(index))
                 except CapacityError:
                     break  # asked again, waiting, at their first use
+        if self._arena is not None:
+            self._arena.prefetch(ahead, alive)
+            return
         # the window's own blocks first: at the start of an epoch (or a resume) none is asked
         # for yet, and the daemon starts loads in the order asked; the blocks ahead are asked as
         # prefetches, which the daemon refuses rather than evict another rank's next block for
@@ -401,8 +415,9 @@ class DaemonBlocks:
         Raised when a block finds no room in time: BudgetExceeded; when the daemon fails to
         load one: its error class."""
         self._check_pid()
-        streamed = self._gather_stitched(rows) if self._stitched is not None else gather_by_block(
-            rows, self.layout, *self._streamed, lambda block, needed: [_arrays(s) for s in self._block(block, needed)])
+        streamed = (self._gather_arena(rows) if self._arena is not None
+                    else self._gather_stitched(rows) if self._stitched is not None else gather_by_block(
+            rows, self.layout, *self._streamed, lambda block, needed: [_arrays(s) for s in self._block(block, needed)]))
         if len(streamed) == len(self.infos):
             return streamed
         columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
@@ -430,13 +445,22 @@ class DaemonBlocks:
                 self._block(int(block), needed)
             if len(stitched.missing(ids)):  # it waited for room and let this batch's blocks go meanwhile
                 parts = stitched.gather_each(ids, rows, lambda block: self._block(block, needed))
+        return self._columns(parts or stitched.gather(ids, rows))
+
+    def _gather_arena(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
+        assert self._arena is not None
+        return self._columns(self._arena.gather(rows))
+
+    def _columns(self, parts: list[np.ndarray]) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         columns: list[torch.Tensor | np.ndarray | RaggedColumn] = []
-        for taken, info, wanted in zip(parts or stitched.gather(ids, rows), *self._streamed):
+        for taken, info, wanted in zip(parts, *self._streamed):
             taken = taken if taken.dtype == info.dtype else taken.astype(info.dtype)  # as gather_by_block casts
             columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
         return columns
 
     def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
         if self._stitched is not None and self._pid == os.getpid():
             for block in list(self._held):
                 self._close(block)
@@ -453,7 +477,7 @@ class DaemonBlocks:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # a spawned worker maps its own
-        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None,
+        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None, _arena=None,
                      _whole_asked=False, _partial=[])
         return state
 

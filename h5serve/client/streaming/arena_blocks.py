@@ -1,0 +1,266 @@
+"""Stream mode's blocks of fixed-size rows from the daemon's arenas (prototype, branch wip-arena,
+``H5SERVE_ARENA=1``; docs/architecture.md, *Stream arena*; segments/arena.py).
+
+Each streamed key's arena is mapped once, whole, read-only; a block is *held* while this process
+has an OFD read lock on its slot's range (taken, then the slot table checked to still show the
+block and the generation the daemon answered with: else the lock is dropped and the block asked
+for again). Releasing a block drops the lock and nothing else: no munmap, no mmap of the next
+block. A batch is one ``take`` per key over the arena's rows, at slot-relative row numbers
+(``slot * rows a slot + row - block start``), as ``stitched.py`` gathers without an arena.
+
+One process only in this prototype: a forked child's locks would be its parent's (one open file
+description), so a child drops what it inherited without unlocking and opens its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import CapacityError, SegmentError
+from ...order.stream_order import BlockLayout
+from ...segments.arena import READY, ArenaLayout, lock_range, read_layout, table_of
+from ...wire.connection import DaemonClient
+from ...wire.protocol import Acquire, AcquireResult
+
+__all__ = ["ArenaBlocks", "ARENA_ENV"]
+
+ARENA_ENV = "H5SERVE_ARENA"  # "1": stream blocks of fixed-size rows in the daemon's arenas (prototype)
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
+_NONE, _ASKED, _HELD = 0, 1, 2
+
+
+class _Mapped:
+    """One arena, mapped whole and read-only, with its own open file description (its leases)."""
+
+    def __init__(self, result: AcquireResult) -> None:
+        path = Path(result.shm_dir) / result.name
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != result.uid or (result.ino and st.st_ino != result.ino):
+                raise SegmentError(f"{path} is not the daemon's stream arena")
+            self.layout: ArenaLayout = read_layout(os.pread(fd, 4096, 0))
+            if st.st_size < self.layout.file_size:
+                raise SegmentError(f"stream arena {path} is shorter than its header says")
+            self._map = mmap.mmap(fd, self.layout.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.name, self.fd = result.name, fd
+        lay = self.layout
+        self.table = table_of(self._map, lay)
+        dtype = np.dtype(lay.dtype)
+        # the slots' rows as one axis when a slot is a whole number of rows (slot-relative rows),
+        # else [slot, row] (two index arrays)
+        self.per_slot = lay.slot_bytes // lay.row_bytes if lay.slot_bytes % lay.row_bytes == 0 else 0
+        if self.per_slot:
+            self.flat: np.ndarray | None = np.ndarray((lay.n_slots * self.per_slot, *lay.row_shape), dtype=dtype,
+                                                      buffer=self._map, offset=lay.data_offset)
+            self.view = None
+        else:
+            self.flat = None
+            inner = tuple(int(s) for s in np.empty((1, *lay.row_shape), dtype=dtype).strides[1:])
+            self.view = np.ndarray((lay.n_slots, lay.rows_per_slot, *lay.row_shape), dtype=dtype, buffer=self._map,
+                                   offset=lay.data_offset, strides=(lay.slot_bytes, lay.row_bytes, *inner))
+
+    def lock(self, slot: int, kind: int) -> bool:
+        return lock_range(self.fd, self.layout.slot_offset(slot), self.layout.slot_bytes, kind)
+
+    def shows(self, slot: int, start: int, generation: int) -> bool:
+        row = self.table[slot]
+        return int(row[0]) == start and int(row[1]) == generation and int(row[2]) == READY
+
+    def take(self, slots: np.ndarray, local: np.ndarray) -> np.ndarray:
+        if self.flat is not None:
+            return self.flat.take(slots * self.per_slot + local, axis=0)
+        assert self.view is not None
+        return self.view[slots, local]
+
+    def close(self, unlock: bool = True) -> None:
+        """Unmap and close (in a forked child, ``unlock`` False: the descriptor's open file
+        description is the parent's too, its locks stay the parent's)."""
+        self.table = self.flat = self.view = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:  # a gathered view still alive: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+
+class ArenaBlocks:
+    """The blocks of ``layout`` of ``keys`` streamed keys in the daemon's arenas, for one process.
+    ``requests(block, prefetch)``: the acquires of a block, one per key (DaemonBlocks._requests);
+    ``client()``: the process's DaemonClient; ``keeps_all``: the window holds every block (kept)."""
+
+    def __init__(self, layout: BlockLayout, keys: int, requests: Callable[[int, bool], list[Acquire]],
+                 client: Callable[[], DaemonClient], wait_s: float, depth: int, keeps_all: bool) -> None:
+        self.layout, self.keys, self._requests_of, self._client = layout, keys, requests, client
+        self.wait_s, self.depth, self.keeps_all = wait_s, depth, keeps_all
+        self._pid = os.getpid()
+        n = max(layout.n_blocks, 1)
+        self._state = np.zeros(n, dtype=np.int8)
+        self._slot = [np.full(n, -1, dtype=np.int64) for _ in range(keys)]
+        self._arena: list[_Mapped | None] = [None] * keys
+        self._asked: dict[int, list[AcquireResult]] = {}
+        self.holds = 0  # blocks this process took leases on
+        self.asked_again = 0  # leases that found the slot reused between the answer and the lock
+        self.ready_waits = 0
+
+    def _requests(self, block: int, prefetch: bool) -> list[Acquire]:
+        return [replace(r, arena=self.layout.block_rows) for r in self._requests_of(block, prefetch)]
+
+    # ----- the window -------------------------------------------------------------------------
+    def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
+        inside = np.zeros(len(self._state), dtype=bool)
+        for window in windows:
+            inside[np.asarray(window, dtype=np.int64)] = True
+        return np.flatnonzero((self._state == state) & ~inside)
+
+    def retain(self, alive: np.ndarray) -> None:
+        if not self.keeps_all:
+            for block in self._outside(_HELD, alive).tolist():
+                self._release(block)
+
+    def release(self, done: np.ndarray) -> None:
+        if not self.keeps_all:
+            for block in np.asarray(done).tolist():
+                self._release(int(block))
+
+    def _release(self, block: int) -> None:
+        if self._state[block] != _HELD:
+            return
+        for k in range(self.keys):
+            slot = int(self._slot[k][block])
+            arena = self._arena[k]
+            if slot >= 0 and arena is not None:
+                arena.lock(slot, fcntl.F_UNLCK)
+            self._slot[k][block] = -1
+        self._state[block] = _NONE
+
+    def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
+        """Ask for the window's blocks, then those ahead, not held or asked yet: one exchange."""
+        alive = np.asarray(alive, dtype=np.int64)
+        ahead = np.asarray(ahead, dtype=np.int64)[:self.depth]
+        for block in self._outside(_ASKED, ahead, alive).tolist():
+            del self._asked[block]
+            self._state[block] = _NONE
+        wanted: dict[int, bool] = {}
+        for prefetch, blocks in ((False, alive), (True, ahead)):
+            for block in blocks[self._state[blocks] == _NONE].tolist():
+                if len(self._asked) + len(wanted) >= self.depth:
+                    break
+                wanted.setdefault(block, prefetch)
+        self._ask(wanted)
+
+    def _ask(self, wanted: dict[int, bool]) -> None:
+        if not wanted:
+            return
+        per_block = [self._requests(block, prefetch) for block, prefetch in wanted.items()]
+        replies = iter(self._client().request_many([r for requests in per_block for r in requests]))
+        for block, requests in zip(wanted, per_block):
+            answers = [next(replies) for _ in requests]
+            refused = next((a for a in answers if isinstance(a, Exception)), None)
+            if isinstance(refused, CapacityError):
+                return  # asked again when needed
+            if refused is not None:
+                raise refused
+            self._asked[block] = [AcquireResult.from_wire(a) for a in answers if not isinstance(a, Exception)]
+            self._state[block] = _ASKED
+
+    # ----- holding a block --------------------------------------------------------------------
+    def _hold(self, block: int, needed: np.ndarray) -> None:
+        """Lease ``block``'s slot in every key's arena."""
+        requests = self._requests(block, False)
+        answers: list[AcquireResult | None] = list(self._asked.pop(block, [None] * len(requests)))
+        start = int(self.layout.bounds[block])
+        deadline = time.monotonic() + self.wait_s
+        for k, request in enumerate(requests):
+            result = answers[k]
+            while True:
+                if result is None or result.state != "ready":
+                    result = self._ready(request, deadline, needed)
+                arena = self._mapped(k, result)
+                if arena.lock(result.slot, fcntl.F_RDLCK):
+                    if arena.shows(result.slot, start, result.generation):
+                        self._slot[k][block] = result.slot
+                        break
+                    arena.lock(result.slot, fcntl.F_UNLCK)
+                self.asked_again += 1  # reused (or being reused) since the answer: ask again
+                result = None
+                if time.monotonic() > deadline:
+                    raise SegmentError(f"stream block {block} was reused each time before this rank could lease it "
+                                       f"for {self.wait_s:g}s")
+        self._state[block] = _HELD
+        self.holds += 1
+
+    def _mapped(self, key: int, result: AcquireResult) -> _Mapped:
+        arena = self._arena[key]
+        if arena is not None and arena.name == result.name:
+            return arena
+        if arena is not None:  # another arena (a daemon restarted): what was held of this key goes
+            for block in np.flatnonzero(self._slot[key] >= 0).tolist():
+                self._release(block)
+            arena.close()
+        arena = self._arena[key] = _Mapped(result)
+        return arena
+
+    def _ready(self, request: Acquire, deadline: float, needed: np.ndarray) -> AcquireResult:
+        """The block loaded; no slot to be had (CapacityError) waited out with backoff, holding
+        nothing this batch does not need, until ``deadline``."""
+        self.ready_waits += 1
+        pause = _FIRST_BACKOFF_S
+        while True:
+            try:
+                return self._client().acquire(request, None, deadline)
+            except CapacityError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                self.retain(needed)
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_BACKOFF_S)
+
+    # ----- gathering ------------------------------------------------------------------------
+    def gather(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Each streamed key's rows ``rows`` (global), leasing the blocks not held yet first."""
+        self._check_pid()
+        ids = self.layout.block_of(rows)
+        absent = self._state[ids] != _HELD
+        if absent.any():
+            missing, batch = np.unique(ids[absent]), np.unique(ids)
+            self._ask({b: False for b in missing.tolist() if self._state[b] == _NONE})
+            for block in missing.tolist():
+                self._hold(int(block), batch)
+        local = rows - self.layout.bounds[ids]
+        out = []
+        for k in range(self.keys):
+            arena = self._arena[k]
+            slots = self._slot[k][ids]
+            if arena is None or (len(slots) and int(slots.min()) < 0):
+                raise SegmentError("a stream block was gathered before its slot was leased")
+            out.append(arena.take(slots, local))
+        return out
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            raise SegmentError("stream arenas (prototype) are for the process that opened them; no DataLoader workers")
+
+    def close(self) -> None:
+        mine = self._pid == os.getpid()
+        if mine:
+            for block in np.flatnonzero(self._state == _HELD).tolist():
+                self._release(block)
+        for arena in self._arena:
+            if arena is not None:
+                arena.close(unlock=mine)
+        self._arena = [None] * self.keys
+        self._asked.clear()
+        self._state[:] = _NONE
