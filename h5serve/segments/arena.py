@@ -15,6 +15,7 @@ under a write lock taken without waiting on its own descriptor. Linux only (OFD 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -28,7 +29,7 @@ from ..errors import SegmentError
 from ..util.units import PAGE_BYTES
 
 __all__ = ["ArenaLayout", "ArenaTarget", "FREE", "LOADING", "READY", "read_layout", "write_header", "table_of",
-           "lock_range", "ARENA_MARK"]
+           "lock_range", "punch_hole", "ARENA_MARK"]
 
 ARENA_MARK = "arena-"  # after the daemon's prefix: the arena files among its segments
 _MAGIC, _VERSION = b"H5SARENA", 1
@@ -125,3 +126,17 @@ def lock_range(fd: int, start: int, length: int, kind: int) -> bool:
             return False
         raise
     return True
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_hole(fd: int, start: int, length: int) -> None:
+    """Give back the pages of ``[start, start + length)`` of a tmpfs file (the size stays).
+
+    Raised when the kernel refuses: OSError."""
+    if _LIBC.fallocate(fd, _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, start, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))

@@ -236,7 +236,13 @@ class ArenaBlocks:
         absent = self._state[ids] != _HELD
         if absent.any():
             missing, batch = np.unique(ids[absent]), np.unique(ids)
-            self._ask({b: False for b in missing.tolist() if self._state[b] == _NONE})
+            # one exchange for every block not answered ready yet (not a round trip each)
+            stale = [b for b in missing.tolist()
+                     if self._state[b] == _NONE or any(a.state != "ready" for a in self._asked[b])]
+            for b in stale:
+                self._asked.pop(b, None)
+                self._state[b] = _NONE
+            self._ask({b: False for b in stale})
             for block in missing.tolist():
                 self._hold(int(block), batch)
         local = rows - self.layout.bounds[ids]

@@ -39,6 +39,7 @@ from ...segments.arena import (
     ArenaLayout,
     ArenaTarget,
     lock_range,
+    punch_hole,
     table_of,
     write_header,
 )
@@ -60,6 +61,7 @@ class _Slot:
     generation: int = 0
     state: int = FREE
     needed: bool = False  # a request that was no prefetch asked for its block since it was loaded
+    punched: bool = False  # its pages given back (free, not counted in the budget)
     last_used: float = 0.0
     meta: SegmentMeta | None = None
     spans: tuple[tuple[int, int], ...] | None = None
@@ -103,11 +105,13 @@ class Arenas:
         self._reaping: list[ForkServerProcess] = []
         self.loads = 0
         self.reclaims = 0
+        self.punches = 0
 
     @property
     def nbytes(self) -> int:
         """What the budget counts of the arenas: their headers and every slot used so far."""
-        return sum(a.layout.data_offset + len(a.slots) * a.layout.slot_bytes for a in self._arenas.values())
+        return sum(a.layout.data_offset + sum(not s.punched for s in a.slots) * a.layout.slot_bytes
+                   for a in self._arenas.values())
 
     # ----- acquire --------------------------------------------------------------------------
     def acquire(self, req: Acquire, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None,
@@ -177,19 +181,27 @@ class Arenas:
         return arena
 
     def _take_slot(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot:
-        """A slot for a new block, write-locked by this daemon."""
+        """A slot for a new block, write-locked by this daemon: a free one with its pages, else
+        one more slot's pages if the budget has room (a punched slot's, or a slot never used),
+        else the least recently used ready slot nobody leases."""
         layout = arena.layout
-        if len(arena.slots) < layout.n_slots:
-            try:
-                self._make_room(layout.slot_bytes, meta, prefetch)
-            except BudgetExceeded:
-                pass  # no room for a new slot: reuse one of this arena's
-            else:
-                slot = _Slot(len(arena.slots))
-                arena.slots.append(slot)
-                if not lock_range(arena.fd, layout.slot_offset(slot.index), layout.slot_bytes, fcntl.F_WRLCK):
-                    raise BudgetExceeded(f"stream arena {arena.name}: a fresh slot is leased")  # never, but checked
-                return slot
+        free = next((s for s in arena.slots if s.state == FREE and not s.punched), None)
+        if free is None:
+            punched = next((s for s in arena.slots if s.punched), None)
+            if punched is not None or len(arena.slots) < layout.n_slots:
+                try:
+                    self._make_room(layout.slot_bytes, meta, prefetch)
+                except BudgetExceeded:
+                    pass  # no room for another slot's pages: reuse one of this arena's
+                else:
+                    if punched is None:
+                        punched = _Slot(len(arena.slots))
+                        arena.slots.append(punched)
+                    punched.punched = False
+                    free = punched
+        # a free slot's lock fails only while a rank that locked it before reading the table lets go
+        if free is not None and lock_range(arena.fd, layout.slot_offset(free.index), layout.slot_bytes, fcntl.F_WRLCK):
+            return free
         for slot in sorted((s for s in arena.slots if s.state == READY and (s.needed or not prefetch)),
                            key=lambda s: s.last_used):
             if lock_range(arena.fd, layout.slot_offset(slot.index), layout.slot_bytes, fcntl.F_WRLCK):
@@ -200,6 +212,28 @@ class Arenas:
             f"no room for a block of {meta.source_path}[{meta.key}]: its stream arena's {len(arena.slots)} slots "
             f"({format_bytes(len(arena.slots) * layout.slot_bytes)}) are all being read or loaded and the budget "
             f"({format_bytes(self.max_memory)}) has no room for another; ask again once ranks release blocks")
+
+    def punch(self, needed: int) -> int:
+        """Give back the pages of ready slots nobody leases (an OFD write lock taken without
+        waiting), least recently used first, until ``needed`` bytes are freed: the store's
+        eviction when other segments need the room. Returns the bytes freed."""
+        freed = 0
+        ready = sorted(((a, s) for a in self._arenas.values() for s in a.slots if s.state == READY),
+                       key=lambda pair: pair[1].last_used)
+        for arena, slot in ready:
+            if freed >= needed:
+                break
+            offset, size = arena.layout.slot_offset(slot.index), arena.layout.slot_bytes
+            if not lock_range(arena.fd, offset, size, fcntl.F_WRLCK):
+                continue
+            arena.slot_of.pop(slot.block, None)
+            slot.state, slot.block, slot.punched = FREE, -1, True
+            arena.publish(slot)
+            punch_hole(arena.fd, offset, size)
+            lock_range(arena.fd, offset, size, fcntl.F_UNLCK)
+            freed += size
+            self.punches += 1
+        return freed
 
     # ----- loads ----------------------------------------------------------------------------
     def launch(self) -> None:
