@@ -1,6 +1,8 @@
 """A rank's CPU per epoch in stream mode against global mode on the same file in the page
 cache, one process, no workers, at windows of 5%, 25% and 100% of the file: blocks gathered a
-block at a time (``H5SERVE_STITCH=0``, as before) and stitched (one gather per key a batch).
+block at a time (``H5SERVE_STITCH=0``, as before), stitched (one gather per key a batch) and,
+on branch wip-arena, from the daemon's stream arenas (``H5SERVE_ARENA=1``: each key mapped once,
+a block a slot leased by an OFD lock; docs/architecture.md, *Stream arena*).
 
     python -m bench.stream_cost [--mib 256] [--epochs 3]
 
@@ -55,25 +57,33 @@ def stream_cost(data_dir: Path, mib: int = 256, epochs: int = 3) -> list[Row]:
         for share in (0.05, 0.25, 1.0):
             window = str(int(size * share)) if share < 1 else str(int(size * 1.05))
             found = {}
-            for stitch in ("0", "1"):
-                os.environ["H5SERVE_STITCH"] = stitch
+            for stitch, env in (("0", "H5SERVE_STITCH"), ("1", "H5SERVE_STITCH"), ("arena", "H5SERVE_ARENA")):
+                os.environ[env] = "1" if stitch == "arena" else stitch
                 try:
                     found[stitch] = _epochs(path, daemon.runtime_dir, epochs, mode="stream", window=window)
                 finally:
-                    os.environ.pop("H5SERVE_STITCH", None)
-            before, after = (min(c for c, _ in found[k][1:]) for k in ("0", "1"))
-            log(f"window {share:.0%}: CPU an epoch {before:.2f} s block by block, {after:.2f} s stitched "
-                f"(global {g_cpu:.2f} s); second epoch {found['0'][1][1]:,.0f} / {found['1'][1][1]:,.0f} samples/s")
+                    os.environ.pop(env, None)
+            before, after, arena = (min(c for c, _ in found[k][1:]) for k in ("0", "1", "arena"))
+            log(f"window {share:.0%}: CPU an epoch {before:.2f} s block by block, {after:.2f} s stitched, "
+                f"{arena:.2f} s arena (global {g_cpu:.2f} s); second epoch {found['0'][1][1]:,.0f} / "
+                f"{found['1'][1][1]:,.0f} / {found['arena'][1][1]:,.0f} samples/s; each epoch's CPU "
+                + " | ".join(f"{k}: " + " ".join(f"{c:.2f}" for c, _ in found[k]) for k in found))
             what = f"{mib} MiB cached, window {share:.0%} of the file, batch {BATCH}, 1 rank, no workers"
             rows.append(Row(f"stream CPU an epoch, stitched vs block by block, {what}", "s", after, before,
                             higher_is_better=False))
             rows.append(Row(f"stream CPU an epoch, stitched vs global mode, {what}", "s", after, g_cpu,
+                            higher_is_better=False))
+            rows.append(Row(f"stream CPU an epoch, arena vs global mode, {what}", "s", arena, g_cpu,
+                            higher_is_better=False))
+            rows.append(Row(f"stream CPU an epoch, arena vs stitched, {what}", "s", arena, after,
                             higher_is_better=False))
             if share == 1.0:
                 rows.append(Row(f"stream second epoch pace, stitched vs global mode, {what}", "samples/s",
                                 found["1"][1][1], g_pace))
                 rows.append(Row(f"stream second epoch pace, block by block vs global mode, {what}", "samples/s",
                                 found["0"][1][1], g_pace))
+                rows.append(Row(f"stream second epoch pace, arena vs global mode, {what}", "samples/s",
+                                found["arena"][1][1], g_pace))
     return rows
 
 

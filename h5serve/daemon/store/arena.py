@@ -94,7 +94,7 @@ class Arenas:
     daemon's leftovers remove them); ``max_memory``: the budget their used slots count against."""
 
     def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
-                 pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool], None],
+                 pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool, object], None],
                  other_loads: Callable[[], int]) -> None:
         self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
         self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
@@ -190,7 +190,7 @@ class Arenas:
             punched = next((s for s in arena.slots if s.punched), None)
             if punched is not None or len(arena.slots) < layout.n_slots:
                 try:
-                    self._make_room(layout.slot_bytes, meta, prefetch)
+                    self._make_room(layout.slot_bytes, meta, prefetch, arena)  # other arenas' slots may be punched
                 except BudgetExceeded:
                     pass  # no room for another slot's pages: reuse one of this arena's
                 else:
@@ -213,12 +213,13 @@ class Arenas:
             f"({format_bytes(len(arena.slots) * layout.slot_bytes)}) are all being read or loaded and the budget "
             f"({format_bytes(self.max_memory)}) has no room for another; ask again once ranks release blocks")
 
-    def punch(self, needed: int) -> int:
+    def punch(self, needed: int, keep: object = None) -> int:
         """Give back the pages of ready slots nobody leases (an OFD write lock taken without
         waiting), least recently used first, until ``needed`` bytes are freed: the store's
-        eviction when other segments need the room. Returns the bytes freed."""
+        eviction when other segments or another arena need the room (never ``keep``'s: an arena
+        growing reuses its own slots instead). Returns the bytes freed."""
         freed = 0
-        ready = sorted(((a, s) for a in self._arenas.values() for s in a.slots if s.state == READY),
+        ready = sorted(((a, s) for a in self._arenas.values() if a is not keep for s in a.slots if s.state == READY),
                        key=lambda pair: pair[1].last_used)
         for arena, slot in ready:
             if freed >= needed:

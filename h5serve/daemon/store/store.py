@@ -119,7 +119,7 @@ class SegmentStore:
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
         # prototype (branch wip-arena): stream blocks asked for in slots of an arena (arena.py)
         self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool,
-                             lambda needed, meta, prefetch: self._make_room(needed, meta, prefetch, punch=False),
+                             lambda needed, meta, prefetch, arena: self._make_room(needed, meta, prefetch, arena),
                              lambda: len(self.loads.running()))
 
     # ----- startup -------------------------------------------------------------------------
@@ -371,7 +371,7 @@ class SegmentStore:
         in flight its room (``Entry.charge``)."""
         return self.entries.ledger.total + self.arenas.nbytes  # kept as entries come, go and change (entries.Entries)
 
-    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, punch: bool = True) -> None:
+    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, arena: object = None) -> None:
         """Evict least-recently-used segments no client holds until ``needed`` fits the budget
         (for a ``prefetch``, never a stream block prefetched and not needed yet: prefetch.py).
 
@@ -389,8 +389,8 @@ class SegmentStore:
                 used -= entry.charge
                 self.counters["evictions"] += 1
                 log.log(load_log_level(entry.meta), "evicted %s to make room", entry.file)
-        if used + needed > self.max_memory and punch:  # prototype: unleased arena slots give back their pages
-            used -= self.arenas.punch(used + needed - self.max_memory)
+        if used + needed > self.max_memory:  # prototype: unleased arena slots (not ``arena``'s) give back their pages
+            used -= self.arenas.punch(used + needed - self.max_memory, keep=arena)
         if used + needed > self.max_memory:
             self.counters["refusals"] += not prefetch  # a prefetch refused is asked again when needed
             raise over_budget(meta, needed, used, self.max_memory, self.budget_rule)
