@@ -1,0 +1,106 @@
+"""The stream arena prototype (branch wip-arena, ``H5SERVE_ARENA=1``; docs/architecture.md,
+*Stream arena*) on a real daemon: every row of every epoch exactly once and equal to the file's
+with a budget a quarter of the file (slots reused all along), each key's arena mapped once (the
+process's mappings do not grow with the blocks it reads); and the lease protocol: a slot a rank
+holds a read lock on is never reused, one it let go is, and a rank that locks a slot reused
+since its answer sees another generation in the table and asks again."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from h5serve.client import SharedH5Dataset, make_loader
+from h5serve.client.streaming.arena_blocks import ARENA_ENV, _Mapped
+from h5serve.errors import BudgetExceeded
+from h5serve.segments import segment_prefix
+from h5serve.segments.arena import ARENA_MARK, READY
+from h5serve.segments.stitch import mappings_in_use
+from h5serve.wire.connection import DaemonClient
+from h5serve.wire.protocol import Acquire
+from h5serve.wire.runtime import resolve_runtime
+
+from ..helpers import make_h5, running_daemon
+
+pytestmark = pytest.mark.timeout(300)
+
+ROWS, SHAPE, BLOCK_ROWS = 8193, (1024,), 128  # 65 blocks of 128 KiB (the last of 1 row): 8 MiB of x
+BUDGET = 2 * 1024 * 1024  # a quarter of the file
+
+
+@pytest.fixture(scope="module")
+def h5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_h5(tmp_path_factory.mktemp("arena") / "data.h5", rows=ROWS, row_shape=SHAPE)
+
+
+def test_every_row_once_as_in_the_file(h5: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ARENA_ENV, "1")
+    with h5py.File(h5) as f:
+        x = f["x"][:]
+    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
+        ds = SharedH5Dataset(h5, "x", "y", rank=0, world_size=1, runtime_dir=d.runtime_dir, fallback="error",
+                             mode="stream", window="1MiB", block_rows=BLOCK_ROWS)
+        try:
+            loader = make_loader(ds, 32, seed=0)
+            maps = []
+            for epoch in range(2):
+                loader.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
+                seen = []
+                for xb, yb in loader:
+                    rows = yb.numpy()
+                    np.testing.assert_array_equal(xb.numpy(), x[rows])
+                    seen.append(rows)
+                    maps.append(mappings_in_use())
+                np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(ROWS))
+            assert ds.backend == "shm"
+            prefix = segment_prefix(resolve_runtime(d.runtime_dir).namespace) + ARENA_MARK
+            arenas = [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
+            assert arenas, "no arena was made: the blocks did not go through the arena"
+            # each key's arena mapped once: 130 blocks leased over two epochs, a few mappings more at most
+            assert max(maps) - min(maps) <= 4, (min(maps), max(maps))
+            with DaemonClient(d.runtime_dir) as client:
+                memory = client.status()["memory"]
+            assert memory["used"] <= BUDGET
+        finally:
+            ds.close()
+
+
+def _blocks(path: Path) -> list[Acquire]:
+    return [Acquire(str(path), "x", 1, 0, "stream", None, rows=(a, min(a + 64, 1000)), arena=64)
+            for a in range(0, 1000, 64)]
+
+
+def test_leases_keep_a_slot_and_a_reused_slot_is_seen(tmp_path: Path) -> None:
+    path = make_h5(tmp_path / "small.h5", rows=1000, row_shape=(1024,))  # 16 blocks of 64 KiB
+    with running_daemon("--max-memory", str(1024 * 1024), "--loaders", "1") as d, DaemonClient(d.runtime_dir) as c:
+        blocks = _blocks(path)
+        first = c.acquire(blocks[0])
+        arena = _Mapped(first)
+        try:
+            assert arena.lock(first.slot, fcntl.F_RDLCK) and arena.shows(first.slot, 0, first.generation)
+            # the budget holds 15 slots: blocks 1..14 fill them, block 15 must reuse one, never the leased
+            answers = [c.acquire(b) for b in blocks[1:15]]
+            fifteenth = c.acquire(blocks[15])
+            assert fifteenth.slot == answers[0].slot != first.slot  # block 1's: the least recently used unleased
+            assert arena.shows(first.slot, 0, first.generation)
+            with h5py.File(path) as f:
+                np.testing.assert_array_equal(arena.take(np.full(64, first.slot), np.arange(64)), f["x"][:64])
+            # let go: the least recently used slot is block 0's, reused for the next new block
+            arena.lock(first.slot, fcntl.F_UNLCK)
+            again = c.acquire(blocks[1])
+            assert (again.slot, again.generation) == (first.slot, first.generation + 1)
+            # the answer for block 0 a rank held: locked now, the table shows another block: asked again
+            assert arena.lock(first.slot, fcntl.F_RDLCK)
+            assert not arena.shows(first.slot, 0, first.generation)
+            assert int(arena.table[first.slot, 2]) == READY
+            # every slot leased: a new block has no room, and the daemon says so (no slot taken from a reader)
+            for slot in np.flatnonzero(arena.table[:, 2] == READY).tolist():
+                assert arena.lock(slot, fcntl.F_RDLCK)
+            with pytest.raises(BudgetExceeded):
+                c.acquire(blocks[0])
+        finally:
+            arena.close()
