@@ -36,6 +36,7 @@ __all__ = ["ArenaBlocks", "ARENA_ENV"]
 ARENA_ENV = "H5SERVE_ARENA"  # "1": stream blocks of fixed-size rows in the daemon's arenas (prototype)
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
 _NONE, _ASKED, _HELD = 0, 1, 2
+ASK_TOGETHER = 8  # blocks ahead asked for in one exchange (the window's own blocks are asked at once)
 
 
 class _Mapped:
@@ -111,12 +112,19 @@ class ArenaBlocks:
         self._slot = [np.full(n, -1, dtype=np.int64) for _ in range(keys)]
         self._arena: list[_Mapped | None] = [None] * keys
         self._asked: dict[int, list[AcquireResult]] = {}
+        self._made: dict[tuple[int, bool], list[Acquire]] = {}
         self.holds = 0  # blocks this process took leases on
         self.asked_again = 0  # leases that found the slot reused between the answer and the lock
         self.ready_waits = 0
+        self.exchanges = 0  # request_many calls (one wait each)
 
     def _requests(self, block: int, prefetch: bool) -> list[Acquire]:
-        return [replace(r, arena=self.layout.block_rows) for r in self._requests_of(block, prefetch)]
+        """The block's acquires, built once a process (checking a message costs more than sending it)."""
+        found = self._made.get((block, prefetch))
+        if found is None:
+            found = self._made[(block, prefetch)] = [replace(r, arena=self.layout.block_rows)
+                                                     for r in self._requests_of(block, prefetch)]
+        return found
 
     # ----- the window -------------------------------------------------------------------------
     def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
@@ -150,21 +158,27 @@ class ArenaBlocks:
         """Ask for the window's blocks, then those ahead, not held or asked yet: one exchange."""
         alive = np.asarray(alive, dtype=np.int64)
         ahead = np.asarray(ahead, dtype=np.int64)[:self.depth]
-        for block in self._outside(_ASKED, ahead, alive).tolist():
-            del self._asked[block]
-            self._state[block] = _NONE
+        if self._asked:
+            for block in self._outside(_ASKED, ahead, alive).tolist():
+                del self._asked[block]
+                self._state[block] = _NONE
         wanted: dict[int, bool] = {}
         for prefetch, blocks in ((False, alive), (True, ahead)):
             for block in blocks[self._state[blocks] == _NONE].tolist():
                 if len(self._asked) + len(wanted) >= self.depth:
                     break
                 wanted.setdefault(block, prefetch)
+        # blocks ahead are asked for a few at a time (one exchange, not one a batch), the
+        # window's own at once
+        if all(wanted.values()) and len(wanted) < min(ASK_TOGETHER, len(ahead)):
+            return
         self._ask(wanted)
 
     def _ask(self, wanted: dict[int, bool]) -> None:
         if not wanted:
             return
         per_block = [self._requests(block, prefetch) for block, prefetch in wanted.items()]
+        self.exchanges += 1
         replies = iter(self._client().request_many([r for requests in per_block for r in requests]))
         for block, requests in zip(wanted, per_block):
             answers = [next(replies) for _ in requests]

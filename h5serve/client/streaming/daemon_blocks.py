@@ -204,6 +204,7 @@ class DaemonBlocks:
         self._check_pid()
         if self._arena is not None:
             self._arena.retain(alive)
+            return
         if self._keeps_all:
             return
         for block in self._outside(_HELD, alive).tolist():
@@ -219,6 +220,7 @@ class DaemonBlocks:
         self._check_pid()
         if self._arena is not None:
             self._arena.release(done)
+            return
         if self._keeps_all:
             return
         for block in np.asarray(done).tolist():
@@ -243,6 +245,9 @@ class DaemonBlocks:
         (the blocks are asked for again when needed). Forgets the prefetches outside ``alive`` and
         ``ahead`` (the window has passed them: nothing held, nothing to close)."""
         self._check_pid()
+        if self._arena is not None and (self._whole_asked or not any(self.whole)):
+            self._arena.prefetch(ahead, alive)
+            return
         if (self._keeps_all and not self._asked and len(self._held) == self.layout.n_blocks
                 and (self._whole_asked or not any(self.whole))):
             return  # every block mapped and kept: nothing to ask for, each batch (a second epoch's)
