@@ -194,7 +194,10 @@ class AcquireResult:
     generation: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = dataclasses.asdict(self)
+        if not self.generation:  # not an arena block (generations start at 1): the reply as before
+            del fields["slot"], fields["generation"]
+        return fields
 
     @classmethod
     def from_wire(cls, result: dict[str, Any]) -> AcquireResult:

@@ -620,7 +620,8 @@ def test_acquire_result_rejects_bad_field_types(change):
 
 
 def test_acquire_result_is_a_dataclass_with_wire_fields():
-    assert [f.name for f in dataclasses.fields(AcquireResult)] == list(VALID_RESULT)
+    # branch wip-arena: an arena block's slot and generation, sent only with a generation (prototype)
+    assert [f.name for f in dataclasses.fields(AcquireResult)] == [*VALID_RESULT, "slot", "generation"]
 
 
 # ----- keys: one spelling per dataset (issue 21: equivalent keys were separate loads) -----------
