@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -109,10 +110,10 @@ def read_layout(header: bytes) -> ArenaLayout:
     return layout
 
 
-def table_of(buffer: object, layout: ArenaLayout) -> np.ndarray:
+def table_of(buffer: mmap.mmap, layout: ArenaLayout) -> np.ndarray:
     """The slot table in ``buffer`` (the arena mapped from offset 0): ``[slot] = (block start,
     generation, state)``, int64."""
-    return np.ndarray((layout.n_slots, 3), dtype="<i8", buffer=buffer, offset=TABLE_OFFSET)  # type: ignore[call-overload]
+    return np.ndarray((layout.n_slots, 3), dtype="<i8", buffer=buffer, offset=TABLE_OFFSET)
 
 
 def lock_range(fd: int, start: int, length: int, kind: int) -> bool:

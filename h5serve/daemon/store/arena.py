@@ -286,7 +286,7 @@ class Arenas:
             arena.publish(slot)
             lock_range(arena.fd, arena.layout.slot_offset(slot.index), arena.layout.slot_bytes, fcntl.F_UNLCK)
         self._running = still
-        self._reaping = [p for p in self._reaping if p.is_alive() or p.close() is not None]
+        self._reaping = [p for p in self._reaping if not _reaped(p)]
 
     def fds(self) -> list[int]:
         """The pipes of running slot loads (the control loop wakes on them)."""
@@ -307,3 +307,10 @@ class Arenas:
             arena.mapping.close()
             os.close(arena.fd)
         self._arenas.clear()
+
+
+def _reaped(process: ForkServerProcess) -> bool:
+    if process.is_alive():
+        return False
+    process.close()
+    return True
