@@ -24,7 +24,7 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import resolve_runtime
 
-from ..helpers import make_h5, running_daemon
+from ..helpers import make_h5, running_daemon, torchrun_two_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,3 +104,27 @@ def test_leases_keep_a_slot_and_a_reused_slot_is_seen(tmp_path: Path) -> None:
                 c.acquire(blocks[0])
         finally:
             arena.close()
+
+
+def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two torchrun ranks (a DDP job, every batch checked against h5py's rows by the job) read
+    the same arenas: every row once per epoch between them, each block loaded once for the node
+    (the ranks' leases are their own open file descriptions), within the budget."""
+    monkeypatch.setenv(ARENA_ENV, "1")
+    job = Path(__file__).resolve().parents[1] / "jobs" / "stream_job.py"
+    args = [str(h5), str(tmp_path / "out"), "--window", "1MiB", "--block-rows", str(BLOCK_ROWS), "--batch-size", "32",
+            "--epochs", "2", "--loaders", "make:0", "--resume-at", "0"]
+    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
+        reports = torchrun_two_ranks(job, args, tmp_path / "out", d.runtime_dir, 250)
+        with DaemonClient(d.runtime_dir) as client:
+            status = client.status()
+    for epoch in range(2):
+        rows = [row for r in reports for batch in r["runs"]["make:0"][epoch] for row in batch]
+        np.testing.assert_array_equal(np.sort(rows), np.arange(ROWS))
+    arenas, counters = status["arenas"], status["counters"]
+    assert arenas["arenas"] == 2 and counters["loads"] == 0  # x and y in arenas, no block in a segment of its own
+    blocks = -(-ROWS // BLOCK_ROWS)
+    # x's blocks (4x the budget) loaded once a node an epoch, y's (a small arena) at least once: the
+    # ranks share each load; a slot reused while the other rank still needed it would load again
+    assert 2 * blocks + blocks <= arenas["loads"] <= 2 * blocks * 2 * 1.1, arenas
+    assert status["memory"]["used"] <= BUDGET

@@ -288,6 +288,12 @@ class Arenas:
         self._running = still
         self._reaping = [p for p in self._reaping if not _reaped(p)]
 
+    def report(self) -> dict[str, int]:
+        """Counters and sizes for ``status`` (prototype)."""
+        slots = [s for a in self._arenas.values() for s in a.slots]
+        return {"arenas": len(self._arenas), "loads": self.loads, "reclaims": self.reclaims, "punches": self.punches,
+                "slots": len(slots), "ready": sum(s.state == READY for s in slots), "bytes": self.nbytes}
+
     def fds(self) -> list[int]:
         """The pipes of running slot loads (the control loop wakes on them)."""
         return [s.reply.fileno() for _, s in self._running if s.reply is not None and not s.reply.closed]

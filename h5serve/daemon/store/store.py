@@ -461,6 +461,7 @@ class SegmentStore:
             },
             "counters": dict(self.counters),
             "errors": dict(self.errors),
+            "arenas": self.arenas.report(),  # prototype (branch wip-arena)
         }
 
     def shutdown(self) -> None:
