@@ -118,10 +118,13 @@ def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest
         reports = torchrun_two_ranks(job, args, tmp_path / "out", d.runtime_dir, 250)
         with DaemonClient(d.runtime_dir) as client:
             status = client.status()
-    for epoch in range(2):
-        rows = [row for r in reports for batch in r["runs"]["make:0"][epoch] for row in batch]
-        np.testing.assert_array_equal(np.sort(rows), np.arange(ROWS))
+    for epoch in range(2):  # every row once between the ranks (the padding repeats a few: equal batch counts)
+        per_rank = [r["runs"]["make:0"][epoch] for r in reports]
+        assert len(per_rank[0]) == len(per_rank[1])
+        rows = [row for batches in per_rank for batch in batches for row in batch]
+        assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
     arenas, counters = status["arenas"], status["counters"]
+    print("arenas after 2 epochs of 2 ranks:", arenas)
     assert arenas["arenas"] == 2 and counters["loads"] == 0  # x and y in arenas, no block in a segment of its own
     blocks = -(-ROWS // BLOCK_ROWS)
     # x's blocks (4x the budget) loaded once a node an epoch, y's (a small arena) at least once: the

@@ -94,7 +94,7 @@ class Arenas:
     daemon's leftovers remove them); ``max_memory``: the budget their used slots count against."""
 
     def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
-                 pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool, object], None],
+                 pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool, object, bool], None],
                  other_loads: Callable[[], int]) -> None:
         self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
         self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
@@ -181,37 +181,56 @@ class Arenas:
         return arena
 
     def _take_slot(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot:
-        """A slot for a new block, write-locked by this daemon: a free one with its pages, else
-        one more slot's pages if the budget has room (a punched slot's, or a slot never used),
-        else the least recently used ready slot nobody leases."""
+        """A slot for a new block, write-locked by this daemon, the first of: a free slot that
+        has its pages; one more slot's pages while the budget has room (other segments evicted
+        as for any load); the least recently used ready slot of this arena nobody leases; one
+        more slot's pages taken from another arena's unleased slots (punched). So an arena
+        keeps what the budget allows, as a segment per block did, and two arenas of one stream
+        (x and y) do not take each other's slots while either can reuse its own."""
         layout = arena.layout
         free = next((s for s in arena.slots if s.state == FREE and not s.punched), None)
-        if free is None:
-            punched = next((s for s in arena.slots if s.punched), None)
-            if punched is not None or len(arena.slots) < layout.n_slots:
-                try:
-                    self._make_room(layout.slot_bytes, meta, prefetch, arena)  # other arenas' slots may be punched
-                except BudgetExceeded:
-                    pass  # no room for another slot's pages: reuse one of this arena's
-                else:
-                    if punched is None:
-                        punched = _Slot(len(arena.slots))
-                        arena.slots.append(punched)
-                    punched.punched = False
-                    free = punched
         # a free slot's lock fails only while a rank that locked it before reading the table lets go
-        if free is not None and lock_range(arena.fd, layout.slot_offset(free.index), layout.slot_bytes, fcntl.F_WRLCK):
+        if free is not None and self._lock(arena, free):
             return free
+        grown = self._grow(arena, meta, prefetch, punch=False)
+        if grown is not None:
+            return grown
         for slot in sorted((s for s in arena.slots if s.state == READY and (s.needed or not prefetch)),
                            key=lambda s: s.last_used):
-            if lock_range(arena.fd, layout.slot_offset(slot.index), layout.slot_bytes, fcntl.F_WRLCK):
+            if self._lock(arena, slot):
                 del arena.slot_of[slot.block]
                 self.reclaims += 1
                 return slot
+        grown = self._grow(arena, meta, prefetch, punch=True)
+        if grown is not None:
+            return grown
         raise BudgetExceeded(
             f"no room for a block of {meta.source_path}[{meta.key}]: its stream arena's {len(arena.slots)} slots "
             f"({format_bytes(len(arena.slots) * layout.slot_bytes)}) are all being read or loaded and the budget "
             f"({format_bytes(self.max_memory)}) has no room for another; ask again once ranks release blocks")
+
+    def _grow(self, arena: _Arena, meta: SegmentMeta, prefetch: bool, punch: bool) -> _Slot | None:
+        """One more slot's pages (a punched slot's, or a slot never used), write-locked, if the
+        budget has room for them (``punch``: other arenas' unleased slots may give it)."""
+        punched = next((s for s in arena.slots if s.punched), None)
+        if punched is None and len(arena.slots) >= arena.layout.n_slots:
+            return None
+        try:
+            self._make_room(arena.layout.slot_bytes, meta, prefetch, arena, punch)
+        except BudgetExceeded:
+            return None
+        if punched is None:
+            punched = _Slot(len(arena.slots))
+            arena.slots.append(punched)
+        punched.punched = False
+        if not self._lock(arena, punched):  # a rank between its lock and its look at the table: free, with pages
+            punched.state = FREE
+            return None
+        return punched
+
+    @staticmethod
+    def _lock(arena: _Arena, slot: _Slot) -> bool:
+        return lock_range(arena.fd, arena.layout.slot_offset(slot.index), arena.layout.slot_bytes, fcntl.F_WRLCK)
 
     def punch(self, needed: int, keep: object = None) -> int:
         """Give back the pages of ready slots nobody leases (an OFD write lock taken without

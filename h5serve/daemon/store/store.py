@@ -119,7 +119,8 @@ class SegmentStore:
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
         # prototype (branch wip-arena): stream blocks asked for in slots of an arena (arena.py)
         self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool,
-                             lambda needed, meta, prefetch, arena: self._make_room(needed, meta, prefetch, arena),
+                             lambda needed, meta, prefetch, arena, punch: self._make_room(needed, meta, prefetch,
+                                                                                          arena, punch),
                              lambda: len(self.loads.running()))
 
     # ----- startup -------------------------------------------------------------------------
@@ -371,7 +372,8 @@ class SegmentStore:
         in flight its room (``Entry.charge``)."""
         return self.entries.ledger.total + self.arenas.nbytes  # kept as entries come, go and change (entries.Entries)
 
-    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, arena: object = None) -> None:
+    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, arena: object = None,
+                   punch: bool = True) -> None:
         """Evict least-recently-used segments no client holds until ``needed`` fits the budget
         (for a ``prefetch``, never a stream block prefetched and not needed yet: prefetch.py).
 
@@ -389,7 +391,7 @@ class SegmentStore:
                 used -= entry.charge
                 self.counters["evictions"] += 1
                 log.log(load_log_level(entry.meta), "evicted %s to make room", entry.file)
-        if used + needed > self.max_memory:  # prototype: unleased arena slots (not ``arena``'s) give back their pages
+        if used + needed > self.max_memory and punch:  # prototype: unleased arena slots (not ``arena``'s) go
             used -= self.arenas.punch(used + needed - self.max_memory, keep=arena)
         if used + needed > self.max_memory:
             self.counters["refusals"] += not prefetch  # a prefetch refused is asked again when needed
