@@ -8,6 +8,9 @@ since its answer sees another generation in the table and asks again."""
 from __future__ import annotations
 
 import fcntl
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -131,3 +134,44 @@ def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest
     # ranks share each load; a slot reused while the other rank still needed it would load again
     assert 2 * blocks + blocks <= arenas["loads"] <= 2 * blocks * 2 * 1.1, arenas
     assert status["memory"]["used"] <= BUDGET
+
+
+_HOLDER = """
+import fcntl, sys, time
+from h5serve.client.streaming.arena_blocks import _Mapped
+from h5serve.wire.protocol import AcquireResult
+result = AcquireResult(**eval(sys.argv[1]))
+arena = _Mapped(result)
+assert arena.lock(result.slot, fcntl.F_RDLCK) and arena.shows(result.slot, 0, result.generation)
+print("leased", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_dead_ranks_lease_goes_with_it(tmp_path: Path) -> None:
+    """A rank killed while it leases a slot (SIGKILL: no cleanup of its own) holds it no more:
+    the kernel drops its OFD locks with its last descriptor, and the daemon reuses the slot."""
+    path = make_h5(tmp_path / "small.h5", rows=1000, row_shape=(1024,))
+    with running_daemon("--max-memory", str(1024 * 1024), "--loaders", "1") as d, DaemonClient(d.runtime_dir) as c:
+        blocks = _blocks(path)
+        first = c.acquire(blocks[0])
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, repr(vars(first))], stdout=subprocess.PIPE,
+                                  text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "leased"
+            answers = [c.acquire(b) for b in blocks[1:15]]  # every slot the budget holds
+            arena = _Mapped(answers[0])
+            try:
+                for answer in answers:  # the other slots leased here: only block 0's could be reused
+                    assert arena.lock(answer.slot, fcntl.F_RDLCK)
+                with pytest.raises(BudgetExceeded):  # block 0's slot is the rank's, alive
+                    c.acquire(blocks[15])
+                holder.kill()
+                holder.wait(timeout=10)
+                reused = c.acquire(blocks[15])
+                assert (reused.slot, reused.generation) == (first.slot, first.generation + 1)
+            finally:
+                arena.close()
+        finally:
+            holder.kill()
+            holder.wait(timeout=10)
