@@ -113,6 +113,11 @@ class ArenaBlocks:
         self._arena: list[_Mapped | None] = [None] * keys
         self._asked: dict[int, list[AcquireResult]] = {}
         self._made: dict[tuple[int, bool], list[Acquire]] = {}
+        # the window of the last prefetch (alive, ahead) and of the last retain, to skip repeats
+        self._last_window: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        self._settled = False  # the last prefetch asked for all it wanted
+        self._last_retained: np.ndarray | None = None
+        self._held_since = -1  # ``holds`` at the last retain
         self.holds = 0  # blocks this process took leases on
         self.asked_again = 0  # leases that found the slot reused between the answer and the lock
         self.ready_waits = 0
@@ -134,9 +139,16 @@ class ArenaBlocks:
         return np.flatnonzero((self._state == state) & ~inside)
 
     def retain(self, alive: np.ndarray) -> None:
-        if not self.keeps_all:
-            for block in self._outside(_HELD, alive).tolist():
-                self._release(block)
+        """Let go of the leases outside ``alive``; nothing to look at when the window is the one
+        of the last call and nothing was leased since (most batches: a window changes only when
+        a block enters or leaves it)."""
+        if self.keeps_all:
+            return
+        if self._held_since == self.holds and _same(self._last_retained, alive):
+            return
+        for block in self._outside(_HELD, alive).tolist():
+            self._release(block)
+        self._held_since, self._last_retained = self.holds, np.array(alive, dtype=np.int64)
 
     def release(self, done: np.ndarray) -> None:
         if not self.keeps_all:
@@ -158,6 +170,10 @@ class ArenaBlocks:
         """Ask for the window's blocks, then those ahead, not held or asked yet: one exchange."""
         alive = np.asarray(alive, dtype=np.int64)
         ahead = np.asarray(ahead, dtype=np.int64)[:self.depth]
+        if self._settled and _same(self._last_window[0], alive) and _same(self._last_window[1], ahead):
+            return  # the window of the last call, all of it asked for then
+        self._last_window = (alive.copy(), ahead.copy())
+        self._settled = False
         if self._asked:
             for block in self._outside(_ASKED, ahead, alive).tolist():
                 del self._asked[block]
@@ -172,11 +188,13 @@ class ArenaBlocks:
         # window's own at once
         if all(wanted.values()) and len(wanted) < min(ASK_TOGETHER, len(ahead)):
             return
-        self._ask(wanted)
+        self._settled = self._ask(wanted) and len(self._asked) < self.depth
 
-    def _ask(self, wanted: dict[int, bool]) -> None:
+    def _ask(self, wanted: dict[int, bool]) -> bool:
+        """Ask for ``wanted`` (block: as a prefetch) in one exchange. False: the daemon refused
+        one for room (the rest asked for again later)."""
         if not wanted:
-            return
+            return True
         per_block = [self._requests(block, prefetch) for block, prefetch in wanted.items()]
         self.exchanges += 1
         replies = iter(self._client().request_many([r for requests in per_block for r in requests]))
@@ -184,11 +202,12 @@ class ArenaBlocks:
             answers = [next(replies) for _ in requests]
             refused = next((a for a in answers if isinstance(a, Exception)), None)
             if isinstance(refused, CapacityError):
-                return  # asked again when needed
+                return False  # asked again when needed
             if refused is not None:
                 raise refused
             self._asked[block] = [AcquireResult.from_wire(a) for a in answers if not isinstance(a, Exception)]
             self._state[block] = _ASKED
+        return True
 
     # ----- holding a block --------------------------------------------------------------------
     def _hold(self, block: int, needed: np.ndarray) -> None:
@@ -284,3 +303,8 @@ class ArenaBlocks:
         self._arena = [None] * self.keys
         self._asked.clear()
         self._state[:] = _NONE
+        self._last_window, self._settled, self._last_retained = (None, None), False, None
+
+
+def _same(last: np.ndarray | None, now: np.ndarray) -> bool:
+    return last is not None and len(last) == len(now) and bool(np.array_equal(last, now))
