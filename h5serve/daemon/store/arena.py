@@ -182,41 +182,47 @@ class Arenas:
 
     def _take_slot(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot:
         """A slot for a new block, write-locked by this daemon, the first of: a free slot that
-        has its pages; one more slot's pages while the budget has room (other segments evicted
-        as for any load); the least recently used ready slot of this arena nobody leases; one
-        more slot's pages taken from another arena's unleased slots (punched). So an arena
-        keeps what the budget allows, as a segment per block did, and two arenas of one stream
-        (x and y) do not take each other's slots while either can reuse its own."""
+        has its pages; one more slot's pages while the budget has room (unheld segments evicted
+        for it as for any load); then, least recently used first over every arena's ready slots
+        nobody leases (for a prefetch, only those some request needed since their load): one of
+        this arena's, reused, or another arena's, punched to grow this one. So arenas share the
+        budget as segments per block did (LRU), a finished stream's arena gives way, and a
+        prefetch never takes another rank's next block."""
         layout = arena.layout
         free = next((s for s in arena.slots if s.state == FREE and not s.punched), None)
         # a free slot's lock fails only while a rank that locked it before reading the table lets go
         if free is not None and self._lock(arena, free):
             return free
-        grown = self._grow(arena, meta, prefetch, punch=False)
+        grown = self._grow(arena, meta, prefetch)
         if grown is not None:
             return grown
-        for slot in sorted((s for s in arena.slots if s.state == READY and (s.needed or not prefetch)),
-                           key=lambda s: s.last_used):
-            if self._lock(arena, slot):
-                del arena.slot_of[slot.block]
-                self.reclaims += 1
-                return slot
-        grown = self._grow(arena, meta, prefetch, punch=True)
-        if grown is not None:
-            return grown
+        can_grow = len(arena.slots) < layout.n_slots or any(s.punched for s in arena.slots)
+        candidates = sorted(((a, s) for a in self._arenas.values() if a is arena or can_grow
+                             for s in a.slots if s.state == READY and (s.needed or not prefetch)),
+                            key=lambda pair: pair[1].last_used)
+        for owner, slot in candidates:
+            if owner is arena:
+                if self._lock(arena, slot):
+                    del arena.slot_of[slot.block]
+                    self.reclaims += 1
+                    return slot
+            elif self._punch(owner, slot):
+                grown = self._grow(arena, meta, prefetch)
+                if grown is not None:
+                    return grown
         raise BudgetExceeded(
             f"no room for a block of {meta.source_path}[{meta.key}]: its stream arena's {len(arena.slots)} slots "
             f"({format_bytes(len(arena.slots) * layout.slot_bytes)}) are all being read or loaded and the budget "
             f"({format_bytes(self.max_memory)}) has no room for another; ask again once ranks release blocks")
 
-    def _grow(self, arena: _Arena, meta: SegmentMeta, prefetch: bool, punch: bool) -> _Slot | None:
+    def _grow(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot | None:
         """One more slot's pages (a punched slot's, or a slot never used), write-locked, if the
-        budget has room for them (``punch``: other arenas' unleased slots may give it)."""
+        budget has room for them (unheld segments evicted for it; no arena's slot punched)."""
         punched = next((s for s in arena.slots if s.punched), None)
         if punched is None and len(arena.slots) >= arena.layout.n_slots:
             return None
         try:
-            self._make_room(arena.layout.slot_bytes, meta, prefetch, arena, punch)
+            self._make_room(arena.layout.slot_bytes, meta, prefetch, arena, False)
         except BudgetExceeded:
             return None
         if punched is None:
@@ -233,27 +239,31 @@ class Arenas:
         return lock_range(arena.fd, arena.layout.slot_offset(slot.index), arena.layout.slot_bytes, fcntl.F_WRLCK)
 
     def punch(self, needed: int, keep: object = None) -> int:
-        """Give back the pages of ready slots nobody leases (an OFD write lock taken without
-        waiting), least recently used first, until ``needed`` bytes are freed: the store's
-        eviction when other segments or another arena need the room (never ``keep``'s: an arena
-        growing reuses its own slots instead). Returns the bytes freed."""
+        """Give back the pages of ready slots nobody leases, least recently used first, until
+        ``needed`` bytes are freed: the store's eviction when another load needs the room
+        (never ``keep``'s slots). Returns the bytes freed."""
         freed = 0
         ready = sorted(((a, s) for a in self._arenas.values() if a is not keep for s in a.slots if s.state == READY),
                        key=lambda pair: pair[1].last_used)
         for arena, slot in ready:
             if freed >= needed:
                 break
-            offset, size = arena.layout.slot_offset(slot.index), arena.layout.slot_bytes
-            if not lock_range(arena.fd, offset, size, fcntl.F_WRLCK):
-                continue
-            arena.slot_of.pop(slot.block, None)
-            slot.state, slot.block, slot.punched = FREE, -1, True
-            arena.publish(slot)
-            punch_hole(arena.fd, offset, size)
-            lock_range(arena.fd, offset, size, fcntl.F_UNLCK)
-            freed += size
-            self.punches += 1
+            if self._punch(arena, slot):
+                freed += arena.layout.slot_bytes
         return freed
+
+    def _punch(self, arena: _Arena, slot: _Slot) -> bool:
+        """Free ``slot`` and give back its pages, if nobody leases it (a write lock without waiting)."""
+        offset, size = arena.layout.slot_offset(slot.index), arena.layout.slot_bytes
+        if not lock_range(arena.fd, offset, size, fcntl.F_WRLCK):
+            return False
+        arena.slot_of.pop(slot.block, None)
+        slot.state, slot.block, slot.punched = FREE, -1, True
+        arena.publish(slot)
+        punch_hole(arena.fd, offset, size)
+        lock_range(arena.fd, offset, size, fcntl.F_UNLCK)
+        self.punches += 1
+        return True
 
     # ----- loads ----------------------------------------------------------------------------
     def launch(self) -> None:
