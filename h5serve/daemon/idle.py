@@ -120,4 +120,4 @@ def holds(hold_dir: Path | None) -> int:
 def in_use(store: SegmentStore, hold_dir: Path | None = None) -> bool:
     """Whether a load runs or waits, a lease is held on a segment, or a hold is in ``hold_dir``
     (the cheap looks first)."""
-    return store.loads_pending() or holds(hold_dir) > 0 or leases_held(store)
+    return store.loads_pending() or holds(hold_dir) > 0 or leases_held(store) or store.arenas.leased()

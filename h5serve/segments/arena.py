@@ -30,7 +30,7 @@ from ..errors import SegmentError
 from ..util.units import PAGE_BYTES
 
 __all__ = ["ArenaLayout", "ArenaTarget", "FREE", "LOADING", "READY", "read_layout", "write_header", "table_of",
-           "lock_range", "punch_hole", "ARENA_MARK"]
+           "lock_range", "punch_hole", "locked_by_others", "ARENA_MARK"]
 
 ARENA_MARK = "arena-"  # after the daemon's prefix: the arena files among its segments
 _MAGIC, _VERSION = b"H5SARENA", 1
@@ -40,6 +40,7 @@ TABLE_OFFSET = PAGE_BYTES
 FREE, LOADING, READY = 0, 1, 2  # a slot's state in the table
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 
 
 def _pages(size: int) -> int:
@@ -127,6 +128,13 @@ def lock_range(fd: int, start: int, length: int, kind: int) -> bool:
             return False
         raise
     return True
+
+
+def locked_by_others(fd: int, start: int, length: int) -> bool:
+    """Whether another open file description holds any lock on ``[start, start + length)``
+    (``F_OFD_GETLK``: ``fd``'s own locks never count)."""
+    found = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, start, length, 0))
+    return bool(_FLOCK.unpack(found)[0] != fcntl.F_UNLCK)
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

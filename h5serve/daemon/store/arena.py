@@ -39,6 +39,7 @@ from ...segments.arena import (
     ArenaLayout,
     ArenaTarget,
     lock_range,
+    locked_by_others,
     punch_hole,
     table_of,
     write_header,
@@ -322,6 +323,17 @@ class Arenas:
         slots = [s for a in self._arenas.values() for s in a.slots]
         return {"arenas": len(self._arenas), "loads": self.loads, "reclaims": self.reclaims, "punches": self.punches,
                 "slots": len(slots), "ready": sum(s.state == READY for s in slots), "bytes": self.nbytes}
+
+    def leased(self) -> bool:
+        """Whether a rank leases any slot of any arena (the idle exit waits for them as for a
+        segment's lease): one ``F_OFD_GETLK`` an arena."""
+        return any(locked_by_others(a.fd, a.layout.data_offset, a.layout.n_slots * a.layout.slot_bytes)
+                   for a in self._arenas.values())
+
+    @property
+    def running(self) -> int:
+        """Slot loads running now (the store's loads count them against ``--loaders`` too)."""
+        return len(self._running)
 
     def fds(self) -> list[int]:
         """The pipes of running slot loads (the control loop wakes on them)."""

@@ -329,7 +329,7 @@ class SegmentStore:
                 log.exception("could not start a loader; the load stays queued and is started again later")
 
     def _launch_pending(self) -> None:
-        running = len(self.loads.running())
+        running = len(self.loads.running()) + self.arenas.running  # prototype: slot loads take loaders too
         while running < self.max_loaders:
             entry, self._last_uid = next_queued(self.loads.queued(), self._last_uid)
             if entry is None:
