@@ -27,7 +27,7 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import resolve_runtime
 
-from ..helpers import make_h5, running_daemon, torchrun_two_ranks
+from ..helpers import make_h5, running_daemon, torchrun_two_ranks, watch_memory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -117,7 +117,7 @@ def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest
     job = Path(__file__).resolve().parents[1] / "jobs" / "stream_job.py"
     args = [str(h5), str(tmp_path / "out"), "--window", "1MiB", "--block-rows", str(BLOCK_ROWS), "--batch-size", "32",
             "--epochs", "2", "--loaders", "make:0", "--resume-at", "0"]
-    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
+    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d, watch_memory(d) as memory:
         reports = torchrun_two_ranks(job, args, tmp_path / "out", d.runtime_dir, 250)
         with DaemonClient(d.runtime_dir) as client:
             status = client.status()
@@ -127,13 +127,13 @@ def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest
         rows = [row for batches in per_rank for batch in batches for row in batch]
         assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
     arenas, counters = status["arenas"], status["counters"]
-    print("arenas after 2 epochs of 2 ranks:", arenas)
     assert arenas["arenas"] == 2 and counters["loads"] == 0  # x and y in arenas, no block in a segment of its own
     blocks = -(-ROWS // BLOCK_ROWS)
     # x's blocks (4x the budget) loaded once a node an epoch, y's (a small arena) at least once: the
     # ranks share each load; a slot reused while the other rank still needed it would load again
     assert 2 * blocks + blocks <= arenas["loads"] <= 2 * blocks * 2 * 1.1, arenas
-    assert status["memory"]["used"] <= BUDGET
+    # sampled all along: the budget's count, and what the arenas' files took in tmpfs
+    assert memory.samples > 10 and 0 < memory.used <= BUDGET and 0 < memory.allocated <= BUDGET, vars(memory)
 
 
 _HOLDER = """
