@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import resolve_runtime
 
-from ..helpers import make_h5, running_daemon, torchrun_two_ranks, watch_memory
+from ..helpers import make_h5, running_daemon, torchrun_two_ranks, wait_for, watch_memory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -175,3 +176,32 @@ def test_a_dead_ranks_lease_goes_with_it(tmp_path: Path) -> None:
         finally:
             holder.kill()
             holder.wait(timeout=10)
+
+
+def test_a_daemon_killed_mid_epoch_and_started_again(h5: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon SIGKILLed mid-epoch and started again on its runtime dir: the rank reads the
+    blocks it leases from the old arena's mapping meanwhile (unlinked by the new daemon with the
+    other leftovers), then leases in the new daemon's arenas; every row of the epoch once, as in
+    the file."""
+    monkeypatch.setenv(ARENA_ENV, "1")
+    with h5py.File(h5) as f:
+        x = f["x"][:]
+    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
+        ds = SharedH5Dataset(h5, "x", "y", rank=0, world_size=1, runtime_dir=d.runtime_dir, fallback="error",
+                             mode="stream", window="1MiB", block_rows=BLOCK_ROWS, timeout=60)
+        try:
+            seen = []
+            for i, (xb, yb) in enumerate(make_loader(ds, 32, seed=0)):
+                rows = yb.numpy()
+                np.testing.assert_array_equal(xb.numpy(), x[rows])
+                seen.append(rows)
+                if i == 100:
+                    old = set(d.segment_files())
+                    os.kill(d.pid, signal.SIGKILL)
+                    assert wait_for(lambda: not d.alive(), 10)
+                    d.start()
+            np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(ROWS))
+            assert not old & set(d.segment_files())  # the old arenas removed, new ones made
+            assert any(ARENA_MARK in name for name in d.segment_files())
+        finally:
+            ds.close()

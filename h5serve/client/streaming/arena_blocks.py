@@ -266,8 +266,10 @@ class ArenaBlocks:
         """Each streamed key's rows ``rows`` (global), leasing the blocks not held yet first."""
         self._check_pid()
         ids = self.layout.block_of(rows)
-        absent = self._state[ids] != _HELD
-        if absent.any():
+        for _ in range(3):  # again only if leasing in a new arena (a daemon restarted) let some go
+            absent = self._state[ids] != _HELD
+            if not absent.any():
+                break
             missing, batch = np.unique(ids[absent]), np.unique(ids)
             # one exchange for every block not answered ready yet (not a round trip each)
             stale = [b for b in missing.tolist()
@@ -277,7 +279,8 @@ class ArenaBlocks:
                 self._state[b] = _NONE
             self._ask({b: False for b in stale})
             for block in missing.tolist():
-                self._hold(int(block), batch)
+                if self._state[block] != _HELD:
+                    self._hold(int(block), batch)
         local = rows - self.layout.bounds[ids]
         out = []
         for k in range(self.keys):
