@@ -34,6 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 
 ROWS, SHAPE, BLOCK_ROWS = 8193, (1024,), 128  # 65 blocks of 128 KiB (the last of 1 row): 8 MiB of x
 BUDGET = 2 * 1024 * 1024  # a quarter of the file
+LOADERS = "make:0,make:2,make:1:spawn"  # no workers, 2 forked, 1 spawned: each opens the arenas itself
 
 
 @pytest.fixture(scope="module")
@@ -112,27 +113,33 @@ def test_leases_keep_a_slot_and_a_reused_slot_is_seen(tmp_path: Path) -> None:
 
 def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two torchrun ranks (a DDP job, every batch checked against h5py's rows by the job) read
-    the same arenas: every row once per epoch between them, each block loaded once for the node
-    (the ranks' leases are their own open file descriptions), within the budget."""
+    the same arenas, without workers and with forked and spawned DataLoader workers (each
+    process opens the arenas itself: its own open file description, its own leases): every row
+    once per epoch between them, the workers' batches the rank's own, each block loaded once for
+    the node an epoch, within the budget all along."""
     monkeypatch.setenv(ARENA_ENV, "1")
     job = Path(__file__).resolve().parents[1] / "jobs" / "stream_job.py"
     args = [str(h5), str(tmp_path / "out"), "--window", "1MiB", "--block-rows", str(BLOCK_ROWS), "--batch-size", "32",
-            "--epochs", "2", "--loaders", "make:0", "--resume-at", "0"]
+            "--epochs", "2", "--loaders", LOADERS, "--resume-at", "0"]
     with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d, watch_memory(d) as memory:
         reports = torchrun_two_ranks(job, args, tmp_path / "out", d.runtime_dir, 250)
         with DaemonClient(d.runtime_dir) as client:
             status = client.status()
-    for epoch in range(2):  # every row once between the ranks (the padding repeats a few: equal batch counts)
-        per_rank = [r["runs"]["make:0"][epoch] for r in reports]
-        assert len(per_rank[0]) == len(per_rank[1])
-        rows = [row for batches in per_rank for batch in batches for row in batch]
-        assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
+    for name in LOADERS.split(","):
+        for epoch in range(2):  # every row once between the ranks (the padding repeats a few: equal batch counts)
+            per_rank = [r["runs"][name][epoch] for r in reports]
+            assert len(per_rank[0]) == len(per_rank[1])
+            rows = [row for batches in per_rank for batch in batches for row in batch]
+            assert set(rows) == set(range(ROWS)) and len(rows) - ROWS < 2 * 32
+    for r in reports:  # workers, forked or spawned, gather the same batches as the rank itself
+        assert r["runs"]["make:2"] == r["runs"]["make:0"] == r["runs"]["make:1:spawn"]
     arenas, counters = status["arenas"], status["counters"]
     assert arenas["arenas"] == 2 and counters["loads"] == 0  # x and y in arenas, no block in a segment of its own
     blocks = -(-ROWS // BLOCK_ROWS)
     # x's blocks (4x the budget) loaded once a node an epoch, y's (a small arena) at least once: the
     # ranks share each load; a slot reused while the other rank still needed it would load again
-    assert 2 * blocks + blocks <= arenas["loads"] <= 2 * blocks * 2 * 1.1, arenas
+    epochs = 2 * len(LOADERS.split(","))  # each loader's two epochs, one after the other
+    assert epochs * blocks + blocks <= arenas["loads"] <= epochs * blocks * 2 * 1.1, arenas
     # sampled all along: the budget's count, and what the arenas' files took in tmpfs
     assert memory.samples > 10 and 0 < memory.used <= BUDGET and 0 < memory.allocated <= BUDGET, vars(memory)
 
