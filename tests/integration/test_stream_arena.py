@@ -1,9 +1,11 @@
 """The stream arena prototype (branch wip-arena, ``H5SERVE_ARENA=1``; docs/architecture.md,
 *Stream arena*) on a real daemon: every row of every epoch exactly once and equal to the file's
 with a budget a quarter of the file (slots reused all along), each key's arena mapped once (the
-process's mappings do not grow with the blocks it reads); and the lease protocol: a slot a rank
-holds a read lock on is never reused, one it let go is, and a rank that locks a slot reused
-since its answer sees another generation in the table and asks again."""
+process's mappings do not grow with the blocks it reads); the lease protocol: a slot a rank
+holds a read lock on is never reused, one it let go is, a rank that locks a slot reused since
+its answer sees another generation in the table and asks again, a killed rank's lease goes with
+it; two torchrun ranks with and without workers sharing the arenas within the budget; a daemon
+killed mid-epoch and started again."""
 
 from __future__ import annotations
 
