@@ -222,6 +222,9 @@ class ArenaBlocks:
                 if result is None or result.state != "ready":
                     result = self._ready(request, deadline, needed)
                 arena = self._mapped(k, result)
+                if not 0 <= result.slot < arena.layout.n_slots:
+                    raise SegmentError(f"the daemon answered slot {result.slot} of stream arena {result.name}, "
+                                       f"which has {arena.layout.n_slots}")
                 if arena.lock(result.slot, fcntl.F_RDLCK):
                     if arena.shows(result.slot, start, result.generation):
                         self._slot[k][block] = result.slot
