@@ -1,9 +1,13 @@
-"""A second sharding is refused with the fix: torch's DistributedSampler measuring a
-rank-sharded dataset, and the real Lightning and Accelerate wrappers iterating an h5serve
-sampler. (tests/integration/test_frameworks.py runs the frameworks' own multi-process jobs.)"""
+"""A second sharding is refused with the fix where it can be seen: make_loader given torch's
+DistributedSampler for a rank-sharded dataset, Accelerate's prepared DataLoader over one, and
+the real Lightning and Accelerate wrappers iterating an h5serve sampler; and where it cannot
+(a DistributedSampler you build over a rank-sharded dataset), the documented second sharding,
+with ``len(ds)`` a plain length. (tests/integration/test_frameworks.py runs the frameworks' own
+multi-process jobs.)"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from h5serve.client import (
     EpochShuffleSampler,
     NodeShuffleSampler,
     SharedH5Dataset,
+    make_loader,
 )
 from h5serve.client.samplers.node import NodePlace
 from h5serve.errors import ConfigError
@@ -33,16 +38,41 @@ def _lazy(h5: Path, **kwargs: object) -> SharedH5Dataset:
     return SharedH5Dataset(h5, "x", "y", runtime_dir="/nonexistent/h5serve", **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode,held", [("contiguous", "rank 1's shard"), ("interleave", "rank 1's shard"),
-                                       ("node", "this node's rows")])
-def test_distributed_sampler_over_a_sharded_dataset_is_refused(h5: Path, mode: str, held: str) -> None:
+SHARDED = [("contiguous", "rank 1's shard"), ("interleave", "rank 1's shard"), ("node", "this node's rows")]
+
+
+def _sharded(h5: Path, mode: str) -> SharedH5Dataset:
     layout = {"local_rank": 1, "local_world_size": 2, "node_rank": 0, "num_nodes": 2} if mode == "node" else {}
-    ds = _lazy(h5, mode=mode, rank=1, world_size=4, **layout)
-    with pytest.raises(ConfigError, match=f"{held}.*DistributedSampler over 4 replicas.*make_loader"):
-        DistributedSampler(ds, num_replicas=4, rank=1)
-    assert len(list(DistributedSampler(ds, num_replicas=1, rank=0))) == len(ds)  # one replica shards nothing
-    assert len(ds) > 0  # and len() elsewhere is untouched
+    return _lazy(h5, mode=mode, rank=1, world_size=4, **layout)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode,held", SHARDED)
+def test_make_loader_refuses_a_distributed_sampler_for_a_sharded_dataset(h5: Path, mode: str, held: str) -> None:
+    ds = _sharded(h5, mode)
+    with pytest.raises(ConfigError, match=f"{held}.*DistributedSampler over 4 replicas.*without sampler="):
+        make_loader(ds, 8, sampler=DistributedSampler(ds, num_replicas=4, rank=1))  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode,held", SHARDED)
+def test_a_distributed_sampler_of_your_own_over_a_sharded_dataset_shards_it_again(h5: Path, mode: str,
+                                                                                   held: str) -> None:
+    """Not caught (resharding.py, docs/usage.md): DistributedSampler only measures the dataset,
+    and ``len(ds)`` inspects no frames. Each rank draws a quarter of its own rows."""
+    ds = _sharded(h5, mode)
+    getframe = sys._getframe
+
+    def no_frames(depth: int = 0) -> object:
+        raise AssertionError("len(ds) inspected the caller's frames")
+
+    sys._getframe = no_frames  # type: ignore[assignment]
+    try:
+        rows = len(ds)
+    finally:
+        sys._getframe = getframe
+    drawn = list(DistributedSampler(ds, num_replicas=4, rank=1))
+    assert len(drawn) == -(-rows // 4) and set(drawn) < set(range(rows))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -100,18 +130,22 @@ def test_lightning_reaches_set_epoch_through_batch_sampler_sampler() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode", ["contiguous", "interleave"])
-def test_accelerate_sharding_a_plain_loader_over_a_shard_is_refused(h5: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode,held", [("contiguous", "only rank 0's shard"), ("interleave", "only rank 0's shard"),
+                                       ("stream", "this node's blocks")])
+def test_accelerate_sharding_a_plain_loader_over_a_shard_is_refused(h5: Path, mode: str, held: str) -> None:
     """prepare(DataLoader(ds, shuffle=True)) wraps torch's BatchSampler(RandomSampler(ds)): no
-    h5serve sampler is iterated, the dataset is measured from inside Accelerate's wrapper."""
-    from torch.utils.data import BatchSampler, RandomSampler
+    h5serve sampler is iterated, and Accelerate's DataLoaderShard calls the dataset's set_epoch
+    at the start of the pass (its sampler has none)."""
+    from torch.utils.data import DataLoader
 
     data_loader = pytest.importorskip("accelerate.data_loader", reason="accelerate is not installed")
     ds = _lazy(h5, mode=mode, rank=0, world_size=2)
-    shard = data_loader.BatchSamplerShard(BatchSampler(RandomSampler(ds), 8, False), num_processes=2,
-                                          process_index=0)
-    with pytest.raises(ConfigError, match=r"only rank 0's shard.*prepare"):
-        list(shard)
+    prepared = data_loader.prepare_data_loader(DataLoader(ds, 8, shuffle=True), num_processes=2, process_index=0)
+    with pytest.raises(ConfigError, match=rf"{held}.*set_epoch.*accelerator.prepare\(loader\)"):
+        next(iter(prepared))
     whole = _lazy(h5, mode="global", rank=0, world_size=2)  # what prepare is for: nothing refused
-    assert len(list(data_loader.BatchSamplerShard(BatchSampler(RandomSampler(whole), 8, False), num_processes=2,
-                                                  process_index=0))) == 7
+    assert len(list(data_loader.prepare_data_loader(DataLoader(whole, 8, shuffle=True), num_processes=2,
+                                                    process_index=0))) == 7
+    alone = _lazy(h5, mode=mode, rank=0, world_size=1)  # one rank: nothing sharded, nothing refused
+    assert len(list(data_loader.prepare_data_loader(DataLoader(alone, 8, shuffle=True), num_processes=1,
+                                                    process_index=0))) == 13
