@@ -32,7 +32,7 @@ from .backends.protocol import Backend
 from .backends.sources import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
-from .samplers.resharding import check_not_prepared
+from .samplers.resharding import check_not_prepared, length_unless_resharded
 from .spec import BackendSpec, describe_spec
 from .streaming import automatic
 from .streaming.backend import StreamBackend
@@ -411,11 +411,11 @@ class SharedH5Dataset(Dataset):
 
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.indices) if self.world_size == 1 else length_unless_resharded(self)
 
     def set_epoch(self, epoch: int) -> None:
-        """Nothing to set: the order is the sampler's. Accelerate's prepared DataLoader calls it when its
-        sampler has none. Raised for a rank-sharded dataset of 2+ ranks: ConfigError (samplers/resharding.py)."""
+        """Nothing to set (the order is the sampler's): Accelerate calls it when its sampler has none.
+        Raised for a rank-sharded dataset of 2+ ranks: ConfigError (samplers/resharding.py)."""
         check_not_prepared(self)
 
     def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor,

@@ -26,14 +26,15 @@ data. Where each such wrapper is caught, and how:
   property raising there would answer for anyone asking. So the frames stay here, outside
   ``len()`` and the per-batch path.
 
-Not caught: torch's ``DistributedSampler`` over a rank-sharded dataset in a DataLoader you build
-(``DataLoader(ds, sampler=DistributedSampler(ds))``), or inserted by Lightning's default into a
-plain ``DataLoader(ds, shuffle=True)``. It only measures the dataset (``len(ds)``, in
-``__init__`` and each ``__iter__``) and hands the DataLoader indices drawn from its own seed and
-epoch, which the dataset never sees: its indices are a random subset of the shard, like any
-subset sampler's (a train/validation split), and only reproducing its permutation (guessing the
-seed and epoch) would tell them apart. ``len(ds)`` used to find it from the caller's frame; it
-is a plain length now. docs/usage.md says so where it discusses these modes.
+- torch's ``DistributedSampler`` over a rank-sharded dataset of more than one rank, in a
+  DataLoader you build (``DataLoader(ds, sampler=DistributedSampler(ds))``) or inserted by
+  Lightning's default into a plain ``DataLoader(ds, shuffle=True)``: refused in ``len(ds)``
+  (``length_unless_resharded``) from the caller's frame. This is the one
+  check kept on frames on purpose. A DistributedSampler only measures its dataset (``len``, in
+  ``__init__`` and each ``__iter__``) and hands the DataLoader indices from its own seed and
+  epoch, which look like any subset sampler's; torch and Lightning call nothing else on the
+  dataset. Without the frame the job trains every rank on 1/W of its share, silently, under
+  Lightning's default settings: a frame lookup per ``len()`` (never per batch) is the smaller cost.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from torch.utils.data import DistributedSampler
 from ...errors import ConfigError
 from ...order.sharding import GLOBAL, NODE, STREAM
 
-__all__ = ["check_not_prepared", "check_not_rebuilt", "check_not_resharded", "check_sampler"]
+__all__ = ["length_unless_resharded", "check_not_prepared", "check_not_rebuilt", "check_not_resharded",
+           "check_sampler"]
 
 # module of the wrapper -> what to tell the user
 _WRAPPERS = {
@@ -124,6 +126,27 @@ def check_sampler(dataset: Any, sampler: object) -> None:
             f"ranks already; a DistributedSampler over {sampler.num_replicas} replicas would shard it a second time "
             f"(each rank would train on 1/{sampler.num_replicas} of its share). Use make_loader(ds, batch_size) "
             "without sampler=; or use mode='global' if you want DistributedSampler")
+
+
+def length_unless_resharded(dataset: Any) -> int:
+    """``len(dataset.indices)`` for its ``__len__`` of 2+ ranks (never per batch): torch's DistributedSampler
+    measures its dataset in ``__init__`` and ``__iter__`` and calls nothing else on it, so the
+    caller's frame is the only place it can be seen (the module's docstring says why it is kept).
+
+    Raised when a DistributedSampler over more than one replica is measuring a rank-sharded
+    ``dataset``: ConfigError naming the fix.
+    """
+    if not _sharded(dataset):
+        return len(dataset.indices)
+    caller = sys._getframe(2)
+    owner = caller.f_locals.get("self") if caller is not None else None
+    if isinstance(owner, DistributedSampler) and owner.num_replicas > 1:
+        raise ConfigError(
+            f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}, and a DistributedSampler over "
+            f"{owner.num_replicas} replicas would shard it a second time (each rank would train on 1/"
+            f"{owner.num_replicas} of its share). Use make_loader(ds, batch_size) without a sampler (with "
+            "Lightning: Trainer(use_distributed_sampler=False)); or use mode='global' if you want DistributedSampler")
+    return len(dataset.indices)
 
 
 def check_not_prepared(dataset: Any) -> None:

@@ -190,9 +190,9 @@ class StreamSampler(Sampler[StreamBatch]):
             if not self.workers:
                 return alive, ahead, None
             after = b + self.workers
-            lo = np.searchsorted(first, after - life)
-            hi = np.searchsorted(first, max(b - self.behind, first_batch), side="right")
-            return alive, ahead, blocks[lo:hi][last[lo:hi] >= after]
+            since = int(np.searchsorted(first, after - life))
+            until = int(np.searchsorted(first, max(b - self.behind, first_batch), side="right"))
+            return alive, ahead, blocks[since:until][last[since:until] >= after]
 
         return window
 
