@@ -41,11 +41,15 @@ import numpy as np
 from ..util.units import row_nbytes
 from .source import DatasetInfo
 
-__all__ = ["COPY_BUFFER_BYTES", "HASHED_COPY_BYTES", "MAX_MAPPED_CHUNKS", "FileCopier", "Hasher", "StoredRows",
-           "WriteBehind", "copy_rows", "data_extents", "drop_cached", "read_stored_rows", "stored_rows", "write_all"]
+__all__ = ["COPY_BUFFER_BYTES", "HASHED_COPY_BYTES", "MAX_MAPPED_CHUNKS", "WRITE_BEHIND_MIN_BYTES", "FileCopier",
+           "Hasher", "StoredRows", "WriteBehind", "copy_rows", "data_extents", "drop_cached", "read_stored_rows",
+           "stored_rows", "write_all"]
 
 COPY_BUFFER_BYTES = 4 * 1024 * 1024  # big enough for few syscalls, small enough to stay in cache
 HASHED_COPY_BYTES = 512 * 1024  # a hashed copy's buffer: read, hashed and written from the CPU's cache
+# a hashed copy of fewer bytes has no second buffer to read while the first is written: a writer
+# thread (WriteBehind) would only cost its start (a stream block of a few small chunks)
+WRITE_BEHIND_MIN_BYTES = 2 * HASHED_COPY_BYTES
 PIPE_BYTES = 1024 * 1024  # splice's pipe: Linux's default pipe-max-size (an unprivileged process may ask for it)
 # splice refused for these file descriptors: copy through a buffer instead
 _NO_SPLICE = {errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EBADF, errno.ESPIPE}

@@ -142,9 +142,15 @@ class SegmentMeta:
 
     def identities(self) -> list[tuple]:
         """Every file whose identity the rows depend on, as (path, dev, ino, size, mtime_ns)."""
+        return list(self._identities)
+
+    @functools.cached_property
+    def _identities(self) -> tuple[tuple, ...]:
+        # built once per meta: the stale sweep asks every segment's every few seconds (a window of
+        # 100,000s of small stream blocks is as many segments)
         out = [self.source, *((self.linked,) if self.linked else ())]
         out += [tuple(f[:5]) for f in self.files[1:]]
-        return out + [tuple(d) for d in self.depends]
+        return tuple(out + [tuple(d) for d in self.depends])
 
     def shard_label(self) -> str:
         """Which ranks' rows these are, in ``h5serve status``'s words, for log lines: ``all ranks

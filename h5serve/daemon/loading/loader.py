@@ -57,7 +57,7 @@ from ...errors import SourceChanged
 from ...hdf5.compound import rows_dataset
 from ...hdf5.files import plan_file_parts
 from ...hdf5.identity import check_holder, identities_unchanged, open_h5_verified, pinned_rows
-from ...hdf5.rawcopy import StoredRows, data_extents, drop_cached
+from ...hdf5.rawcopy import WRITE_BEHIND_MIN_BYTES, StoredRows, data_extents, drop_cached
 from ...hdf5.reads import ShardWrite, local_range, read_shard_into, shard_span, split_span
 from ...hdf5.source import DatasetInfo, inspect_dataset
 from ...order.sharding import RowRange, Selection
@@ -69,7 +69,7 @@ from .fileset import read_files_part
 from .loadcrc import RunningCrc
 from .openfile import OpenFile
 from .parts import DaemonGone, PartResult, Parts, error_of
-from .reserve import Reservation
+from .reserve import INLINE_RESERVE_BYTES, Reservation
 from .vlenload import Room, load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
@@ -248,7 +248,8 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     if places is not None and dset.file.id.get_vfd_handle() != f.id.get_vfd_handle():
         places = None  # an external link's file: HDF5 may close and reopen it between loads
     copied = read_shard_into(dset, info, rows, writer.data, progress, span,
-                             ShardWrite(writer.data_target(), hashed, ready, write_behind=span is None, places=places))
+                             ShardWrite(writer.data_target(), hashed, ready, places=places,
+                                        write_behind=span is None and meta.nbytes > WRITE_BEHIND_MIN_BYTES))
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
@@ -413,7 +414,8 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                                 reserve=False)
         started = time.monotonic_ns()
         parts = Parts(len(spans)) if len(spans) > 1 else None
-        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
+        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None,
+                                  inline=parts is None and meta.file_size <= INLINE_RESERVE_BYTES)
         if parts is not None:
             _fork_parts(job, spans, writer, parts, daemon_gone, reply)
         progress = _Progress(writer, parts, daemon_gone)
