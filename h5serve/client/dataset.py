@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "TupleBatch", "DictBatch", "collate"]
 
 FALLBACKS = ("lazy", "error")
+REMOTE_WARNING = ("h5serve: the daemon does not fetch remote files (s3://, gs://, https://) yet: each process reads "
+                  "them itself through fsspec (same rows, same order as a local copy; slower, and once per process, "
+                  "not once per node)")
 
 
 def _check_cache_bytes(value: Any) -> int | None:
@@ -260,12 +263,16 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
+        if self.spec.remote:
+            self._refuse_daemon_for_remote()
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
                                  description=self._description(),
                                  whole=self.auto_streamed.whole if self.auto_streamed else None)
+        if self.spec.remote:  # read here through fsspec: the same rows and order as lazy reads of local files
+            return self._fallback_backend()
         backend: Backend | progressive.ProgressiveBackend | None = None
         error = None
         try:  # ready at once: h5py serves while the daemon loads (client/backends/progressive.py)
@@ -298,6 +305,16 @@ class SharedH5Dataset(Dataset):
         self.spec = dataclasses.replace(self.spec, selection=Selection(GLOBAL, self.world_size, self.rank))
         self.mode, self.auto_streamed, self._stream_args = STREAM, plan, (plan.window, plan.block_rows)
         return self._open_backend()
+
+    def _refuse_daemon_for_remote(self) -> None:
+        """Remote files (s3://, https://: hdf5/remote.py) are never sent to the daemon (it does not
+        fetch them yet): read here, with one warning per process (the text is constant, so Python's
+        warning filter shows it once), or ConfigError with fallback='error'."""
+        if self.fallback == "error":
+            raise ConfigError(f"{self._shown_path()}: the h5serve daemon does not fetch remote files (s3://, gs://, "
+                              "https://) yet, and fallback='error' forbids reading them here; pass fallback='lazy' "
+                              "to read them in each process, or copy them to a local file system")
+        warnings.warn(REMOTE_WARNING, RuntimeWarning, stacklevel=5)
 
     def _settled(self, backend: Backend) -> None:
         """The daemon's load is over (client/backends/progressive.py): serve from ``backend`` directly."""

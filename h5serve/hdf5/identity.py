@@ -23,15 +23,17 @@ from dataclasses import dataclass
 
 import h5py
 
-from ..errors import AccessDenied, DataError, SourceChanged, SourceNotFound
+from ..errors import AccessDenied, DataError, H5ServeError, SourceChanged, SourceNotFound
 from .compound import FieldRows, rows_dataset
 from .filters import check_storage
+from .remote import RemoteIdentity, is_url, open_remote, shown_url
 
 __all__ = [
     "FileIdentity",
     "file_identity",
     "open_identified",
     "open_h5",
+    "open_remote_h5",
     "open_h5_verified",
     "identities_unchanged",
     "holder_identity",
@@ -287,9 +289,30 @@ def identities_unchanged(identities: Iterable[tuple]) -> bool:
         return False
 
 
+def open_remote_h5(url: str, pin: RemoteIdentity | None = None, **kwargs: object) -> tuple[h5py.File, RemoteIdentity]:
+    """The remote file ``url`` (hdf5/remote.py) opened read-only by h5py through a file object,
+    and its identity; ``pin``: the identity it must still have.
+
+    Raised when it is no longer ``pin``: SourceChanged. Raised when missing: ObjectNotFound;
+    refused: ObjectAccessDenied; the store fails: ObjectStoreError; not HDF5: SourceNotFound;
+    truncated or damaged: DataError (``unreadable``)."""
+    fileobj = open_remote(url, pin)
+    try:
+        f = h5py.File(fileobj, "r", **kwargs)
+    except H5ServeError:  # h5py passes on what the file object raised
+        fileobj.close()
+        raise
+    except OSError as exc:
+        fileobj.close()
+        raise unreadable(shown_url(url), exc) from exc
+    return f, fileobj.identity
+
+
 def open_h5(path: str | os.PathLike[str], **kwargs: object) -> h5py.File:
-    """Open read-only. Raised when missing or not HDF5: SourceNotFound; truncated or damaged:
-    DataError (``unreadable``)."""
+    """Open read-only (a URL: ``open_remote_h5``, unpinned). Raised when missing or not HDF5:
+    SourceNotFound; truncated or damaged: DataError (``unreadable``)."""
+    if is_url(path):
+        return open_remote_h5(str(path), None, **kwargs)[0]
     file_identity(path)
     try:
         return h5py.File(path, "r", **kwargs)

@@ -342,7 +342,7 @@ class LazyBackend(NoHooks):
             options = {**hdf5_cache_options(self.infos[0], budget), **options}
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
-        self.handle = H5Handle(spec.path, options)
+        self.handle = H5Handle(spec.path, options, description.pin(0))
         self._caches: list[ChunkCache | VlenCache] | None = None
 
     def _chunk_caches(self) -> list[ChunkCache | VlenCache]:
