@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_runtime(sub.add_parser("inspect", help="preflight: what FILE holds, the memory each mode needs per "
                                     "node, this node's /dev/shm and limits, advice"))
-    p.add_argument("file", help="the HDF5 file")
+    p.add_argument("file", help="the HDF5 file, or its URL (s3://bucket/key.h5, https://...: pip install "
+                   "'h5serve[s3]')")
     p.add_argument("--key", action="append", metavar="K",
                    help="only this dataset (repeatable; default: every dataset in the file)")
     p.add_argument("--world-size", type=_at_least_one, default=1, metavar="W", help="ranks in the job (default 1)")

@@ -186,6 +186,11 @@ def _filesystem(scheme: str) -> Any:
     if scheme == "s3":
         options["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
                                     "retries": {"total_max_attempts": 1}}
+        # botocore reads these too; named here as well because fsspec keys its cached instances by
+        # their options: a process that changes the endpoint gets a filesystem on the new one
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint_url"] = endpoint
     try:
         fs = fsspec.filesystem(scheme, **options)
     except ImportError as exc:
@@ -215,7 +220,7 @@ def _status(chain: list[BaseException]) -> tuple[int | None, str]:
             if status is None and code.isdigit():
                 status = int(code)
             return (int(status) if status is not None else None), code
-        status = getattr(exc, "status", None) or getattr(exc, "code", None)
+        status = getattr(exc, "status", None)  # not ``code``: aiohttp's parser errors carry a made-up 400 there
         if isinstance(status, int) and 100 <= status < 600:
             return status, ""
     return None, ""
@@ -257,11 +262,13 @@ def remote_error(exc: BaseException, url: str, doing: str, tries: int = 1) -> H5
                             "unreachable: try again later, or read with fewer processes", url=where, status=status)
 
 
-def remote_call(url: str, doing: str, fn: Callable[[], T], policy: RetryPolicy = RETRY) -> T:
-    """``fn()``, tried again after transient failures as ``policy`` says.
+def remote_call(url: str, doing: str, fn: Callable[[], T], policy: RetryPolicy | None = None) -> T:
+    """``fn()``, tried again after transient failures as ``policy`` says (None: RETRY as it is at
+    the call).
 
     Raised when it fails for good: ``remote_error``'s class (ObjectNotFound, ObjectAccessDenied,
     SourceChanged, ObjectStoreError)."""
+    policy = RETRY if policy is None else policy
     start = time.monotonic()
     attempt = 0
     while True:

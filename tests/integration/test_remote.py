@@ -10,8 +10,11 @@ installs both)."""
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import logging
 import pickle
+import threading
 import traceback
 import urllib.request
 import warnings
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from h5serve import ConfigError, ObjectAccessDenied, ObjectNotFound, SourceChanged
+from h5serve import ConfigError, ObjectAccessDenied, ObjectNotFound, ObjectStoreError, SourceChanged
 from h5serve.client import SharedH5Dataset, collate, make_loader
 
 from ..helpers import Daemon, make_h5
@@ -209,3 +212,135 @@ def test_a_running_daemon_is_never_sent_a_url(s3: Any, local: Path, monkeypatch:
         assert d.status()["segments"] == []  # nothing was asked of it
     finally:
         d.stop()
+
+
+def test_inspect_reports_an_object_as_it_reports_its_local_copy_plus_its_size(s3: Any, local: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    url = upload(s3, local, "inspect/train.h5")
+    identity = s3.info(url)
+    runs = {}
+    for name, path in (("remote", url), ("local", str(local))):
+        out = subprocess.run([sys.executable, "-m", "h5serve", "inspect", path, "--json"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        runs[name] = json.loads(out.stdout)
+    remote, here = runs["remote"], runs["local"]
+    assert remote["file"] == url and remote["file_bytes"] == identity["size"] == local.stat().st_size
+    assert identity["ETag"] in remote["remote"] and here["remote"] == ""
+    for field in ("datasets", "needs", "recommended_mode"):
+        assert remote[field] == here[field]
+    text = subprocess.run([sys.executable, "-m", "h5serve", "inspect", url], capture_output=True, text=True,
+                          timeout=60)
+    assert text.returncode == 0 and text.stdout.startswith(f"{url} (") and "remote object:" in text.stdout
+    missing = subprocess.run([sys.executable, "-m", "h5serve", "inspect", f"s3://{BUCKET}/inspect/none.h5"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and f"s3://{BUCKET}/inspect/none.h5" in missing.stderr
+    assert "Traceback" not in missing.stderr and SECRET not in missing.stderr
+
+
+class FaultyProxy(http.server.ThreadingHTTPServer):
+    """A loopback HTTP proxy in front of the S3 server that spoils the next ``faults`` ranged
+    GETs (the reads of file data) as ``kind`` says: ``"503"`` answers S3's SlowDown, ``"reset"``
+    sends the headers and half the body, then closes the connection."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream = upstream.removeprefix("http://")
+        self.kind, self.faults, self.spoiled = "", 0, 0
+        self.lock = threading.Lock()
+
+    def take_fault(self) -> str:
+        with self.lock:
+            if self.faults <= 0:
+                return ""
+            self.faults -= 1
+            self.spoiled += 1
+            return self.kind
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    server: FaultyProxy
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        fault = self.server.take_fault() if self.command == "GET" and "Range" in self.headers else ""
+        if fault == "503":
+            text = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+            return
+        upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
+        try:
+            upstream.request(self.command, self.path, body=body or None, headers=dict(self.headers))
+            reply = upstream.getresponse()
+            data = reply.read()
+        finally:
+            upstream.close()
+        self.send_response(reply.status)
+        for name, value in reply.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                self.send_header(name, value)
+        # a HEAD's Content-Length is the object's size, not the (empty) body's
+        self.send_header("Content-Length", reply.getheader("Content-Length", "0") if self.command == "HEAD"
+                         else str(len(data)))
+        self.end_headers()
+        if fault == "reset":  # a connection reset mid-range: half the promised bytes, then gone
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        self.wfile.write(data)
+
+    do_GET = do_HEAD = do_PUT = _forward
+
+
+@pytest.fixture
+def faulty(s3: Any, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultyProxy]:
+    """h5serve's requests through a FaultyProxy (its endpoint in AWS_ENDPOINT_URL), with small
+    blocks so that reads keep reaching the store, and short waits between tries."""
+    import h5serve.hdf5.remote as remote
+
+    proxy = FaultyProxy(s3_endpoint)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.setattr(remote, "BLOCK_BYTES", 8 << 10)
+        monkeypatch.setattr(remote, "CACHE_BLOCKS", 2)
+        monkeypatch.setattr(remote, "RETRY", remote.RetryPolicy(attempts=4, first_s=0.01, cap_s=0.05, deadline_s=20))
+        yield proxy
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("kind", ["503", "reset"])
+def test_throttling_and_resets_are_retried_then_named(faulty: FaultyProxy, s3: Any, local: Path, kind: str) -> None:
+    url = upload(s3, local, f"faulty-{kind}/train.h5")
+    here = opened(local, mode="global", cache_bytes=0)
+    ds = opened(url, mode="global", cache_bytes=0)
+    faulty.kind, faulty.faults = kind, 3  # fewer than the 4 tries: every read succeeds, with h5py's bytes
+    for a, b in zip(rows_at(ds, np.arange(ROWS - 200, ROWS)), rows_at(here, np.arange(ROWS - 200, ROWS))):
+        np.testing.assert_array_equal(a, b)
+    assert faulty.spoiled == 3
+    faulty.faults = 1000  # the store keeps failing: an error naming the URL (and the status), after 4 tries
+    with pytest.raises(ObjectStoreError) as info:
+        rows_at(ds, np.arange(0, 200))
+    assert url in str(info.value) and "after 4 tries" in str(info.value) and info.value.url == url
+    if kind == "503":
+        assert info.value.status == 503 and "SlowDown" in str(info.value)
+    assert SECRET not in "".join(traceback.format_exception(info.value))
