@@ -164,7 +164,9 @@ def shown_url(url: str) -> str:
 
 
 def _scrub(text: str) -> str:
-    """``text`` without any credential value this process holds in its environment."""
+    """``text`` without any credential value this process holds in its environment, and without
+    the query string of any URL in it (a presigned URL's signature)."""
+    text = re.sub(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#'\"()]+)[?#][^\s'\"()]*", r"\1", text)
     for name in _SECRET_VARS:
         value = os.environ.get(name)
         if value and len(value) >= 4:
@@ -250,13 +252,17 @@ def remote_error(exc: BaseException, url: str, doing: str, tries: int = 1) -> H5
                              "it opened): restart the job to read the new object, and write new data under new keys "
                              "rather than over objects a job reads")
     if status == 404 or (status is None and isinstance(chain[0], FileNotFoundError)):
+        fix = ("check the URL" if where.startswith(("http://", "https://")) else
+               "check the URL, and AWS_ENDPOINT_URL for a store other than AWS")
         return ObjectNotFound(f"{doing} {where} failed: {what}: the object or its bucket does not exist ({reason}); "
-                              "check the URL, and AWS_ENDPOINT_URL for a store other than AWS", url=where,
-                              status=status or 404)
+                              f"{fix}", url=where, status=status or 404)
     if status in (401, 403) or (status is None and isinstance(chain[0], PermissionError)):
-        return ObjectAccessDenied(f"{doing} {where} failed: {what}: access denied ({reason}); check the credentials "
-                                  "the standard chain finds (AWS_ACCESS_KEY_ID / AWS_PROFILE, ~/.aws, the instance "
-                                  "role) and the bucket's policy", url=where, status=status)
+        fix = ("the server refused it: the object may not be public, or a presigned URL expired"
+               if where.startswith(("http://", "https://")) else
+               "check the credentials the standard chain finds (AWS_ACCESS_KEY_ID / AWS_PROFILE, ~/.aws, the "
+               "instance role) and the bucket's policy")
+        return ObjectAccessDenied(f"{doing} {where} failed: {what}: access denied ({reason}); {fix}", url=where,
+                                  status=status)
     after = f" after {tries} tries" if tries > 1 else ""
     return ObjectStoreError(f"{doing} {where} failed{after}: {what} ({reason}); the store is failing, throttling or "
                             "unreachable: try again later, or read with fewer processes", url=where, status=status)
@@ -283,6 +289,8 @@ def remote_call(url: str, doing: str, fn: Callable[[], T], policy: RetryPolicy |
             wait = policy.wait(attempt - 1)
             if (not _is_transient(chain, status, code) or attempt >= policy.attempts
                     or time.monotonic() - start + wait > policy.deadline_s):
+                if shown_url(url) != url:  # the libraries' own messages would show its query string (a signature)
+                    raise remote_error(exc, url, doing, attempt) from None
                 raise remote_error(exc, url, doing, attempt) from exc
             log.debug("h5serve: %s %s: %s (try %d of %d); again in %.2f s", doing, shown_url(url),
                       status or type(exc).__name__, attempt, policy.attempts, wait)

@@ -14,6 +14,7 @@ from ...hdf5.identity import open_h5, open_remote_h5
 from ...hdf5.rawcopy import StoredRows, stored_rows
 from ...hdf5.remote import RemoteIdentity, is_url
 from ...hdf5.source import DatasetInfo
+from .. import _process
 
 __all__ = ["H5Handle"]
 
@@ -42,6 +43,7 @@ class H5Handle:
         if self._file is None:
             if is_url(self.path):
                 self._file = open_remote_h5(self.path, self.pin, **self.options)[0]
+                _process.close_at_exit(self)  # closed before the interpreter finalizes (why: _process.py)
             else:
                 self._file = open_h5(self.path, **self.options)
             self._pid = os.getpid()
