@@ -32,6 +32,7 @@ from .backends.protocol import Backend
 from .backends.sources import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
+from .remote import refuse_daemon
 from .samplers.resharding import check_not_measured_by_distributed_sampler
 from .spec import BackendSpec, describe_spec
 from .streaming import automatic
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "TupleBatch", "DictBatch", "collate"]
 
 FALLBACKS = ("lazy", "error")
-REMOTE_WARNING = ("h5serve: the daemon does not fetch remote files (s3://, gs://, https://) yet: each process reads "
-                  "them itself through fsspec (same rows, same order as a local copy; slower, and once per process, "
-                  "not once per node)")
 
 
 def _check_cache_bytes(value: Any) -> int | None:
@@ -72,7 +70,7 @@ class SharedH5Dataset(Dataset):
     ``path``: one HDF5 file, a glob pattern (``"data/run_*.h5"``: expanded here and sorted)
     or a list of files: many files are one dataset, their rows concatenated in that order,
     in every mode and backend (they must agree on keys, row shape and dtype, or cast safely to
-    ``dtype_x``/``dtype_y``; ``ds.files`` lists them).
+    ``dtype_x``/``dtype_y``; ``ds.files`` lists them). URLs (``s3://b/k.h5``): client/remote.py.
 
     Variable-length rows (``h5py.vlen_dtype(np.float32)``, variable-length strings): a
     sample is a 1-D tensor (strings: ``str``); a batch is, by ``ragged``, ``"list"`` a list
@@ -263,16 +261,14 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
-        if self.spec.remote:
-            self._refuse_daemon_for_remote()
+        if refuse_daemon(self.spec, self.fallback, self._shown_path()) and self.mode != STREAM:
+            return self._fallback_backend()  # a URL: read here, never by the daemon yet (client/remote.py)
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
                                  on_fallback=self._announce_fallback if self.fallback == "lazy" else None,
                                  description=self._description(),
                                  whole=self.auto_streamed.whole if self.auto_streamed else None)
-        if self.spec.remote:  # read here through fsspec: the same rows and order as lazy reads of local files
-            return self._fallback_backend()
         backend: Backend | progressive.ProgressiveBackend | None = None
         error = None
         try:  # ready at once: h5py serves while the daemon loads (client/backends/progressive.py)
@@ -305,16 +301,6 @@ class SharedH5Dataset(Dataset):
         self.spec = dataclasses.replace(self.spec, selection=Selection(GLOBAL, self.world_size, self.rank))
         self.mode, self.auto_streamed, self._stream_args = STREAM, plan, (plan.window, plan.block_rows)
         return self._open_backend()
-
-    def _refuse_daemon_for_remote(self) -> None:
-        """Remote files (s3://, https://: hdf5/remote.py) are never sent to the daemon (it does not
-        fetch them yet): read here, with one warning per process (the text is constant, so Python's
-        warning filter shows it once), or ConfigError with fallback='error'."""
-        if self.fallback == "error":
-            raise ConfigError(f"{self._shown_path()}: the h5serve daemon does not fetch remote files (s3://, gs://, "
-                              "https://) yet, and fallback='error' forbids reading them here; pass fallback='lazy' "
-                              "to read them in each process, or copy them to a local file system")
-        warnings.warn(REMOTE_WARNING, RuntimeWarning, stacklevel=5)
 
     def _settled(self, backend: Backend) -> None:
         """The daemon's load is over (client/backends/progressive.py): serve from ``backend`` directly."""

@@ -235,7 +235,7 @@ def test_an_object_rewritten_mid_job_is_source_changed(s3: Any, local: Path, tmp
 
 
 def test_a_running_daemon_is_never_sent_a_url(s3: Any, local: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from h5serve.client.dataset import REMOTE_WARNING
+    from h5serve.client.remote import REMOTE_WARNING
 
     url = upload(s3, local, "daemon/train.h5")
     d = Daemon()
