@@ -4,13 +4,13 @@
     ├── ConfigError                 a bad argument or setting (mode, rank, runtime dir, size)
     ├── DataError                   the HDF5 source cannot be served as asked
     │   ├── SourceNotFound          the file does not exist or cannot be opened
-    │   │   └── ObjectNotFound      (also an ObjectStoreError) a remote object or its bucket does not exist (404)
+    │   │   └── ObjectNotFound      a remote file's object or bucket does not exist (HTTP 404)
     │   ├── KeyNotFound             the dataset key is not in the file
     │   ├── UnsupportedDataset      no rows dimension, or a dtype h5serve cannot serve
     │   ├── LengthMismatch          the keys have different numbers of rows
     │   ├── SourceChanged           the file changed while it was being loaded
     │   ├── AccessDenied            the daemon may not serve that file (--allow-root)
-    │   │   └── ObjectAccessDenied  (also an ObjectStoreError) the object store refused these credentials (401, 403)
+    │   │   └── ObjectAccessDenied  the object store refused the credentials found (HTTP 401, 403)
     │   └── ObjectStoreError        a remote file (s3://, https://) failed: 5xx, throttling, timeouts, resets
     ├── CapacityError               not enough room to hold a shard
     │   ├── ShmFull                 the shm filesystem has less free space than the shard needs
@@ -148,15 +148,10 @@ class AccessDenied(DataError, PermissionError):
     falls_back = True
 
 
-class ObjectStoreError(DataError):
-    """Raised when reading a remote file (``s3://``, ``https://``: h5serve/hdf5/remote.py) fails
-    after its retries: a server error or throttling (5xx, 429), a timeout, a connection reset,
-    a response cut short. ``url`` names the file (never credentials), ``status`` the HTTP
-    status when there was one (else None). Lazy reads are the only reader of remote files, so
-    none of these falls back."""
-
-    code = "object_store"
-    falls_back = False
+class _RemoteDetails(Exception):
+    """What the errors of remote files (h5serve/hdf5/remote.py) carry besides their message:
+    ``url``, the file as messages show it (never credentials), and ``status``, the HTTP status
+    when there was one (else None)."""
 
     def __init__(self, message: str = "", *, url: str = "", status: int | None = None) -> None:
         super().__init__(message)
@@ -164,19 +159,29 @@ class ObjectStoreError(DataError):
         self.status = status
 
 
-class ObjectNotFound(ObjectStoreError, SourceNotFound):
-    """Raised when a remote file's object, or its bucket, does not exist (HTTP 404)."""
+class ObjectNotFound(_RemoteDetails, SourceNotFound):
+    """Raised when a remote file's object, or its bucket, does not exist (HTTP 404). Falls back
+    as SourceNotFound does: a daemon reading with its own credentials and endpoint may not see
+    what the job sees."""
 
     code = "object_not_found"
-    falls_back = False
 
 
-class ObjectAccessDenied(ObjectStoreError, AccessDenied):
+class ObjectAccessDenied(_RemoteDetails, AccessDenied):
     """Raised when the object store refuses the credentials found (HTTP 401, 403: no
-    credentials, wrong ones, or a bucket policy that denies them)."""
+    credentials, wrong ones, or a bucket policy that denies them). Falls back as AccessDenied
+    does: the job's own credentials may be allowed what a daemon's are not."""
 
     code = "object_access_denied"
-    falls_back = False
+
+
+class ObjectStoreError(_RemoteDetails, DataError):
+    """Raised when reading a remote file (``s3://``, ``https://``: h5serve/hdf5/remote.py) fails
+    after its retries: a server error or throttling (5xx, 429), a timeout, a connection reset,
+    a response cut short. Falls back: a daemon's failed fetch leaves the job's own reads."""
+
+    code = "object_store"
+    falls_back = True
 
 
 class CapacityError(H5ServeError):

@@ -221,10 +221,13 @@ def test_an_object_rewritten_mid_job_is_source_changed(s3: Any, local: Path, tmp
     monkeypatch.setattr(remote, "BLOCK_BYTES", 8 << 10)  # small blocks, few kept: later rows need new requests
     monkeypatch.setattr(remote, "CACHE_BLOCKS", 2)
     url = upload(s3, local, "rewritten/train.h5")
+    before = remote.remote_identity(url)
     ds = opened(url, mode="global", cache_bytes=0)
     np.testing.assert_array_equal(rows_at(ds, np.arange(10))[1], np.arange(10))
     worker = pickle.dumps(ds)  # what a spawned DataLoader worker is sent, before the object changes
     upload(s3, make_h5(tmp_path / "other.h5", rows=ROWS, row_shape=SHAPE, dtype="int16"), "rewritten/train.h5")
+    after = remote.remote_identity(url)
+    assert before.size == local.stat().st_size and before.etag and after.etag != before.etag
     with pytest.raises(SourceChanged) as info:
         rows_at(ds, np.arange(ROWS - 10, ROWS))
     assert url in str(info.value)
