@@ -107,12 +107,17 @@ def every_row(ds: SharedH5Dataset) -> tuple[np.ndarray, np.ndarray]:
     return rows_at(ds, np.arange(len(ds)))
 
 
-@pytest.mark.parametrize("mode,rank,world", [("contiguous", 1, 3), ("interleave", 2, 3), ("global", 0, 2)])
-def test_same_rows_and_order_as_the_local_file(s3: Any, local: Path, mode: str, rank: int, world: int) -> None:
+MODES = {"contiguous": {"rank": 1, "world_size": 3}, "interleave": {"rank": 2, "world_size": 3},
+         "global": {"rank": 0, "world_size": 2},
+         "node": {"local_rank": 1, "local_world_size": 2, "node_rank": 1, "num_nodes": 2}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_same_rows_and_order_as_the_local_file(s3: Any, local: Path, mode: str) -> None:
     url = upload(s3, local, f"{mode}/train.h5")
     for cache_bytes in (None, 0):  # the chunk cache, and h5py reads per batch
-        remote = opened(url, mode=mode, rank=rank, world_size=world, cache_bytes=cache_bytes)
-        here = opened(local, mode=mode, rank=rank, world_size=world, cache_bytes=cache_bytes)
+        remote = opened(url, mode=mode, cache_bytes=cache_bytes, **MODES[mode])
+        here = opened(local, mode=mode, cache_bytes=cache_bytes, **MODES[mode])
         assert remote.backend == "lazy" and remote.files == (url,)
         np.testing.assert_array_equal(remote.indices, here.indices)
         for a, b in zip(every_row(remote), every_row(here)):
