@@ -117,3 +117,13 @@ def test_lists_of_urls_stay_urls() -> None:
     files = expand_paths(["s3://b/run_1.h5", "s3://b/run_0.h5"])
     assert files.paths == ("s3://b/run_1.h5", "s3://b/run_0.h5")  # the order given, not made local paths
     assert expand_paths("https://h/x.h5?a=1").paths == ("https://h/x.h5?a=1",)  # a query is no pattern
+
+
+def test_without_fsspec_a_url_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # as if not installed: ``import fsspec`` raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'h5serve\[s3\]'"):
+        remote.open_remote("s3://bucket/train.h5")
+    with pytest.raises(ConfigError, match=r"pip install 'h5serve\[gcs\]'"):
+        remote.open_remote("gs://bucket/train.h5")
