@@ -223,27 +223,9 @@ class DaemonClient:
         Raised when no daemon runs there or the replies do not all come within the timeout:
         DaemonUnavailable."""
         self._check_available()
-        if not requests:
-            return []
         first = self._next_id + 1
-        self._next_id += len(requests)
-        replies: dict[int, dict[str, Any] | Exception] = {}
-        try:
-            sock = self._socket()
-            for i, request in enumerate(requests):
-                sock.send(encode_request(first + i, request), zmq.NOBLOCK)
-            deadline = time.monotonic() + self.timeout
-            while len(replies) < len(requests) and (remaining := deadline - time.monotonic()) > 0:
-                if not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                    continue
-                reply_id, result = decode_reply(sock.recv())
-                if first <= reply_id < first + len(requests):
-                    replies[reply_id] = result
-        except zmq.ZMQError as exc:
-            self.close()
-            raise DaemonUnavailable(f"cannot talk to the daemon at {self.location.endpoint}: {exc}") from exc
+        replies = self._exchange(requests, self.timeout)
         if len(replies) < len(requests):
-            self.close()  # never reuse a socket that may still receive the late replies
             raise DaemonUnavailable(
                 f"the h5serve daemon at {self.location.endpoint} answered {len(replies)} of {len(requests)} requests "
                 f"within {self.timeout:g}s; check `h5serve status` and its log, or raise timeout=")
@@ -251,24 +233,35 @@ class DaemonClient:
 
     def _round_trip(self, request: Request, timeout: float) -> dict[str, Any] | Exception | None:
         """The reply (a result, or the error to raise), or None on timeout."""
-        self._next_id += 1
-        request_id = self._next_id
+        request_id = self._next_id + 1
+        return self._exchange([request], timeout).get(request_id)
+
+    def _exchange(self, requests: list[Request], timeout: float) -> dict[int, dict[str, Any] | Exception]:
+        """Send ``requests`` (ids after ``_next_id``), then take their replies by id until all came
+        or ``timeout`` passed; a late reply to an earlier request is dropped. Short of replies,
+        the socket is closed: it is never reused while it may still receive them."""
+        first = self._next_id + 1
+        self._next_id += len(requests)
+        replies: dict[int, dict[str, Any] | Exception] = {}
+        if not requests:
+            return replies
         try:
             sock = self._socket()  # inside: a new socket (or context) can fail too (no open files left)
-            sock.send(encode_request(request_id, request), zmq.NOBLOCK)
+            for i, request in enumerate(requests):
+                sock.send(encode_request(first + i, request), zmq.NOBLOCK)
             deadline = time.monotonic() + timeout
-            while (remaining := deadline - time.monotonic()) > 0:
+            while len(replies) < len(requests) and (remaining := deadline - time.monotonic()) > 0:
                 if not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                     continue
                 reply_id, result = decode_reply(sock.recv())
-                if reply_id == request_id:
-                    return result
-                # else: a late reply to a request that already timed out
+                if first <= reply_id <= self._next_id:
+                    replies[reply_id] = result
         except zmq.ZMQError as exc:
             self.close()
             raise DaemonUnavailable(f"cannot talk to the daemon at {self.location.endpoint}: {exc}") from exc
-        self.close()  # never reuse a socket that may still receive the late reply
-        return None
+        if len(replies) < len(requests):
+            self.close()
+        return replies
 
     def ping(self) -> dict[str, Any]:
         return self.request(Ping())
