@@ -32,7 +32,7 @@ from .backends.protocol import Backend
 from .backends.sources import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
-from .remote import refuse_daemon
+from .remote import fetched_spec
 from .samplers.resharding import check_not_measured_by_distributed_sampler
 from .spec import BackendSpec, describe_spec
 from .streaming import automatic
@@ -261,8 +261,9 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
-        if refuse_daemon(self.spec, self.fallback, self._shown_path()) and self.mode != STREAM:
-            return self._fallback_backend()  # a URL: read here, never by the daemon yet (client/remote.py)
+        if (spec := fetched_spec(self.spec, self._description, self.mode, self.fallback, self._shown_path())) is None:
+            return self._fallback_backend()  # a URL read here (client/remote.py)
+        self.spec = spec  # an s3:// object the daemon fetches: with its identity (pin)
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,

@@ -1,31 +1,57 @@
-"""Remote files (s3://, gs://, https://: h5serve/hdf5/remote.py) on the client: read in each
-process, never sent to the daemon, which does not fetch them yet (docs/architecture.md,
-*Remote files*)."""
+"""Remote files (s3://, gs://, https://: h5serve/hdf5/remote.py) on the client: which the node's
+daemon fetches, once per node, and which each process reads itself (docs/architecture.md,
+*Remote files*).
+
+The daemon fetches one ``s3://`` object of fixed-size rows in modes global, node, contiguous
+and interleave: the client sends the URL and the object's identity as it described it (size,
+ETag, version id: ``BackendSpec.pin``), never a credential; the daemon fetches with its own.
+Everything else (gs://, https://, many remote files, variable-length rows, stream mode) is
+read here, through fsspec, with this process's credentials.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Callable
 
 from ..errors import ConfigError
+from ..hdf5.description import DatasetDescription
+from ..hdf5.remote import parse_url
+from ..order.sharding import STREAM
 from .spec import BackendSpec
 
-__all__ = ["REMOTE_WARNING", "refuse_daemon"]
+__all__ = ["REMOTE_WARNING", "fetched_spec"]
 
-REMOTE_WARNING = ("h5serve: the daemon does not fetch remote files (s3://, gs://, https://) yet: each process reads "
-                  "them itself through fsspec (same rows, same order as a local copy; slower, and once per process, "
-                  "not once per node)")
+REMOTE_WARNING = ("h5serve: the daemon fetches one s3:// object of fixed-size rows in modes global, node, contiguous "
+                  "and interleave; these remote files (gs://, https://, many files, variable-length rows or stream "
+                  "mode) are read by each process itself through fsspec (same rows, same order as a local copy; "
+                  "slower, and once per process, not once per node)")
 
 
-def refuse_daemon(spec: BackendSpec, fallback: str, shown: str) -> bool:
-    """Whether ``spec`` names a remote file, which is then read here: said once per process (the
-    warning's text is constant, so Python's filter shows it once).
+def _daemon_fetches(spec: BackendSpec, description: DatasetDescription, mode: str) -> bool:
+    return (not spec.files and mode != STREAM and parse_url(spec.path)[0] == "s3" and bool(description.remote)
+            and not any(key.vlen for key in description.keys))
 
-    Raised with ``fallback="error"`` (no reading here allowed): ConfigError naming ``shown``."""
+
+def fetched_spec(spec: BackendSpec, describe: Callable[[], DatasetDescription], mode: str, fallback: str,
+                 shown: str) -> BackendSpec | None:
+    """``spec`` for the daemon: as it is for local files; for an object the daemon fetches, with
+    its identity (``pin``) as the description (``describe()``) holds it. None: a remote file read
+    here by the lazy backend, said once per process (the warning's text is constant, so Python's
+    filter shows it once); stream mode: ``spec`` as it is (its backend reads remote files here).
+
+    Raised for one read here with ``fallback="error"``: ConfigError naming ``shown``."""
     if not spec.remote:
-        return False
+        return spec
+    description = describe()
+    if _daemon_fetches(spec, description, mode):
+        identity = description.remote[0]
+        assert identity is not None
+        return dataclasses.replace(spec, pin=(identity.size, identity.etag, identity.version_id))
     if fallback == "error":
-        raise ConfigError(f"{shown}: the h5serve daemon does not fetch remote files (s3://, gs://, https://) yet, and "
-                          "fallback='error' forbids reading them here; pass fallback='lazy' to read them in each "
-                          "process, or copy them to a local file system")
+        raise ConfigError(f"{shown}: the h5serve daemon fetches one s3:// object of fixed-size rows (not stream mode, "
+                          "gs://, https:// or many files), and fallback='error' forbids reading it here; pass "
+                          "fallback='lazy' to read it in each process, or copy it to a local file system")
     warnings.warn(REMOTE_WARNING, RuntimeWarning, stacklevel=4)  # the line that built the dataset
-    return True
+    return spec if mode == STREAM else None

@@ -48,6 +48,8 @@ __all__ = [
     "SCHEMES",
     "BLOCK_BYTES",
     "CACHE_BLOCKS",
+    "METADATA_BLOCK_BYTES",
+    "METADATA_CACHE_BLOCKS",
     "RETRY",
     "RetryPolicy",
     "RemoteIdentity",
@@ -56,6 +58,7 @@ __all__ = [
     "parse_url",
     "shown_url",
     "remote_identity",
+    "filesystem_of",
     "open_remote",
     "remote_call",
     "remote_error",
@@ -69,6 +72,10 @@ T = TypeVar("T")
 SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 BLOCK_BYTES = 2 << 20  # one range request: large enough for HDF5's chunk reads, small for its metadata reads
 CACHE_BLOCKS = 16  # blocks kept per open file (least recently used dropped): at most 32 MiB a file
+# an open for HDF5's metadata only (describing a file, the daemon's inspection and loads): small requests, so
+# that metadata costs little beside the rows (each rank describes its files; the daemon fetches the rows once)
+METADATA_BLOCK_BYTES = 128 << 10
+METADATA_CACHE_BLOCKS = 64
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0  # one request, once connected
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
@@ -203,6 +210,13 @@ def _filesystem(scheme: str) -> Any:
     return fs
 
 
+def filesystem_of(scheme: str) -> Any:
+    """fsspec's filesystem for ``scheme`` as ``open_remote`` uses it (told not to retry).
+
+    Raised when its backend is not installed: ConfigError naming the extra."""
+    return _filesystem(scheme)
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
     while exc is not None and exc not in out and len(out) < 8:
@@ -333,6 +347,11 @@ class RemoteFile(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes this file's block cache has fetched from the store so far (fsspec's count)."""
+        return int(getattr(getattr(self._raw, "cache", None), "total_requested_bytes", 0) or 0)
 
     def seekable(self) -> bool:
         return True

@@ -79,8 +79,9 @@ def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5Serv
     the dataset's description of its files (hdf5/description.py), built once, on first call.
 
     Raised as ``ShmBackend.connect`` is for what the daemon answers at once (no daemon,
-    BudgetExceeded, a bad key)."""
-    if wait:
+    BudgetExceeded, a bad key). An s3:// object the daemon fetches (``spec.pin``) is always waited
+    for: a read here meanwhile would fetch it once more per rank."""
+    if wait or spec.pin:
         return ShmBackend.connect(spec, rank_for_logs)
     deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
     client = DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user)
