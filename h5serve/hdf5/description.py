@@ -21,7 +21,7 @@ import numpy as np
 
 from .files import check_agreement, check_file_lengths
 from .identity import open_h5, open_remote_h5
-from .remote import RemoteIdentity, is_url
+from .remote import METADATA_BLOCK_BYTES, METADATA_CACHE_BLOCKS, RemoteIdentity, is_url
 from .source import DatasetInfo, check_row_counts, inspect_dataset
 
 __all__ = ["KeyDescription", "DatasetDescription", "describe", "check_rows"]
@@ -117,7 +117,7 @@ def describe(files: Sequence[str], keys: Sequence[str], dtypes: Sequence[np.dtyp
     remote: list[RemoteIdentity | None] = []
     for path in files:
         if is_url(path):
-            f, identity = open_remote_h5(path)
+            f, identity = open_remote_h5(path, block_bytes=METADATA_BLOCK_BYTES, cache_blocks=METADATA_CACHE_BLOCKS)
             remote.append(identity)
         else:
             f = open_h5(path)

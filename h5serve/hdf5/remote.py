@@ -74,8 +74,9 @@ BLOCK_BYTES = 2 << 20  # one range request: large enough for HDF5's chunk reads,
 CACHE_BLOCKS = 16  # blocks kept per open file (least recently used dropped): at most 32 MiB a file
 # an open for HDF5's metadata only (describing a file, the daemon's inspection and loads): small requests, so
 # that metadata costs little beside the rows (each rank describes its files; the daemon fetches the rows once)
-METADATA_BLOCK_BYTES = 128 << 10
-METADATA_CACHE_BLOCKS = 64
+# (64 KiB: a 12 MiB file's datasets described in 128 KiB, its chunk index listed in 320 KiB; 2 MiB blocks: 4 MiB, 8 MiB)
+METADATA_BLOCK_BYTES = 64 << 10
+METADATA_CACHE_BLOCKS = 128
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0  # one request, once connected
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)

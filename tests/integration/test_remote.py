@@ -18,7 +18,7 @@ import threading
 import traceback
 import urllib.request
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,20 +242,24 @@ def test_an_object_rewritten_mid_job_is_source_changed(s3: Any, local: Path, tmp
     assert url in str(info.value)
 
 
-def test_a_running_daemon_is_never_sent_a_url(s3: Any, local: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_the_daemon_does_not_fetch_is_read_here(s3: Any, local: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream mode and many remote files are read by each process, said once, never sent to the
+    daemon (tests/integration/test_remote_daemon.py: what it fetches)."""
     from h5serve.client.remote import REMOTE_WARNING
 
     url = upload(s3, local, "daemon/train.h5")
-    d = Daemon()
+    second = upload(s3, local, "daemon/second.h5")
+    d = Daemon("--allow-url", f"s3://{BUCKET}/")
     try:
         d.start()
         monkeypatch.setenv("H5SERVE_RUNTIME_DIR", str(d.runtime_dir))
         with pytest.warns(RuntimeWarning) as caught:
-            ds = SharedH5Dataset(url, "x", "y", mode="global", wait_ready=True)
+            ds = SharedH5Dataset([url, second], "x", "y", mode="global", wait_ready=True)
         assert [str(w.message) for w in caught] == [REMOTE_WARNING]
-        assert ds.backend == "lazy" and len(ds) == ROWS
-        with pytest.raises(ConfigError, match="does not fetch remote files"):
-            SharedH5Dataset(url, "x", "y", mode="global", fallback="error")
+        assert ds.backend == "lazy" and len(ds) == 2 * ROWS
+        with pytest.raises(ConfigError, match="fetches one s3:// object"):
+            SharedH5Dataset(url, "x", "y", mode="stream", window="16KiB", block_rows=128, fallback="error")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             streamed = SharedH5Dataset(url, "x", "y", mode="stream", window="16KiB", block_rows=128)
@@ -305,6 +309,21 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.upstream = upstream.removeprefix("http://")
         self.kind, self.faults, self.spoiled = "", 0, 0
         self.lock = threading.Lock()
+        self.get_bytes = 0  # body bytes of every successful GET passed on (what the store sent)
+        self.headers_seen: list[str] = []  # every request's headers, as sent to the store
+        # called with each ranged GET's Range header before it is passed on, until it returns True once
+        self.before_range: Callable[[str], bool] | None = None
+
+    def count(self, command: str, status: int, size: int, headers: str) -> None:
+        with self.lock:
+            self.headers_seen.append(headers)
+            if command == "GET" and 200 <= status < 300:
+                self.get_bytes += size
+
+    def run_hook(self, range_header: str) -> None:
+        with self.lock:
+            if self.before_range is not None and self.before_range(range_header):
+                self.before_range = None
 
     def take_fault(self) -> str:
         with self.lock:
@@ -333,6 +352,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(text)
             return
+        if self.command == "GET" and "Range" in self.headers:
+            self.server.run_hook(self.headers["Range"])
         upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
         try:
             upstream.request(self.command, self.path, body=body or None, headers=dict(self.headers))
@@ -340,6 +361,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             data = reply.read()
         finally:
             upstream.close()
+        self.server.count(self.command, reply.status, len(data), str(self.headers))
         self.send_response(reply.status)
         for name, value in reply.getheaders():
             if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
