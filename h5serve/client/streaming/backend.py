@@ -379,7 +379,7 @@ class StreamBackend(NoHooks):
                           c.capacity * c.block_bytes, c.worker_room)
 
     def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
-        if self.spec.remote:  # the daemon does not fetch remote files yet: the dataset said so (dataset.py)
+        if self.spec.remote:  # the daemon fetches no stream blocks of remote files yet: said by client/remote.py
             return None
         try:
             return daemon_window(self.spec)
