@@ -353,7 +353,7 @@ class Server:
             self._doing = f"adopting the segments left in {self.config.shm_dir}"
             self.store.recover()
             self._doing = "starting the loaders' forkserver"
-            start_forkserver()  # before the socket: no request waits for it
+            start_forkserver(bool(self.config.allow_urls))  # before the socket: no request waits for it
             self._doing = f"removing the stale socket {location.socket_path}"
             try:
                 os.unlink(SOCKET_NAME, dir_fd=dir_fd)  # stale: we hold the lock
