@@ -6,6 +6,8 @@ shard of an ``s3://`` object straight into its segment, once per node.
   object, as byte ranges cut at chunk boundaries (neighbouring chunks merged up to
   ``RANGE_BYTES``), or None when HDF5 must decode them (filters, conversions, unwritten chunks,
   chunks that split rows): then the caller reads through h5py.
+- ``fetch_rows``: the two at once, each range requested as soon as HDF5's chunk index names it
+  (listing a large dataset's index takes a request per index node: the fetches start meanwhile).
 - ``fetch_extents``: every range fetched by ``FETCH_CONCURRENCY`` requests in flight at most,
   each a ``GetObject`` with ``Range``, ``If-Match: <ETag>`` (and ``VersionId`` when the bucket
   gives one), so a rewritten object fails the request (412: SourceChanged) instead of
@@ -21,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,7 @@ from .rawcopy import MAX_MAPPED_CHUNKS
 from .remote import RemoteIdentity, filesystem_of, parse_url, remote_call, shown_url
 from .source import DatasetInfo
 
-__all__ = ["Extent", "FetchStats", "RANGE_BYTES", "FETCH_CONCURRENCY", "remote_extents", "fetch_extents"]
+__all__ = ["Extent", "FetchStats", "RANGE_BYTES", "FETCH_CONCURRENCY", "remote_extents", "fetch_extents", "fetch_rows"]
 
 RANGE_BYTES = 8 << 20  # neighbouring chunks merged into one request up to this (a chunk larger is one request)
 FETCH_CONCURRENCY = 16  # requests in flight per load: enough to fill a 10 Gb/s link at S3's ~50 ms first byte
@@ -68,58 +70,67 @@ def _same_bytes_as_numpy(dset: h5py.Dataset, dtype: np.dtype) -> bool:
         return False
 
 
-def _chunk_offsets(dset: h5py.Dataset, info: DatasetInfo, row_bytes: int) -> tuple[int, np.ndarray] | None:
-    """``(rows per chunk, each chunk's offset in the object)`` (-1: never written), or None when
-    the layout holds no whole rows at known offsets."""
+def _walk(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype, rows: RowRange,
+          emit: Callable[[Extent], None]) -> bool:
+    """Hand ``emit`` the byte ranges of the object holding ``rows`` (step 1) of ``dset`` as
+    ``dtype`` while HDF5 walks its chunk index (so fetching starts before the index is read to
+    its end): chunk-aligned, neighbours in the object merged up to RANGE_BYTES; a contiguous
+    dataset in RANGE_BYTES pieces. False when the rows must be read through h5py: before any
+    range (a stride, filters, a conversion, chunks that split rows), or after (a chunk of them
+    never written: HDF5 serves the fill value)."""
+    if rows.step != 1 or rows.stop <= rows.start or info.rows == 0 or not _same_bytes_as_numpy(dset, dtype):
+        return False
     dcpl = dset.id.get_create_plist()
     if dcpl.get_nfilters() or dcpl.get_external_count():
-        return None
+        return False
+    row_bytes = row_nbytes(info.row_shape, dtype)
     layout = dcpl.get_layout()
     if layout == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset()
-        return None if offset is None else (max(info.rows, 1), np.array([offset], dtype=np.int64))
+        if offset is None:
+            return False
+        total = (rows.stop - rows.start) * row_bytes
+        for k in range(0, total, RANGE_BYTES):
+            emit(Extent(offset + rows.start * row_bytes + k, min(RANGE_BYTES, total - k), k))
+        return True
     if layout != h5py.h5d.CHUNKED or tuple(dset.chunks[1:]) != info.row_shape or not hasattr(dset.id, "chunk_iter"):
-        return None
+        return False
     chunk_rows = int(dset.chunks[0])
-    if -(-info.rows // chunk_rows) > MAX_MAPPED_CHUNKS:
-        return None
-    offsets = np.full(-(-info.rows // chunk_rows), -1, dtype=np.int64)
+    c0, c1 = rows.start // chunk_rows, -(-rows.stop // chunk_rows)
+    if c1 - c0 > MAX_MAPPED_CHUNKS:
+        return False
     chunk_bytes = chunk_rows * row_bytes
+    seen = np.zeros(c1 - c0, dtype=bool)
+    run: list[Extent] = []  # the range being merged, emitted once the next chunk does not follow it
 
     def visit(chunk: h5py.h5d.StoreInfo) -> None:
-        if chunk.size == chunk_bytes:
-            offsets[chunk.chunk_offset[0] // chunk_rows] = chunk.byte_offset
+        c = chunk.chunk_offset[0] // chunk_rows
+        if not c0 <= c < c1 or chunk.size != chunk_bytes or chunk.byte_offset is None:
+            return
+        seen[c - c0] = True
+        a, b = max(rows.start, c * chunk_rows), min(rows.stop, (c + 1) * chunk_rows)
+        piece = Extent(chunk.byte_offset + (a - c * chunk_rows) * row_bytes, (b - a) * row_bytes,
+                       (a - rows.start) * row_bytes)
+        last = run[0] if run else None
+        if (last is not None and last.start + last.size == piece.start and last.dest + last.size == piece.dest
+                and last.size + piece.size <= RANGE_BYTES):
+            run[0] = Extent(last.start, last.size + piece.size, last.dest)
+            return
+        if last is not None:
+            emit(last)
+        run[:] = [piece]
 
     dset.id.chunk_iter(visit)
-    return chunk_rows, offsets
+    if run:
+        emit(run[0])
+    return bool(seen.all())
 
 
 def remote_extents(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype, rows: RowRange) -> list[Extent] | None:
     """The byte ranges of the object holding ``rows`` (consecutive rows: step 1) of ``dset`` as
-    ``dtype``, in row order, or None when they must be read through h5py (a stride, filters, a
-    conversion, a chunk never written, a layout without whole rows)."""
-    if rows.step != 1 or rows.stop <= rows.start or info.rows == 0 or not _same_bytes_as_numpy(dset, dtype):
-        return None
-    row_bytes = row_nbytes(info.row_shape, dtype)
-    found = _chunk_offsets(dset, info, row_bytes)
-    if found is None:
-        return None
-    chunk_rows, offsets = found
-    c0, c1 = rows.start // chunk_rows, -(-rows.stop // chunk_rows)
-    if (offsets[c0:c1] < 0).any():
-        return None
+    ``dtype``, in row order, or None when they must be read through h5py (``_walk``)."""
     out: list[Extent] = []
-    dest = 0
-    for c in range(c0, c1):
-        a, b = max(rows.start, c * chunk_rows), min(rows.stop, (c + 1) * chunk_rows)
-        start, size = int(offsets[c]) + (a - c * chunk_rows) * row_bytes, (b - a) * row_bytes
-        last = out[-1] if out else None
-        if last is not None and last.start + last.size == start and last.size + size <= RANGE_BYTES:
-            out[-1] = Extent(last.start, last.size + size, last.dest)
-        else:
-            out.append(Extent(start, size, dest))
-        dest += size
-    return out
+    return sorted(out, key=lambda e: e.dest) if _walk(dset, info, dtype, rows, out.append) else None
 
 
 async def _get(fs: Any, bucket: str, key: str, extent: Extent, pin: RemoteIdentity) -> bytes:
@@ -138,45 +149,93 @@ async def _get(fs: Any, bucket: str, key: str, extent: Extent, pin: RemoteIdenti
         body.close()
 
 
+class _Fetcher:
+    """Ranged GETs of one object, ``concurrency`` at a time, each handed to ``sink``; after the
+    first failure the ranges not yet started are dropped."""
+
+    def __init__(self, pin: RemoteIdentity, sink: Callable[[Extent, bytes], None], concurrency: int) -> None:
+        scheme, path = parse_url(pin.url)
+        if scheme != "s3":
+            raise ConfigError(f"the daemon fetches s3:// objects only, not {scheme}://")
+        self.pin, self.sink = pin, sink
+        self.fs = filesystem_of(scheme)
+        self.bucket, self.key = path.split("/", 1)
+        self.pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="h5serve-fetch")
+        self.futures: list[Future[None]] = []
+        self.failed = threading.Event()
+        self.lock = threading.Lock()
+        self.bytes = self.requests = 0
+        self.started = time.monotonic()
+
+    def submit(self, extent: Extent) -> None:
+        if not self.failed.is_set():
+            self.futures.append(self.pool.submit(self._one, extent))
+
+    def _request(self, extent: Extent) -> bytes:
+        from fsspec.asyn import sync
+
+        with self.lock:
+            self.requests += 1
+        return bytes(sync(self.fs.loop, _get, self.fs, self.bucket, self.key, extent, self.pin))
+
+    def _one(self, extent: Extent) -> None:
+        if self.failed.is_set():
+            return
+        try:
+            data = remote_call(self.pin.url, "fetching", lambda: self._request(extent))
+            with self.lock:
+                self.bytes += len(data)
+            if len(data) != extent.size:
+                raise ObjectStoreError(f"fetching {shown_url(self.pin.url)} bytes {extent.start}+{extent.size} "
+                                       f"returned {len(data)} bytes: the object is shorter than described; request "
+                                       "it again", url=shown_url(self.pin.url), status=None)
+            self.sink(extent, data)
+        except BaseException:
+            self.failed.set()
+            raise
+
+    def finish(self) -> FetchStats:
+        """Wait for every range. Raised as the first that failed."""
+        try:
+            wait(self.futures, return_when=FIRST_EXCEPTION)
+            for future in self.futures:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+            for future in self.futures:
+                future.result()
+        finally:
+            self.failed.set()  # whatever is still queued returns at once
+            self.pool.shutdown(wait=True)
+        return FetchStats(self.bytes, self.requests, time.monotonic() - self.started)
+
+
 def fetch_extents(pin: RemoteIdentity, extents: list[Extent], sink: Callable[[Extent, bytes], None],
                   concurrency: int = FETCH_CONCURRENCY) -> FetchStats:
     """Fetch every extent of the object ``pin`` names (at most ``concurrency`` at once) and hand
-    each to ``sink`` as it arrives; stops at the first failure (what is in flight is abandoned).
+    each to ``sink`` as it arrives; stops at the first failure.
 
     Raised when a range comes back short: ObjectStoreError; when the object is no longer
     ``pin``: SourceChanged; as ``remote_call`` otherwise, or as ``sink`` raises."""
-    scheme, path = parse_url(pin.url)
-    if scheme != "s3":
-        raise ConfigError(f"the daemon fetches s3:// objects only, not {scheme}://")
-    from fsspec.asyn import sync
+    fetcher = _Fetcher(pin, sink, min(concurrency, max(len(extents), 1)))
+    for extent in extents:
+        fetcher.submit(extent)
+    return fetcher.finish()
 
-    fs = filesystem_of(scheme)
-    bucket, key = path.split("/", 1)
-    lock = threading.Lock()
-    tally = {"bytes": 0, "requests": 0}
-    started = time.monotonic()
 
-    def one(extent: Extent) -> None:
-        def request() -> bytes:
-            with lock:
-                tally["requests"] += 1
-            return sync(fs.loop, _get, fs, bucket, key, extent, pin)
+def fetch_rows(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype, rows: RowRange, pin: RemoteIdentity,
+               sink: Callable[[Extent, bytes], None], concurrency: int = FETCH_CONCURRENCY) -> FetchStats | None:
+    """``rows`` of ``dset`` (opened over the object ``pin`` names) fetched as ``remote_extents``
+    would list them, each range requested as soon as HDF5's chunk index names it, and handed to
+    ``sink``. None when they must be read through h5py instead (some ranges may have been
+    fetched by then: the caller's h5py read writes every row again).
 
-        data = remote_call(pin.url, "fetching", request)
-        with lock:
-            tally["bytes"] += len(data)
-        if len(data) != extent.size:
-            raise ObjectStoreError(f"fetching {shown_url(pin.url)} bytes {extent.start}+{extent.size} returned "
-                                   f"{len(data)} bytes: the object is shorter than described; request it again",
-                                   url=shown_url(pin.url), status=None)
-        sink(extent, data)
-
-    with ThreadPoolExecutor(max(1, min(concurrency, len(extents))), thread_name_prefix="h5serve-fetch") as pool:
-        futures = [pool.submit(one, e) for e in extents]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in pending:
-            future.cancel()
-        for future in futures:
-            if future.done() and not future.cancelled() and future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-    return FetchStats(tally["bytes"], tally["requests"], time.monotonic() - started)
+    Raised as ``fetch_extents``."""
+    fetcher = _Fetcher(pin, sink, concurrency)
+    try:
+        fetched = _walk(dset, info, dtype, rows, fetcher.submit)
+    except BaseException:
+        fetcher.failed.set()
+        fetcher.pool.shutdown(wait=True)
+        raise
+    stats = fetcher.finish()
+    return stats if fetched else None

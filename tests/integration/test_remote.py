@@ -311,12 +311,14 @@ class FaultyProxy(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.get_bytes = 0  # body bytes of every successful GET passed on (what the store sent)
         self.headers_seen: list[str] = []  # every request's headers, as sent to the store
+        self.methods: dict[str, int] = {}  # requests passed on, by method
         # called with each ranged GET's Range header before it is passed on, until it returns True once
         self.before_range: Callable[[str], bool] | None = None
 
     def count(self, command: str, status: int, size: int, headers: str) -> None:
         with self.lock:
             self.headers_seen.append(headers)
+            self.methods[command] = self.methods.get(command, 0) + 1
             if command == "GET" and 200 <= status < 300:
                 self.get_bytes += size
 

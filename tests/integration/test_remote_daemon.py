@@ -123,7 +123,7 @@ def test_two_ranks_on_one_daemon_fetch_the_object_about_once(daemon: Daemon, s3:
                                                              proxy: FaultyProxy, tmp_path: Path) -> None:
     url = upload(s3, local, "ddp/train.h5")
     size = local.stat().st_size
-    before = proxy.get_bytes
+    before, heads = proxy.get_bytes, proxy.methods.get("HEAD", 0)
     reports = torchrun_two_ranks(JOB, [url, str(tmp_path / "out")], tmp_path / "out", daemon.runtime_dir, 180)
     fetched = proxy.get_bytes - before
     with h5py.File(local) as f:
@@ -136,7 +136,8 @@ def test_two_ranks_on_one_daemon_fetch_the_object_about_once(daemon: Daemon, s3:
     assert seen == expected  # every row, each with the bytes on disk
     status = daemon.status()["remote"]
     print(f"GET bytes through the proxy: {fetched:,} for a {size:,}-byte object ({fetched / size:.3f}x); "
-          f"the daemon fetched {status['fetched_bytes']:,} at {status['bytes_per_s'] / 1e6:.1f} MB/s")
+          f"the daemon fetched {status['fetched_bytes']:,} at {status['bytes_per_s'] / 1e6:.1f} MB/s; "
+          f"{proxy.methods.get('HEAD', 0) - heads} HEAD requests")
     # the rows once, and HDF5's metadata (each rank's description, the daemon's inspections and loads of x and y)
     assert status["fetched_bytes"] <= size + (1 << 20)  # the rows once, the metadata of two loads well under 1 MiB
     assert fetched <= 1.15 * size, f"{fetched / size:.2f}x the object: fetched more than once per node"

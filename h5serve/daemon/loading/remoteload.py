@@ -5,12 +5,12 @@ the instance role), never the client's.
 The loader opens the object pinned to the identity the daemon resolved (``SegmentMeta.remote``:
 its ETag and version id; a different object is SourceChanged before a byte is read), reads
 HDF5's metadata once through a small block cache (``METADATA_BLOCK_BYTES``), asks HDF5 where the
-shard's rows are stored (``hdf5/fetch.py`` ``remote_extents``: chunk-aligned ranges) and
-fetches them with ``FETCH_CONCURRENCY`` ranged GETs in flight, each pinned by ``If-Match``,
+shard's rows are stored (``hdf5/fetch.py`` ``fetch_rows``: chunk-aligned ranges, each requested
+as soon as HDF5's chunk index names it) with ``FETCH_CONCURRENCY`` ranged GETs in flight, each pinned by ``If-Match``,
 ``pwrite``-ing each range into the segment at its rows' offset as it arrives (no temporary
 file, no second copy of the shard). Rows HDF5 must decode (filters, conversions, strides of
 interleaved shards, unwritten chunks) are read through h5py over the same pinned file object
-instead (its block cache: ``BLOCK_BYTES`` requests, each pinned by s3fs's If-Match too).
+instead, opened again with 2 MiB blocks (``BLOCK_BYTES``: each request pinned by s3fs's If-Match too).
 
 A failure of any request, or an object changed meanwhile (412), aborts the load: the
 temporary is removed and nothing is published. External links, external storage and virtual
@@ -33,7 +33,7 @@ import numpy as np
 
 from ...errors import AccessDenied, SourceChanged, UnsupportedDataset
 from ...hdf5.compound import FieldRows, rows_dataset
-from ...hdf5.fetch import Extent, fetch_extents, remote_extents
+from ...hdf5.fetch import Extent, fetch_rows
 from ...hdf5.reads import ShardWrite, read_shard_into
 from ...hdf5.remote import (
     METADATA_BLOCK_BYTES,
@@ -124,36 +124,46 @@ def _check_ends(dset: h5py.Dataset, meta: SegmentMeta, data: np.ndarray) -> None
                                 "read of it; request it again (reported as a bug if it persists)")
 
 
-def _load(job_meta: SegmentMeta, writer: SegmentWriter, fileobj: RemoteFile, checksum: bool,
+def _read_through_h5py(meta: SegmentMeta, writer: SegmentWriter, checksum: bool,
+                       daemon_gone: Callable[[], bool]) -> tuple[int, int, float]:
+    """The rows HDF5 must decode, read by h5py over the object opened again with the lazy
+    reader's 2 MiB blocks (the metadata blocks would make a request per 64 KiB of rows):
+    ``(crc or -1, bytes its block cache fetched, seconds)``."""
+    crc = RunningCrc() if checksum else None
+
+    def progress(done: int) -> None:
+        if daemon_gone():
+            raise DaemonGone()
+        writer.set_progress(done)
+
+    t0 = time.monotonic()
+    bulk = open_remote(meta.source_path, remote_pin(meta))
+    try:
+        with h5py.File(bulk, "r") as f:
+            read_shard_into(_rows(f, meta), inspect_dataset(f, meta.key), meta.row_range, writer.data, progress,
+                            how=ShardWrite(writer.data_target(), None if crc is None else crc.update))
+        return (-1 if crc is None else crc.value), bulk.fetched_bytes, time.monotonic() - t0
+    finally:
+        bulk.close()
+
+
+def _load(meta: SegmentMeta, writer: SegmentWriter, fileobj: RemoteFile, checksum: bool,
           daemon_gone: Callable[[], bool]) -> tuple[int, int, float]:
-    """The rows into ``writer``: ``(crc or -1, bytes fetched by ranged GETs, their seconds)``."""
-    meta = job_meta
+    """The rows into ``writer``: ``(crc or -1, bytes fetched for the rows, seconds fetching)``."""
     with h5py.File(fileobj, "r") as f:
         dset = _rows(f, meta)
         info: DatasetInfo = inspect_dataset(f, meta.key)
         if info.rows != meta.total_rows or info.row_shape != meta.row_shape or info.vlen:
             raise SourceChanged(f"{shown_url(meta.source_path)}[{meta.key}] is not the dataset resolved (now "
                                 f"{info.rows} rows of shape {info.row_shape}); request it again")
-        rows = meta.row_range
-        extents = (remote_extents(dset, info, meta.np_dtype, rows)
-                   if isinstance(dset, h5py.Dataset) and meta.rows else None)
-        if extents is not None and isinstance(dset, h5py.Dataset):
+        if isinstance(dset, h5py.Dataset) and meta.rows:
             sink = _Sink(writer, row_nbytes(meta.row_shape, meta.np_dtype), daemon_gone)
-            stats = fetch_extents(remote_pin(meta), extents, sink)
-            _check_ends(dset, meta, writer.data)
-            writer.set_progress(meta.rows)
-            return (sink.joined_crc() if checksum else -1), stats.bytes, stats.seconds
-        crc = RunningCrc() if checksum else None
-
-        def progress(done: int) -> None:
-            if daemon_gone():
-                raise DaemonGone()
-            writer.set_progress(done)
-
-        t0 = time.monotonic()
-        read_shard_into(dset, info, rows, writer.data, progress,
-                        how=ShardWrite(writer.data_target(), None if crc is None else crc.update))
-        return (-1 if crc is None else crc.value), 0, time.monotonic() - t0
+            stats = fetch_rows(dset, info, meta.np_dtype, meta.row_range, remote_pin(meta), sink)
+            if stats is not None:
+                _check_ends(dset, meta, writer.data)
+                writer.set_progress(meta.rows)
+                return (sink.joined_crc() if checksum else -1), stats.bytes, stats.seconds
+    return _read_through_h5py(meta, writer, checksum, daemon_gone)
 
 
 def run_remote_load(shm_dir: Path, tmp_name: str, final_name: str, meta: SegmentMeta, checksum: bool,
@@ -179,9 +189,9 @@ def run_remote_load(shm_dir: Path, tmp_name: str, final_name: str, meta: Segment
         stored = writer.store_checksum(crc) if checksum else ""
         fetched = ranged + fileobj.fetched_bytes
         fileobj.close()
-        stats = LoadStats(parts=1, create_s=started - t0, copied_bytes=ranged, read_s=read_done - started,
+        stats = LoadStats(parts=1, create_s=started - t0, copied_bytes=0, read_s=read_done - started,
                           part_s=(read_done - started,), checksum=stored, checksum_s=0.0, page_cache_drop_bytes=0,
-                          values=0, fetched_bytes=fetched, fetch_s=fetch_s if ranged else read_done - started)
+                          values=0, fetched_bytes=fetched, fetch_s=fetch_s)
         if daemon_gone():
             raise DaemonGone()
         published = writer.publish(final_name)
