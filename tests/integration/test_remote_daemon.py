@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import h5serve.wire.connection as connection
-from h5serve import AccessDenied, SourceChanged
+from h5serve import AccessDenied, ObjectStoreError, SourceChanged
 from h5serve.client import SharedH5Dataset
 from h5serve.hdf5.remote import remote_identity
 from h5serve.wire.connection import DaemonClient
@@ -252,3 +252,39 @@ def test_no_credential_in_a_log_line_or_a_socket_message(daemon: Daemon, s3: Any
         assert SECRET.encode() not in frame and b"AWS_SECRET" not in frame
     log = (daemon.runtime_dir / "h5serve.log").read_text()
     assert "fetched" in log and SECRET not in log
+
+
+def _arm(proxy: FaultyProxy, kind: str, faults: int) -> Callable[[str], bool]:
+    """A hook that lets the daemon's first ranged GET of x's rows through, then spoils the next ``faults``."""
+
+    def hook(header: str) -> bool:
+        if _range_bytes(header) <= 4 << 20:
+            return False
+        proxy.kind, proxy.faults = kind, faults
+        return True
+
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["503", "reset"])
+def test_a_store_failing_mid_load_is_retried_and_a_failed_load_publishes_nothing(
+        daemon: Daemon, s3: Any, local: Path, proxy: FaultyProxy, kind: str,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    url = upload(s3, local, f"faults-{kind}/train.h5")
+    use(daemon, monkeypatch)
+    proxy.before_range = _arm(proxy, kind, 3)  # fewer than the tries: every range arrives, retried
+    ds = SharedH5Dataset(url, "x", "y", mode="global", fallback="error")
+    here = SharedH5Dataset(local, "x", "y", mode="global", fallback="lazy")
+    assert ds.backend == "shm" and proxy.spoiled == 3
+    for a, b in zip(rows_at(ds, np.arange(0, ROWS, 7)), rows_at(here, np.arange(0, ROWS, 7))):
+        np.testing.assert_array_equal(a, b)
+    ds.close()
+    here.close()
+    other = upload(s3, local, f"faults-{kind}/again.h5")
+    proxy.before_range = _arm(proxy, kind, 100000)  # the store keeps failing: the load fails after its tries
+    with pytest.raises(ObjectStoreError) as info:
+        SharedH5Dataset(other, "x", "y", mode="global", fallback="error")
+    assert other in str(info.value) and "tries" in str(info.value) and SECRET not in str(info.value)
+    proxy.faults = 0
+    wait_for(lambda: not any(s["state"] == "loading" for s in daemon.status()["segments"]), timeout=60)
+    assert not [s for s in daemon.status()["segments"] if s["file"] == other and s["key"] == "x"]
