@@ -117,6 +117,8 @@ def test_every_mode_gives_the_bytes_and_order_of_the_file_on_disk(daemon: Daemon
     assert status["remote"]["loads"] == 6  # x and y of each mode's rows
     text = daemon.cli("status").stdout
     assert "remote: 6 load(s) of s3:// objects fetched" in text and "MB/s" in text
+    verified = daemon.cli("status", "--verify")  # each segment re-read against the crc its load joined
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 def test_two_ranks_on_one_daemon_fetch_the_object_about_once(daemon: Daemon, s3: Any, local: Path,  # noqa: F811

@@ -55,7 +55,6 @@ from .parts import DaemonGone, error_of
 __all__ = ["run_remote_load", "remote_pin"]
 
 
-
 def remote_pin(meta: SegmentMeta) -> RemoteIdentity:
     """The object identity a remote segment's load must read (what the daemon resolved)."""
     etag, version = meta.remote if meta.remote else ("", "")
