@@ -3,8 +3,8 @@ every request through a counting proxy (tests/integration/test_remote.py's Fault
 real daemon started with ``h5serve start`` with the test's environment (its credentials: the
 daemon's own chain), real torchrun ranks.
 
-- global (ranged GETs into the segment), contiguous (a partial range) and interleave (through
-  h5py) give the bytes and order of the same file on disk;
+- global (ranged GETs into the segment), contiguous and node (a part of the rows) and interleave
+  (through h5py) give the bytes and order of the same file on disk;
 - 2 torchrun ranks on one daemon fetch about the object's size once, not twice;
 - an object rewritten between two requests is SourceChanged for the old description and a new
   segment for the new one; rewritten during the load (before the first ranged GET) it is
@@ -99,7 +99,8 @@ def test_every_mode_gives_the_bytes_and_order_of_the_file_on_disk(daemon: Daemon
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     url = upload(s3, local, "modes/train.h5")
     use(daemon, monkeypatch)
-    shapes = {"global": {}, "contiguous": {"rank": 1, "world_size": 3}, "interleave": {"rank": 2, "world_size": 3}}
+    shapes = {"global": {}, "contiguous": {"rank": 1, "world_size": 3}, "interleave": {"rank": 2, "world_size": 3},
+              "node": {"local_rank": 1, "local_world_size": 2, "node_rank": 1, "num_nodes": 2}}
     for mode, where in shapes.items():
         remote = SharedH5Dataset(url, "x", "y", mode=mode, fallback="error", **where)
         here = SharedH5Dataset(local, "x", "y", mode=mode, fallback="lazy", **where)
@@ -113,10 +114,10 @@ def test_every_mode_gives_the_bytes_and_order_of_the_file_on_disk(daemon: Daemon
         remote.close()
         here.close()
     status = daemon.status()
-    assert len([s for s in status["segments"] if s["file"] == url]) == 6  # x and y of each mode's rows
-    assert status["remote"]["loads"] == 6  # x and y of each mode's rows
+    assert len([s for s in status["segments"] if s["file"] == url]) == 8  # x and y of each mode's rows
+    assert status["remote"]["loads"] == 8
     text = daemon.cli("status").stdout
-    assert "remote: 6 load(s) of s3:// objects fetched" in text and "MB/s" in text
+    assert "remote: 8 load(s) of s3:// objects fetched" in text and "MB/s" in text
     verified = daemon.cli("status", "--verify")  # each segment re-read against the crc its load joined
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
