@@ -26,14 +26,13 @@ from ..hdf5.files import describe_files, expand_paths
 from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
-from . import ring
+from . import remote, ring
 from .backends import progressive
 from .backends.protocol import Backend
 from .backends.sources import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
-from .remote import fetched_spec
-from .samplers.resharding import check_not_measured_by_distributed_sampler
+from .samplers.resharding import check_not_prepared, length_unless_resharded
 from .spec import BackendSpec, describe_spec
 from .streaming import automatic
 from .streaming.backend import StreamBackend
@@ -202,8 +201,7 @@ class SharedH5Dataset(Dataset):
             selection=selection,
             dtypes=self.fields.dtypes,
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
-            timeout=timeout,
-            daemon_user=daemon_user,
+            timeout=timeout, daemon_user=daemon_user,
             h5_options=self._h5_options(),
             cache_bytes=_check_cache_bytes(cache_bytes),
             files=sources.paths if many else (),
@@ -261,9 +259,8 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
-        if (spec := fetched_spec(self.spec, self._description, self.mode, self.fallback, self._shown_path())) is None:
-            return self._fallback_backend()  # a URL read here (client/remote.py)
-        self.spec = spec  # an s3:// object the daemon fetches: with its identity (pin)
+        if remote.reads_here(self.spec, self._description, self.mode, self.fallback, self._shown_path()):
+            return self._fallback_backend()  # a URL the daemon does not fetch (client/remote.py)
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
@@ -292,8 +289,7 @@ class SharedH5Dataset(Dataset):
         self._announce_fallback(error)
         return self._fallback_backend()
 
-    def _stream_instead(self, plan: automatic.StreamPlan,
-                        ) -> Backend | StreamBackend | progressive.ProgressiveBackend:
+    def _stream_instead(self, plan: automatic.StreamPlan) -> Backend | StreamBackend | progressive.ProgressiveBackend:
         """Serve a global/node dataset that does not fit shared memory in stream mode
         (client/streaming/automatic.py)."""
         warnings.warn(automatic.warning_text(plan, self.mode, self._shown_path()), RuntimeWarning, stacklevel=4)
@@ -415,9 +411,12 @@ class SharedH5Dataset(Dataset):
 
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
-        if self.requested_mode != GLOBAL and self.world_size > 1:
-            check_not_measured_by_distributed_sampler(self)
-        return len(self.indices)
+        return len(self.indices) if self.world_size == 1 else length_unless_resharded(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to set (the order is the sampler's): Accelerate calls it when its sampler has none.
+        Raised for a rank-sharded dataset of 2+ ranks: ConfigError (samplers/resharding.py)."""
+        check_not_prepared(self)
 
     def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor,
                 ) -> Sequence[torch.Tensor | np.ndarray | RaggedColumn]:

@@ -130,6 +130,11 @@ class DaemonBlocks:
         self._whole: dict[int, AttachedSegment] = {}  # keys held whole, mapped (by key index)
         self._whole_asked = False  # their acquires sent (their loads started)
         self._partial: list[AttachedSegment | None] = []  # the keys of the block being mapped, mapped so far
+        # the window a step's retain and prefetch last acted on (the sampler hands the same array
+        # objects while its window does not change): the same again, and nothing closed or
+        # refused since, is nothing to do, so a step costs nothing per block of the window
+        self._retained: np.ndarray | None = None
+        self._prefetched: tuple[np.ndarray, np.ndarray] | None = None
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
@@ -185,20 +190,26 @@ class DaemonBlocks:
 
     # ----- the window -------------------------------------------------------------------------
     def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
-        """The blocks in ``state`` that none of ``windows`` holds."""
-        inside = np.zeros(len(self._state), dtype=bool)
+        """The blocks in ``state`` that none of ``windows`` holds (ascending): in the time of
+        the blocks held or asked for and the windows, not of every block of the epoch."""
+        mine = self._held if state == _HELD else self._asked
+        if not mine:
+            return np.zeros(0, dtype=np.int64)
+        blocks = np.fromiter(mine, dtype=np.int64, count=len(mine))
         for window in windows:
-            inside[np.asarray(window, dtype=np.int64)] = True
-        return np.flatnonzero((self._state == state) & ~inside)
+            if len(blocks) and len(window):
+                blocks = blocks[~np.isin(blocks, window)]
+        return np.sort(blocks)
 
     def retain(self, alive: np.ndarray) -> None:
         """Close every mapped block not in ``alive`` (the node's window at this step); none when
         the window holds every block (``release``)."""
         self._check_pid()
-        if self._keeps_all:
+        if self._keeps_all or alive is self._retained:
             return
         for block in self._outside(_HELD, alive).tolist():
             self._close(block)
+        self._retained = alive
 
     def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
         """After a batch: close the blocks of ``done`` (this rank has used them for the last time
@@ -218,6 +229,7 @@ class DaemonBlocks:
             self._close(block)
 
     def _close(self, block: int) -> None:
+        self._prefetched = None  # the block may be asked for again
         if self._stitched is not None:
             self._stitched.remove(block)
         if self._state[block] == _HELD:
@@ -235,6 +247,9 @@ class DaemonBlocks:
         if (self._keeps_all and not self._asked and len(self._held) == self.layout.n_blocks
                 and (self._whole_asked or not any(self.whole))):
             return  # every block mapped and kept: nothing to ask for, each batch (a second epoch's)
+        if self._prefetched is not None and self._prefetched[0] is ahead and self._prefetched[1] is alive:
+            return  # this window's blocks all asked for or mapped already
+        said = (ahead, alive)
         alive = np.asarray(alive, dtype=np.int64)
         ahead = np.asarray(ahead, dtype=np.int64)[:PREFETCH_DEPTH]  # further ahead is never asked for
         for block in self._outside(_ASKED, ahead, alive).tolist():
@@ -259,6 +274,7 @@ class DaemonBlocks:
                 if (block, False) not in wanted and (block, True) not in wanted:  # listed twice
                     wanted.append((block, prefetch))
         if not wanted:
+            self._prefetched = said if len(self._asked) < PREFETCH_DEPTH else None
             return
         per_block = [self._requests(block, prefetch) for block, prefetch in wanted]
         # sent together, their replies taken together: one wait, not a round trip a block and key
@@ -272,6 +288,7 @@ class DaemonBlocks:
                 raise refused
             self._asked[block] = [AcquireResult.from_wire(a) for a in answers if not isinstance(a, Exception)]
             self._state[block] = _ASKED
+        self._prefetched = said if len(self._asked) < PREFETCH_DEPTH else None
 
     # ----- gathering --------------------------------------------------------------------------
     def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
@@ -454,7 +471,7 @@ class DaemonBlocks:
         state = dict(self.__dict__)
         # a spawned worker maps its own
         state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None,
-                     _whole_asked=False, _partial=[])
+                     _whole_asked=False, _partial=[], _retained=None, _prefetched=None)
         return state
 
 
