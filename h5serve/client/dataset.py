@@ -26,7 +26,7 @@ from ..hdf5.files import describe_files, expand_paths
 from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
-from . import ring
+from . import remote, ring
 from .backends import progressive
 from .backends.protocol import Backend
 from .backends.sources import lazy_backend
@@ -69,7 +69,7 @@ class SharedH5Dataset(Dataset):
     ``path``: one HDF5 file, a glob pattern (``"data/run_*.h5"``: expanded here and sorted)
     or a list of files: many files are one dataset, their rows concatenated in that order,
     in every mode and backend (they must agree on keys, row shape and dtype, or cast safely to
-    ``dtype_x``/``dtype_y``; ``ds.files`` lists them).
+    ``dtype_x``/``dtype_y``; ``ds.files`` lists them). URLs (``s3://b/k.h5``): client/remote.py.
 
     Variable-length rows (``h5py.vlen_dtype(np.float32)``, variable-length strings): a
     sample is a 1-D tensor (strings: ``str``); a batch is, by ``ragged``, ``"list"`` a list
@@ -201,8 +201,7 @@ class SharedH5Dataset(Dataset):
             selection=selection,
             dtypes=self.fields.dtypes,
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
-            timeout=timeout,
-            daemon_user=daemon_user,
+            timeout=timeout, daemon_user=daemon_user,
             h5_options=self._h5_options(),
             cache_bytes=_check_cache_bytes(cache_bytes),
             files=sources.paths if many else (),
@@ -260,6 +259,8 @@ class SharedH5Dataset(Dataset):
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
+        if remote.reads_here(self.spec, self._description, self.mode, self.fallback, self._shown_path()):
+            return self._fallback_backend()  # a URL the daemon does not fetch (client/remote.py)
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
@@ -288,8 +289,7 @@ class SharedH5Dataset(Dataset):
         self._announce_fallback(error)
         return self._fallback_backend()
 
-    def _stream_instead(self, plan: automatic.StreamPlan,
-                        ) -> Backend | StreamBackend | progressive.ProgressiveBackend:
+    def _stream_instead(self, plan: automatic.StreamPlan) -> Backend | StreamBackend | progressive.ProgressiveBackend:
         """Serve a global/node dataset that does not fit shared memory in stream mode
         (client/streaming/automatic.py)."""
         warnings.warn(automatic.warning_text(plan, self.mode, self._shown_path()), RuntimeWarning, stacklevel=4)
