@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -76,7 +77,7 @@ from ..spec import BackendSpec
 from .blockcache import Arrays, gather_by_block
 from .refusal import no_room_message
 from .stitched import StitchedBlocks
-from .window_fit import mappable_blocks
+from .window_fit import mappable_blocks, past_the_cap
 
 __all__ = ["DaemonBlocks", "DEFAULT_WAIT_S", "PREFETCH_DEPTH", "STITCH_ENV"]
 
@@ -110,6 +111,8 @@ class DaemonBlocks:
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
         self._reset()
+        if self.mapped_cap < min(self.capacity, self.layout.n_blocks):
+            warnings.warn(past_the_cap(self.capacity, self.mapped_cap), RuntimeWarning, stacklevel=2)
 
     def _reset(self) -> None:
         self._pid = os.getpid()
