@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "TupleBatch", "DictBatch", "collate"]
 
+
 def _check_cache_bytes(value: Any) -> int | None:
     if value is None:
         return None
@@ -233,8 +234,7 @@ class SharedH5Dataset(Dataset):
             raise
         self.indices: np.ndarray = self.spec.selection.indices(self._backend.total_rows)
 
-    def _layout_selection(self, mode: str, rank: int | None, world_size: int | None,
-                          *layout_args: int | None) -> Selection:
+    def _layout_selection(self, mode: str, rank: int | None, world_size: int | None, *place: int | None) -> Selection:
         """Resolve which ranks share this node (h5serve.topology) and select their rows: node mode,
         its ranks' contiguous shards; stream mode, every row by its global number (blocks dealt to nodes).
 
@@ -242,7 +242,7 @@ class SharedH5Dataset(Dataset):
         or the nodes run different numbers of ranks (stream mode): ConfigError."""
         from ..topology import resolve_layout
 
-        local_rank, local_world_size, node_rank, num_nodes = layout_args
+        local_rank, local_world_size, node_rank, num_nodes = place
         layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
                                 local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
         if mode == STREAM and layout.world_size != layout.num_nodes * layout.local_world_size:
