@@ -70,7 +70,7 @@ from .fileset import read_files_part
 from .loadcrc import RunningCrc
 from .loadresult import LoadError, LoadOk, LoadStats
 from .openfile import OpenFile
-from .parts import DaemonGone, PartResult, Parts, error_of
+from .parts import DaemonGone, PartResult, Parts, report_failure
 from .remoteload import run_remote_load
 from .reserve import INLINE_RESERVE_BYTES, Reservation
 from .vlenload import Room, load_vlen
@@ -362,12 +362,7 @@ def _abort(exc: BaseException, parts: Parts | None, reservation: Reservation | N
         writer.abort()
     if files is not None:
         files.close()
-    if not isinstance(exc, DaemonGone):
-        code, message = error_of(exc)
-        try:
-            reply.send(LoadError(code, message))
-        except OSError:
-            pass
+    report_failure(reply, exc)
 
 
 def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None,

@@ -49,8 +49,8 @@ from ...util.crc import LOAD_CRC
 from ...util.units import row_nbytes
 from .._process import LOADER_NAME, set_process_name
 from .loadcrc import RunningCrc
-from .loadresult import LoadError, LoadOk, LoadStats
-from .parts import DaemonGone, error_of
+from .loadresult import LoadOk, LoadStats
+from .parts import DaemonGone, report_failure
 
 __all__ = ["run_remote_load", "remote_pin"]
 
@@ -200,12 +200,7 @@ def run_remote_load(shm_dir: Path, tmp_name: str, final_name: str, meta: Segment
     except BaseException as exc:  # noqa: BLE001 - reported: the daemon turns it into an error reply
         if writer is not None:
             writer.abort()
-        if not isinstance(exc, DaemonGone):
-            code, message = error_of(exc)
-            try:
-                reply.send(LoadError(code, message))
-            except OSError:
-                pass
+        report_failure(reply, exc)
         return False
     finally:
         if fileobj is not None:
