@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import ConfigError, ObjectStoreError
 from ..order.sharding import RowRange
 from ..util.units import row_nbytes
-from .rawcopy import MAX_MAPPED_CHUNKS
+from .rawcopy import MAX_MAPPED_CHUNKS, raw_layout
 from .remote import RemoteIdentity, filesystem_of, parse_url, remote_call, shown_url
 from .source import DatasetInfo
 
@@ -61,15 +61,6 @@ class FetchStats:
     seconds: float
 
 
-def _same_bytes_as_numpy(dset: h5py.Dataset, dtype: np.dtype) -> bool:
-    if dset.dtype.kind not in "iufc" or dset.dtype.newbyteorder("=") != dtype or not dtype.isnative:
-        return False
-    try:
-        return dset.id.get_type() == h5py.h5t.py_create(dtype)
-    except (TypeError, ValueError):
-        return False
-
-
 def _walk(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype, rows: RowRange,
           emit: Callable[[Extent], None]) -> bool:
     """Hand ``emit`` the byte ranges of the object holding ``rows`` (step 1) of ``dset`` as
@@ -78,13 +69,10 @@ def _walk(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype, rows: RowRange
     dataset in RANGE_BYTES pieces. False when the rows must be read through h5py: before any
     range (a stride, filters, a conversion, chunks that split rows), or after (a chunk of them
     never written: HDF5 serves the fill value)."""
-    if rows.step != 1 or rows.stop <= rows.start or info.rows == 0 or not _same_bytes_as_numpy(dset, dtype):
-        return False
-    dcpl = dset.id.get_create_plist()
-    if dcpl.get_nfilters() or dcpl.get_external_count():
+    layout = raw_layout(dset, info, dtype) if rows.step == 1 and rows.stop > rows.start else None
+    if layout is None:
         return False
     row_bytes = row_nbytes(info.row_shape, dtype)
-    layout = dcpl.get_layout()
     if layout == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset()
         if offset is None:
