@@ -4,11 +4,14 @@
     ├── ConfigError                 a bad argument or setting (mode, rank, runtime dir, size)
     ├── DataError                   the HDF5 source cannot be served as asked
     │   ├── SourceNotFound          the file does not exist or cannot be opened
+    │   │   └── ObjectNotFound      a remote file's object or bucket does not exist (HTTP 404)
     │   ├── KeyNotFound             the dataset key is not in the file
     │   ├── UnsupportedDataset      no rows dimension, or a dtype h5serve cannot serve
     │   ├── LengthMismatch          the keys have different numbers of rows
     │   ├── SourceChanged           the file changed while it was being loaded
-    │   └── AccessDenied            the daemon may not serve that file (--allow-root)
+    │   ├── AccessDenied            the daemon may not serve that file (--allow-root)
+    │   │   └── ObjectAccessDenied  the object store refused the credentials found (HTTP 401, 403)
+    │   └── ObjectStoreError        a remote file (s3://, https://) failed: 5xx, throttling, timeouts, resets
     ├── CapacityError               not enough room to hold a shard
     │   ├── ShmFull                 the shm filesystem has less free space than the shard needs
     │   └── BudgetExceeded          the daemon's --max-memory cannot fit the shard
@@ -56,6 +59,9 @@ __all__ = [
     "LengthMismatch",
     "SourceChanged",
     "AccessDenied",
+    "ObjectStoreError",
+    "ObjectNotFound",
+    "ObjectAccessDenied",
     "CapacityError",
     "ShmFull",
     "BudgetExceeded",
@@ -139,6 +145,42 @@ class AccessDenied(DataError, PermissionError):
     readable by the user who asked for it."""
 
     code = "access_denied"
+    falls_back = True
+
+
+class _RemoteDetails(Exception):
+    """What the errors of remote files (h5serve/hdf5/remote.py) carry besides their message:
+    ``url``, the file as messages show it (never credentials), and ``status``, the HTTP status
+    when there was one (else None)."""
+
+    def __init__(self, message: str = "", *, url: str = "", status: int | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+
+
+class ObjectNotFound(_RemoteDetails, SourceNotFound):
+    """Raised when a remote file's object, or its bucket, does not exist (HTTP 404). Falls back
+    as SourceNotFound does: a daemon reading with its own credentials and endpoint may not see
+    what the job sees."""
+
+    code = "object_not_found"
+
+
+class ObjectAccessDenied(_RemoteDetails, AccessDenied):
+    """Raised when the object store refuses the credentials found (HTTP 401, 403: no
+    credentials, wrong ones, or a bucket policy that denies them). Falls back as AccessDenied
+    does: the job's own credentials may be allowed what a daemon's are not."""
+
+    code = "object_access_denied"
+
+
+class ObjectStoreError(_RemoteDetails, DataError):
+    """Raised when reading a remote file (``s3://``, ``https://``: h5serve/hdf5/remote.py) fails
+    after its retries: a server error or throttling (5xx, 429), a timeout, a connection reset,
+    a response cut short. Falls back: a daemon's failed fetch leaves the job's own reads."""
+
+    code = "object_store"
     falls_back = True
 
 

@@ -23,8 +23,9 @@ from ..daemon.config import DEFAULT_MEMORY_FRACTION, default_load_processes
 from ..errors import ConfigError, DaemonUnavailable, KeyNotFound, SourceNotFound, UnsupportedDataset
 from ..hdf5.compound import split_field
 from ..hdf5.filters import HAVE_HDF5PLUGIN, HDF5PLUGIN_FILTERS, KNOWN_FILTERS
-from ..hdf5.identity import open_h5
+from ..hdf5.identity import open_h5, open_remote_h5
 from ..hdf5.links import dataset_names
+from ..hdf5.remote import is_url, shown_url
 from ..hdf5.source import inspect_dataset
 from ..order.sharding import ALL_MODES, GLOBAL, NODE, STREAM, Selection
 from ..order.stream_order import block_unit
@@ -344,6 +345,8 @@ def inspect_file(
     """The preflight report for ``path`` (``keys``: these datasets only; default every dataset).
 
     Raised when the file is missing or not HDF5: SourceNotFound; damaged or truncated: DataError.
+    A URL (s3://, https://) is read through hdf5/remote.py: its errors (ObjectNotFound,
+    ObjectAccessDenied, ObjectStoreError) as they are.
     Raised when a key is not a dataset there: KeyNotFound. Raised for a bad world size, ranks per node, mode or shm dir:
     ConfigError.
     """
@@ -354,7 +357,12 @@ def inspect_file(
         raise ConfigError(f"--ranks-per-node must be in 1..{world_size} (the world size), got {ranks_per_node}")
     if mode is not None and mode not in (*ALL_MODES, STREAM):
         raise ConfigError(f"--mode must be one of {', '.join((*ALL_MODES, STREAM))}, got {mode!r}")
-    with open_h5(path) as f:
+    remote = None
+    if is_url(path):  # s3://, https://: the object as it is now (hdf5/remote.py)
+        f, remote = open_remote_h5(str(path))
+    else:
+        f = open_h5(path)
+    with f:
         names = list(keys) if keys else dataset_names(f, MAX_LISTED)
         if not names:
             raise KeyNotFound(f"{os.fspath(path)!r} holds no datasets; pass an HDF5 file with the rows to train on")
@@ -379,12 +387,13 @@ def inspect_file(
     if mode == STREAM:
         needs = (stream_need(window, shapes),)
     parts: dict[str, Any] = {
-        "file": os.path.abspath(path), "file_bytes": os.path.getsize(path), "world_size": world_size,
+        "file": shown_url(str(path)) if remote else os.path.abspath(path),
+        "file_bytes": remote.size if remote else os.path.getsize(path), "world_size": world_size,
         "ranks_per_node": ranks_per_node, "mode": mode, "datasets": datasets, "needs": needs, "budget": budget,
         "budget_rule": rule, "shm": shm, "daemon": daemon, "nofile_soft": _limit(soft), "nofile_hard": _limit(hard),
         "recommended_mode": recommended, "stream": window,
     }
-    return InspectReport(**parts, advice=_advice(parts))
+    return InspectReport(**parts, advice=_advice(parts), remote=remote.describe() if remote else "")
 
 
 def _limit(value: int) -> int:

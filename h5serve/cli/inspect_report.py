@@ -101,6 +101,7 @@ class InspectReport:
     recommended_mode: str  # the mode asked about (else global, or node) when it fits, else "stream"
     stream: StreamWindow | None  # "stream": its window, what min(budget, shm size) holds, and block
     advice: tuple[Advice, ...]
+    remote: str = ""  # a remote file (s3://, https://): its object's identity (size, ETag, version); "" when local
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -41,6 +41,10 @@ def _not_fitting(report: InspectReport, mode: str) -> str:
 def format_report(report: InspectReport) -> str:
     """The report as text for a terminal."""
     lines = [f"{printable(report.file)} ({format_bytes(report.file_bytes)})", "datasets:"]
+    if report.remote:
+        lines[1:1] = [f"remote object: {report.remote}; a daemon fetches an s3:// object of fixed-size rows once per "
+                      "node (global, node, contiguous, interleave; --allow-url on a shared daemon), else each process "
+                      "reads it through fsspec"]
     lines += _table([["key", "rows", "row", "size", "layout", "filters"], *map(_dataset_line, report.datasets)])
     where = (f"world size {report.world_size}, {report.ranks_per_node} of its ranks on this node"
              if report.world_size > 1 else "one rank")

@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", help="let this group's members connect and map segments (default: owner only)")
     p.add_argument("--allow-root", action="append", metavar="PATH",
                    help="serve only files under PATH (after resolving symlinks); repeatable")
+    p.add_argument("--allow-url", action="append", metavar="PREFIX",
+                   help="fetch s3:// objects under PREFIX (s3://bucket/prefix/) with the daemon's own credentials; "
+                   "repeatable. A shared daemon (--group, or root) fetches no URL without it; a daemon run by a "
+                   "user for themself fetches any URL its credentials can read unless it is given")
     p.add_argument("--user", help="run as this user (start as root, e.g. from a SLURM prolog)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     p.add_argument("--metrics-addr", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 for remote scrapes)")
@@ -177,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_runtime(sub.add_parser("inspect", help="preflight: what FILE holds, the memory each mode needs per "
                                     "node, this node's /dev/shm and limits, advice"))
-    p.add_argument("file", help="the HDF5 file")
+    p.add_argument("file", help="the HDF5 file, or its URL (s3://bucket/key.h5, https://...: pip install "
+                   "'h5serve[s3]')")
     p.add_argument("--key", action="append", metavar="K",
                    help="only this dataset (repeatable; default: every dataset in the file)")
     p.add_argument("--world-size", type=_at_least_one, default=1, metavar="W", help="ranks in the job (default 1)")

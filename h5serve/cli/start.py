@@ -32,6 +32,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     args.allow_root = [os.path.abspath(root) for root in args.allow_root or ()]
+    from ..daemon.access.urls import parse_allow_url
+
+    args.allow_url = [parse_allow_url(prefix) for prefix in args.allow_url or ()]  # ConfigError before it starts
     from ..daemon.access.privileges import drop_privileges, lookup_group, lookup_user, prepare_runtime_dir
     from ..util.units import parse_size
 
@@ -128,6 +131,8 @@ def _spawn_daemon(args: argparse.Namespace, location: Any, dir_fd: int) -> subpr
         cmd.append("--metrics-paths")
     for root in args.allow_root or ():
         cmd += ["--allow-root", root]
+    for prefix in args.allow_url or ():
+        cmd += ["--allow-url", prefix]
     env = dict(os.environ)
     quiet_blas(env)
     safe_python_env(env)
@@ -174,6 +179,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         load_processes=args.load_processes or 0,
         group=lookup_group(args.group) if args.group is not None else None,
         allow_roots=tuple(Path(r) for r in args.allow_root),  # made absolute by cmd_start
+        allow_urls=tuple(args.allow_url or ()),
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr or "127.0.0.1",
         metrics_textfile=Path(os.path.abspath(args.metrics_textfile)) if args.metrics_textfile else None,

@@ -69,6 +69,11 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"idle exit: after {idle['after_s']:g}s unused (--idle-exit); unused for {idle['idle_s']:.0f}s "
                      "(status requests do not count)"
                      + (f"; {idle['holds']} hold(s) of running jobs" if idle.get("holds") else ""))
+    remote = info.get("remote")
+    if remote and remote.get("loads"):
+        lines.append(f"remote: {remote['loads']} load(s) of s3:// objects fetched "
+                     f"{format_bytes(remote['fetched_bytes'])} in {remote['fetch_seconds']:.1f}s "
+                     f"({remote['bytes_per_s'] / 1e6:.1f} MB/s)")
     segments = info["segments"]
     if not segments:
         lines.append("no segments")

@@ -2,11 +2,11 @@
 
 Light, fork- and spawn-safe; never imports ``h5serve.daemon``.
 
-``__all__`` is the core API: the dataset, ``make_loader`` and its loader, the samplers,
-``collate`` and the batch types a loop receives, the loader's statistics, and the base error
-(every error class is in ``h5serve``). The predecessor's names (``RankMemCachedH5Dataset``,
-``H5LazyDataset``, ``h5_worker_init_fn`` and its sharding helpers) are in
-``h5serve.client.compat`` and, as before, importable from here by name.
+``__all__`` is the core API: the dataset and its option groups (``StreamOptions``, ``NodePlace``,
+``DaemonOptions``), ``make_loader`` and its loader, the samplers, ``collate`` and the batch types a
+loop receives, the loader's statistics, and the base error (every error class is in ``h5serve``).
+The predecessor's names (``RankMemCachedH5Dataset``, ``H5LazyDataset``, ``h5_worker_init_fn`` and
+its sharding helpers) are in ``h5serve.client.compat`` and, as before, importable from here by name.
 
 May import: h5serve.hdf5, h5serve.segments, h5serve.topology, h5serve.wire, h5serve.order, h5serve.util,
 h5serve.errors
@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import H5ServeError
 from .dataloader import ShmDataLoader, make_loader, seed_worker
 from .dataset import Batch, DictBatch, SampleList, SharedH5Dataset, TupleBatch, collate
+from .options import DaemonOptions, StreamOptions
 from .ragged import Padded, RaggedList
 from .samplers.node import NodePlace, NodeShuffleSampler
 from .samplers.shuffle import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
@@ -26,6 +27,8 @@ from .streaming.sampler import StreamSampler
 
 __all__ = [
     "SharedH5Dataset",
+    "StreamOptions",
+    "DaemonOptions",
     "make_loader",
     "ShmDataLoader",
     "seed_worker",

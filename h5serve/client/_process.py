@@ -3,22 +3,25 @@ place, each with why it is needed and what it depends on:
 
 - ``register_collate``: h5serve's row types in torch's ``default_collate_fn_map``;
 - ``guard_forks``: an at-fork hook giving children of a process that gathered one torch thread;
-- ``return_batch_memory``: glibc's ``mallopt`` in DataLoader workers.
+- ``return_batch_memory``: glibc's ``mallopt`` in DataLoader workers;
+- ``close_at_exit``: an atexit hook closing the remote files (hdf5/remote.py) this process opened.
 
 Nothing here runs at import; each is called where its need arises.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = ["register_collate", "guard_forks", "fork_guard_registered", "return_batch_memory",
-           "WORKER_MMAP_THRESHOLD"]
+           "WORKER_MMAP_THRESHOLD", "close_at_exit"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 WORKER_MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, pinned
@@ -77,3 +80,39 @@ def return_batch_memory() -> None:
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
     except (OSError, AttributeError):
         pass
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_closed_at_exit: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def close_at_exit(handle: _Closable) -> None:
+    """Close ``handle`` (an H5Handle holding a remote file, client/backends/handle.py) before
+    the interpreter finalizes, unless it is closed or gone before.
+
+    Why: an h5py file opened on a Python file object (``h5py.File(RemoteFile)``) that is still
+    open when the interpreter finalizes is closed by HDF5 while the modules it calls back into
+    (h5serve's file object, fsspec, its event loop thread) are being torn down: a spawned
+    DataLoader worker, which exits through a full finalization, died of SIGSEGV at every exit
+    (h5py 3.x, fsspec/s3fs 2026.9; tests/integration/test_remote.py). atexit hooks run before
+    that teardown, while fsspec's loop thread still runs, and latest first, so this one runs
+    before h5py's. H5Handle.close closes only what this process opened (a forked child skips
+    its parent's files). Held weakly: a handle closed and dropped earlier is not kept alive.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_close_all)
+        _exit_hook_registered = True
+    _closed_at_exit.add(handle)
+
+
+def _close_all() -> None:
+    for handle in list(_closed_at_exit):
+        try:
+            handle.close()
+        except Exception:  # at exit: nothing is left to report to
+            pass

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 # torch internals (stable since torch 1.x): ShmDataLoader's iterator is torch's, minus one record
 from torch.utils.data._utils.pin_memory import pin_memory
@@ -29,6 +29,7 @@ from .dataset import SharedH5Dataset, collate
 from .gather import IndexBatches
 from .lazy import h5_worker_init_fn
 from .samplers.node import NodePlace, NodeShuffleSampler
+from .samplers.resharding import check_sampler
 from .samplers.shuffle import DistributedShuffleSampler, EpochBatchSampler, EpochShuffleSampler
 from .streaming.sampler import StreamSampler
 
@@ -155,16 +156,6 @@ def stream_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop
                          prefetch_factor=prefetch_factor)
 
 
-def _check_not_distributed(dataset: Any, sampler: Any) -> None:
-    """Raised when a node-mode dataset meets torch's DistributedSampler: ConfigError."""
-    if is_node(dataset) and isinstance(sampler, DistributedSampler):
-        raise ConfigError(
-            "a node-mode dataset holds only this node's rows and h5serve deals them to the node's ranks itself; "
-            "DistributedSampler would shard them a second time (and index past the node). Use "
-            "make_loader(ds, batch_size) without sampler= (it uses NodeShuffleSampler), or mode='global' with "
-            "DistributedSampler")
-
-
 def _check_has_rows(dataset: Any) -> None:
     """Raised when ``dataset`` (one with ``total_rows``: SharedH5Dataset and its kin) has no rows:
     DataError naming its files."""
@@ -188,7 +179,7 @@ def _batch_sampler(dataset: Any, batch_size: int, shuffle: bool, seed: int, drop
 
     Raised when the dataset has no rows at all: DataError (an epoch of no batches would train
     on nothing, silently)."""
-    _check_not_distributed(dataset, sampler)
+    check_sampler(dataset, sampler)  # torch's DistributedSampler over a rank-sharded dataset
     _check_has_rows(dataset)
     arrays = workers > 0
     if getattr(dataset, "stream", None) is not None:
@@ -256,7 +247,7 @@ def make_loader(
       drop_last=drop_last), drop_last=drop_last)``, as index tensors; pass your own as ``sampler``;
     - a node dataset (``SharedH5Dataset(mode="node")``: the node's rows) gets a
       ``NodeShuffleSampler``: the node's rows permuted per epoch and dealt to its ranks, equal
-      batches on every rank of every node; torch's ``DistributedSampler`` is refused for it;
+      batches on every rank of every node;
     - a stream dataset (``SharedH5Dataset(mode="stream")``) gets a ``StreamSampler``: blocks
       dealt to nodes, rows drawn across the blocks in the window, equal batches on every rank;
       its batches tell the dataset which blocks to keep;
@@ -284,7 +275,8 @@ def make_loader(
 
     Other keyword arguments go to ``loader_class`` as they are.
 
-    Raised for a bad batch size, worker count or sampler, or when some rank would get no
+    Raised for a bad batch size, worker count or sampler (torch's ``DistributedSampler`` for any
+    mode but global: it would shard the rank's share again), or when some rank would get no
     batch (``drop_last=True`` with a shard smaller than a batch; an empty shard): ConfigError.
     Raised when the dataset has no rows at all (a 0-row file): DataError.
     """

@@ -26,13 +26,15 @@ from ..hdf5.files import describe_files, expand_paths
 from ..order.sharding import GLOBAL, NODE, Selection, node_selection, resolve_rank_world
 from ..order.stream_order import STREAM, node_rows
 from ..util.checks import is_int
-from . import ring
+from . import remote, ring
 from .backends import progressive
 from .backends.protocol import Backend
 from .backends.sources import lazy_backend
 from .fields import XY, Batch, DictBatch, FieldSet, SampleList, TupleBatch, collate, parse_fields
 from .gather import as_positions, trusted_positions
-from .samplers.resharding import check_not_measured_by_distributed_sampler
+from .options import DaemonOptions, StreamOptions, check_fallback, grouped
+from .samplers.node import NodePlace
+from .samplers.resharding import check_not_prepared, length_unless_resharded
 from .spec import BackendSpec, describe_spec
 from .streaming import automatic
 from .streaming.backend import StreamBackend
@@ -43,8 +45,6 @@ if TYPE_CHECKING:
     from .ragged import RaggedColumn
 
 __all__ = ["SharedH5Dataset", "Batch", "SampleList", "TupleBatch", "DictBatch", "collate"]
-
-FALLBACKS = ("lazy", "error")
 
 
 def _check_cache_bytes(value: Any) -> int | None:
@@ -69,7 +69,7 @@ class SharedH5Dataset(Dataset):
     ``path``: one HDF5 file, a glob pattern (``"data/run_*.h5"``: expanded here and sorted)
     or a list of files: many files are one dataset, their rows concatenated in that order,
     in every mode and backend (they must agree on keys, row shape and dtype, or cast safely to
-    ``dtype_x``/``dtype_y``; ``ds.files`` lists them).
+    ``dtype_x``/``dtype_y``; ``ds.files`` lists them). URLs (``s3://b/k.h5``): client/remote.py.
 
     Variable-length rows (``h5py.vlen_dtype(np.float32)``, variable-length strings): a
     sample is a 1-D tensor (strings: ``str``); a batch is, by ``ragged``, ``"list"`` a list
@@ -134,6 +134,9 @@ class SharedH5Dataset(Dataset):
     ``$H5SERVE_DAEMON_USER``); any other is refused like a missing daemon (a warning naming
     the path and owner, then lazy reads).
 
+    Grouped (client/options.py): ``stream=StreamOptions(...)``, ``place=NodePlace(...)`` and
+    ``daemon=DaemonOptions(...)`` instead of their loose keywords (with one of them: ConfigError).
+
     Raised for bad arguments: ConfigError. Raised for a missing file or key, mismatched
     lengths or an unservable dtype: the DataError subclass that says which.
     """
@@ -170,9 +173,19 @@ class SharedH5Dataset(Dataset):
         block_rows: int | None = None,
         auto_stream: bool = True,
         wait_ready: bool | None = None,
+        stream: StreamOptions | None = None,
+        place: NodePlace | None = None,
+        daemon: DaemonOptions | None = None,
     ) -> None:
-        if fallback not in FALLBACKS:
-            raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        window, block_rows, auto_stream = grouped("stream", stream, StreamOptions, window=window,
+                                                  block_rows=block_rows, auto_stream=auto_stream)
+        local_rank, local_world_size, node_rank, num_nodes = grouped(
+            "place", place, NodePlace, local_rank=local_rank, local_world_size=local_world_size,
+            node_rank=node_rank, num_nodes=num_nodes)
+        runtime_dir, timeout, daemon_user, fallback, wait_ready = grouped(
+            "daemon", daemon, DaemonOptions, runtime_dir=runtime_dir, timeout=timeout, daemon_user=daemon_user,
+            fallback=fallback, wait_ready=wait_ready)
+        check_fallback(fallback)
         self.fields: FieldSet = parse_fields(
             x_key, y_key, keys, dtype_x=dtype_x, dtype_y=dtype_y, transform=transform,
             target_transform=target_transform, dtypes=dtypes, transforms=transforms, encoding=encoding,
@@ -184,12 +197,10 @@ class SharedH5Dataset(Dataset):
         if mode != STREAM and (window is not None or block_rows is not None):
             raise ConfigError(f"window and block_rows are for mode='stream' only (mode={mode!r}): drop them, or "
                               "use mode='stream'")
-        if mode == NODE:
-            selection = self._node_selection(rank, world_size, *layout_args)
-        elif mode == STREAM:
-            selection = self._stream_selection(rank, world_size, *layout_args)
+        if mode in (NODE, STREAM):
+            selection = self._layout_selection(mode, rank, world_size, *layout_args)
         elif any(a is not None for a in layout_args):
-            raise ConfigError("local_rank, local_world_size, node_rank and num_nodes describe the node for "
+            raise ConfigError("local_rank, local_world_size, node_rank and num_nodes (place=) describe the node for "
                               f"mode='node' only (and mode='stream'; mode={mode!r}): drop them, or use mode='node'")
         else:
             selection = Selection(mode, self.world_size, self.rank)
@@ -201,8 +212,7 @@ class SharedH5Dataset(Dataset):
             selection=selection,
             dtypes=self.fields.dtypes,
             runtime_dir=None if runtime_dir is None else os.fspath(runtime_dir),
-            timeout=timeout,
-            daemon_user=daemon_user,
+            timeout=timeout, daemon_user=daemon_user,
             h5_options=self._h5_options(),
             cache_bytes=_check_cache_bytes(cache_bytes),
             files=sources.paths if many else (),
@@ -224,42 +234,33 @@ class SharedH5Dataset(Dataset):
             raise
         self.indices: np.ndarray = self.spec.selection.indices(self._backend.total_rows)
 
-    def _node_selection(self, rank: int | None, world_size: int | None, local_rank: int | None,
-                        local_world_size: int | None, node_rank: int | None, num_nodes: int | None) -> Selection:
-        """Resolve which ranks share this node (h5serve.topology) and select their rows.
+    def _layout_selection(self, mode: str, rank: int | None, world_size: int | None, *place: int | None) -> Selection:
+        """Resolve which ranks share this node (h5serve.topology) and select their rows: node mode,
+        its ranks' contiguous shards; stream mode, every row by its global number (blocks dealt to nodes).
 
-        Raised when the layout is contradictory or the node's ranks are not consecutive: ConfigError.
-        """
+        Raised when the layout is contradictory, the node's ranks are not consecutive (node mode)
+        or the nodes run different numbers of ranks (stream mode): ConfigError."""
         from ..topology import resolve_layout
 
+        local_rank, local_world_size, node_rank, num_nodes = place
         layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
                                 local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
-        self.layout = layout
-        self.rank, self.world_size = layout.rank, layout.world_size
-        return node_selection(self.world_size, layout.ranks)
-
-    def _stream_selection(self, rank: int | None, world_size: int | None, *layout_args: int | None) -> Selection:
-        """Stream mode: the node's layout (the order deals blocks to nodes, rows to local ranks),
-        every row addressable by its global number.
-
-        Raised when the nodes run different numbers of ranks: ConfigError."""
-        from ..topology import resolve_layout
-
-        local_rank, local_world_size, node_rank, num_nodes = layout_args
-        layout = resolve_layout(rank=rank, world_size=world_size, local_rank=local_rank,
-                                local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes)
-        if layout.world_size != layout.num_nodes * layout.local_world_size:
+        if mode == STREAM and layout.world_size != layout.num_nodes * layout.local_world_size:
             raise ConfigError(f"mode='stream' needs the same number of ranks on every node: {layout.world_size} "
                               f"ranks on {layout.num_nodes} nodes, {layout.local_world_size} on this one")
         self.layout = layout
         self.rank, self.world_size = layout.rank, layout.world_size
-        return Selection(GLOBAL, self.world_size, self.rank)
+        if mode == STREAM:
+            return Selection(GLOBAL, self.world_size, self.rank)
+        return node_selection(self.world_size, layout.ranks)
 
     # ----- backend choice --------------------------------------------------------------------
     def _h5_options(self) -> dict[str, Any]:
         return {}
 
     def _open_backend(self) -> Backend | StreamBackend | progressive.ProgressiveBackend:
+        if remote.reads_here(self.spec, self._description, self.mode, self.fallback, self._shown_path()):
+            return self._fallback_backend()  # a URL the daemon does not fetch (client/remote.py)
         if self.mode == STREAM:  # whole blocks: the daemon's segments, else read here (client/streaming/backend.py)
             return StreamBackend(self.spec, *self._stream_args,
                                  ranks=self.layout.local_world_size if self.layout else None,
@@ -288,13 +289,12 @@ class SharedH5Dataset(Dataset):
         self._announce_fallback(error)
         return self._fallback_backend()
 
-    def _stream_instead(self, plan: automatic.StreamPlan,
-                        ) -> Backend | StreamBackend | progressive.ProgressiveBackend:
+    def _stream_instead(self, plan: automatic.StreamPlan) -> Backend | StreamBackend | progressive.ProgressiveBackend:
         """Serve a global/node dataset that does not fit shared memory in stream mode
         (client/streaming/automatic.py)."""
         warnings.warn(automatic.warning_text(plan, self.mode, self._shown_path()), RuntimeWarning, stacklevel=4)
         if self.layout is None:
-            self._stream_selection(self.rank, self.world_size, None, None, None, None)
+            self._layout_selection(STREAM, self.rank, self.world_size, None, None, None, None)
         self.spec = dataclasses.replace(self.spec, selection=Selection(GLOBAL, self.world_size, self.rank))
         self.mode, self.auto_streamed, self._stream_args = STREAM, plan, (plan.window, plan.block_rows)
         return self._open_backend()
@@ -411,9 +411,12 @@ class SharedH5Dataset(Dataset):
 
     # ----- access ----------------------------------------------------------------------------
     def __len__(self) -> int:
-        if self.requested_mode != GLOBAL and self.world_size > 1:
-            check_not_measured_by_distributed_sampler(self)
-        return len(self.indices)
+        return len(self.indices) if self.world_size == 1 else length_unless_resharded(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to set (the order is the sampler's): Accelerate calls it when its sampler has none.
+        Raised for a rank-sharded dataset of 2+ ranks: ConfigError (samplers/resharding.py)."""
+        check_not_prepared(self)
 
     def _gather(self, local: Sequence[int] | np.ndarray | torch.Tensor,
                 ) -> Sequence[torch.Tensor | np.ndarray | RaggedColumn]:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..hdf5.description import DatasetDescription, describe
+from ..hdf5.remote import is_url
 from ..order.sharding import Selection
 
 __all__ = ["BackendSpec", "describe_spec"]
@@ -30,6 +31,14 @@ class BackendSpec:
     cache_bytes: int | None = None  # lazy backend's chunk cache budget (None: auto, 0: off)
     files: tuple[str, ...] = ()  # many files as one dataset (h5serve.hdf5.files): all, absolute, in row order
     pattern: str = ""  # the glob pattern they were expanded from ("" for a list or one file)
+    # ``path`` is an s3:// object the daemon fetches (client/remote.py): its identity as described, [size, ETag,
+    # version id], sent with every acquire, so the daemon serves that version or none
+    pin: tuple[int, str, str] | None = None
+
+    @property
+    def remote(self) -> bool:
+        """Whether a file is a URL (hdf5/remote.py)."""
+        return any(is_url(p) for p in self.files or (self.path,))
 
 
 def describe_spec(spec: BackendSpec) -> DatasetDescription:

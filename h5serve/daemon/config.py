@@ -65,6 +65,8 @@ class DaemonConfig:
     load_processes: int = 0  # 0: default_load_processes(); processes one load is split across
     group: int | None = None  # gid that may connect and map segments (modes 0750/0660/0640)
     allow_roots: tuple[Path, ...] = ()  # when set, only files under these (after symlinks) are served
+    # s3:// prefixes a shared daemon (--group, root) fetches (access/urls.py); when set, a personal daemon too
+    allow_urls: tuple[str, ...] = ()
     metrics_port: int | None = None  # serve Prometheus metrics over HTTP (0: any free port)
     metrics_addr: str = "127.0.0.1"
     metrics_textfile: Path | None = None  # write h5serve.prom there for node_exporter

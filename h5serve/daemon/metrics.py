@@ -172,6 +172,7 @@ class _SnapshotCollector:
             ("h5serve_load_errors", "load_errors", "Loads that failed"),
             ("h5serve_damaged", "damaged", "Published segments found damaged before a hit, and loaded again"),
             ("h5serve_stalled", "stalled", "Loads killed by the stall watchdog"),
+            ("h5serve_remote_fetched_bytes", "remote_bytes", "Bytes fetched from object stores (s3://) by loads"),
         ):
             yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
         yield InfoMetricFamily("h5serve_build", "h5serve build information",

@@ -235,7 +235,7 @@ class Server:
             rule = f"{DEFAULT_MEMORY_FRACTION:.0%} of the free space in {config.shm_dir} at start"
         self.store = SegmentStore(
             config.location, config.shm_dir, budget, config.loaders or default_loaders(),
-            group=config.group, allow_roots=config.allow_roots, budget_rule=rule,
+            group=config.group, allow_roots=config.allow_roots, budget_rule=rule, allow_urls=config.allow_urls,
             load_processes=config.load_processes or default_load_processes(),
             stall_timeout=config.stall_timeout, checksum=config.checksum,
             drop_page_cache=config.drop_page_cache,
@@ -353,7 +353,7 @@ class Server:
             self._doing = f"adopting the segments left in {self.config.shm_dir}"
             self.store.recover()
             self._doing = "starting the loaders' forkserver"
-            start_forkserver()  # before the socket: no request waits for it
+            start_forkserver(bool(self.config.allow_urls))  # before the socket: no request waits for it
             self._doing = f"removing the stale socket {location.socket_path}"
             try:
                 os.unlink(SOCKET_NAME, dir_fd=dir_fd)  # stale: we hold the lock

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .files import check_agreement, check_file_lengths
-from .identity import open_h5
+from .identity import open_h5, open_remote_h5
+from .remote import METADATA_BLOCK_BYTES, METADATA_CACHE_BLOCKS, RemoteIdentity, is_url
 from .source import DatasetInfo, check_row_counts, inspect_dataset
 
 __all__ = ["KeyDescription", "DatasetDescription", "describe", "check_rows"]
@@ -60,6 +61,13 @@ class DatasetDescription:
     files: tuple[str, ...]  # absolute, in row order (one file: that file)
     pattern: str  # the glob pattern they were expanded from ("" for a list or one file)
     keys: tuple[KeyDescription, ...]  # in the order asked
+    # one per file: a remote file's identity when it was described (hdf5/remote.py), None for a local one; every
+    # later open of it is checked against it (SourceChanged), so no process reads a rewritten object
+    remote: tuple[RemoteIdentity | None, ...] = ()
+
+    def pin(self, index: int) -> RemoteIdentity | None:
+        """File ``index``'s identity as described, when it is remote (else None)."""
+        return self.remote[index] if self.remote else None
 
     @property
     def total_rows(self) -> int:
@@ -106,8 +114,15 @@ def describe(files: Sequence[str], keys: Sequence[str], dtypes: Sequence[np.dtyp
     (``check_rows``). Raised when a dtype is requested for strings: UnsupportedDataset.
     """
     per_file: list[list[DatasetInfo]] = []
+    remote: list[RemoteIdentity | None] = []
     for path in files:
-        with open_h5(path) as f:  # metadata only; closed before any fork
+        if is_url(path):
+            f, identity = open_remote_h5(path, block_bytes=METADATA_BLOCK_BYTES, cache_blocks=METADATA_CACHE_BLOCKS)
+            remote.append(identity)
+        else:
+            f = open_h5(path)
+            remote.append(None)
+        with f:  # metadata only; closed before any fork
             per_file.append([inspect_dataset(f, key, vlen=vlen) for key in keys])
     infos = [tuple(row[k] for row in per_file) for k in range(len(keys))]
     counts = [[info.rows for info in key_infos] for key_infos in infos]
@@ -119,4 +134,4 @@ def describe(files: Sequence[str], keys: Sequence[str], dtypes: Sequence[np.dtyp
         set_dtypes = [check_agreement(files, key_infos, requested) for key_infos, requested in zip(infos, dtypes)]
     described = tuple(KeyDescription(key, key_infos, dtype, requested or dtype)
                       for key, key_infos, dtype, requested in zip(keys, infos, set_dtypes, dtypes))
-    return DatasetDescription(tuple(files), pattern, described)
+    return DatasetDescription(tuple(files), pattern, described, tuple(remote) if any(remote) else ())

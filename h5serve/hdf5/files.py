@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, DataError, LengthMismatch, SourceNotFound
+from ..errors import ConfigError, DataError, LengthMismatch, ObjectNotFound, SourceNotFound
 from ..order.sharding import RowRange
 from ..wire.protocol import MAX_FILES, MAX_FILES_FRAME_BYTES, MAX_PATH_CHARS
+from .remote import expand_url_pattern, is_url, parse_url, shown_url
 from .source import DatasetInfo, check_cast
 from .vlen import SEQ
 
@@ -55,7 +56,25 @@ class FileSet:
 
 
 def _is_pattern(text: str) -> bool:
+    if is_url(text):  # an https URL's ? starts its query; s3:// and gs:// keys may hold patterns
+        return parse_url(text)[0] not in ("http", "https") and glob.has_magic(text)
     return glob.has_magic(text)
+
+
+def _absolute(text: str) -> str:
+    """A local path made absolute; a URL as it is (checked: parse_url)."""
+    if is_url(text):
+        parse_url(text)
+        return text
+    return os.path.abspath(text)
+
+
+def _expand_url(text: str) -> FileSet:
+    matches = expand_url_pattern(text)
+    if not matches:
+        raise ObjectNotFound(f"pattern {shown_url(text)!r} matches no object; check it", url=shown_url(text))
+    check_file_list(matches)
+    return FileSet(tuple(matches), text)
 
 
 def check_file_list(paths: Sequence[str]) -> None:
@@ -84,15 +103,19 @@ def check_file_list(paths: Sequence[str]) -> None:
 def expand_paths(path: object) -> FileSet:
     """``path`` (one path, a glob pattern, or a list or tuple of paths) as absolute paths in
     row order. A pattern (``*``, ``?``, ``[...]``) is expanded here, with this process's rights,
-    and sorted; list entries are paths taken literally.
+    and sorted; list entries are paths taken literally. URLs (hdf5/remote.py) stay as they are;
+    an ``s3://`` or ``gs://`` pattern is listed in the store (one LIST request a prefix).
 
-    Raised when a pattern matches no file: SourceNotFound. Raised for an empty list, an entry
-    that is not a path, a file named twice, or more files than one dataset may have: ConfigError.
+    Raised when a pattern matches no file: SourceNotFound (no object: ObjectNotFound). Raised for
+    an empty list, an entry that is not a path, a file named twice, or more files than one dataset
+    may have: ConfigError.
     """
     if isinstance(path, (str, os.PathLike)):
         text = os.fspath(path)
         if isinstance(text, bytes) or not text:
             raise ConfigError(f"path must be a non-empty str path, a glob pattern or a list of paths, got {path!r}")
+        if is_url(text):  # s3://, gs://, https:// (hdf5/remote.py)
+            return _expand_url(text) if _is_pattern(text) else FileSet((_absolute(text),), "")
         if not _is_pattern(text) or os.path.lexists(text):  # a file whose name holds [ ] * ? is itself
             return FileSet((os.path.abspath(text),), "")
         matches = sorted(os.path.abspath(m) for m in glob.glob(os.path.expanduser(text)))
@@ -110,7 +133,7 @@ def expand_paths(path: object) -> FileSet:
             text = os.fspath(item) if isinstance(item, (str, os.PathLike)) else None
             if not isinstance(text, str) or not text:
                 raise ConfigError(f"every entry of the path list must be a str path, got {item!r}")
-            out.append(os.path.abspath(text))
+            out.append(_absolute(text))
         check_file_list(out)
         return FileSet(tuple(out), "")
     raise ConfigError(f"path must be a str path, a glob pattern or a list of paths, got {type(path).__name__}")

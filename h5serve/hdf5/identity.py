@@ -23,15 +23,17 @@ from dataclasses import dataclass
 
 import h5py
 
-from ..errors import AccessDenied, DataError, SourceChanged, SourceNotFound
+from ..errors import AccessDenied, DataError, H5ServeError, SourceChanged, SourceNotFound
 from .compound import FieldRows, rows_dataset
 from .filters import check_storage
+from .remote import RemoteIdentity, is_url, open_remote, shown_url
 
 __all__ = [
     "FileIdentity",
     "file_identity",
     "open_identified",
     "open_h5",
+    "open_remote_h5",
     "open_h5_verified",
     "identities_unchanged",
     "holder_identity",
@@ -280,16 +282,42 @@ def pinned_rows(f: h5py.File, key: str, expected: Iterable[tuple], what: str, *,
 
 
 def identities_unchanged(identities: Iterable[tuple]) -> bool:
-    """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded."""
+    """True when every file still has the identity ``(path, dev, ino, size, mtime_ns)`` recorded.
+    An object of a store (a URL) is not asked here: its segment's name holds its ETag, every
+    request looks it up again, and every range its load fetched was pinned to that ETag."""
     try:
-        return all(file_identity(ident[0]).as_tuple() == tuple(ident[:5]) for ident in identities)
+        return all(is_url(ident[0]) or file_identity(ident[0]).as_tuple() == tuple(ident[:5])
+                   for ident in identities)
     except SourceNotFound:
         return False
 
 
+def open_remote_h5(url: str, pin: RemoteIdentity | None = None, *, block_bytes: int | None = None,
+                   cache_blocks: int | None = None, **kwargs: object) -> tuple[h5py.File, RemoteIdentity]:
+    """The remote file ``url`` (hdf5/remote.py) opened read-only by h5py through a file object,
+    and its identity; ``pin``: the identity it must still have; ``block_bytes``, ``cache_blocks``:
+    its block cache (None: hdf5/remote.py's defaults).
+
+    Raised when it is no longer ``pin``: SourceChanged. Raised when missing: ObjectNotFound;
+    refused: ObjectAccessDenied; the store fails: ObjectStoreError; not HDF5: SourceNotFound;
+    truncated or damaged: DataError (``unreadable``)."""
+    fileobj = open_remote(url, pin, block_bytes=block_bytes, cache_blocks=cache_blocks)
+    try:
+        f = h5py.File(fileobj, "r", **kwargs)
+    except H5ServeError:  # h5py passes on what the file object raised
+        fileobj.close()
+        raise
+    except OSError as exc:
+        fileobj.close()
+        raise unreadable(shown_url(url), exc) from exc
+    return f, fileobj.identity
+
+
 def open_h5(path: str | os.PathLike[str], **kwargs: object) -> h5py.File:
-    """Open read-only. Raised when missing or not HDF5: SourceNotFound; truncated or damaged:
-    DataError (``unreadable``)."""
+    """Open read-only (a URL: ``open_remote_h5``, unpinned). Raised when missing or not HDF5:
+    SourceNotFound; truncated or damaged: DataError (``unreadable``)."""
+    if is_url(path):
+        return open_remote_h5(str(path), None, **kwargs)[0]  # type: ignore[arg-type]  # h5py's options only
     file_identity(path)
     try:
         return h5py.File(path, "r", **kwargs)

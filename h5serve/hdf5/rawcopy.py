@@ -41,11 +41,15 @@ import numpy as np
 from ..util.units import row_nbytes
 from .source import DatasetInfo
 
-__all__ = ["COPY_BUFFER_BYTES", "HASHED_COPY_BYTES", "MAX_MAPPED_CHUNKS", "FileCopier", "Hasher", "StoredRows",
-           "WriteBehind", "copy_rows", "data_extents", "drop_cached", "read_stored_rows", "stored_rows", "write_all"]
+__all__ = ["COPY_BUFFER_BYTES", "HASHED_COPY_BYTES", "MAX_MAPPED_CHUNKS", "WRITE_BEHIND_MIN_BYTES", "FileCopier",
+           "Hasher", "StoredRows", "WriteBehind", "copy_rows", "data_extents", "drop_cached", "raw_layout",
+           "read_stored_rows", "stored_rows", "write_all"]
 
 COPY_BUFFER_BYTES = 4 * 1024 * 1024  # big enough for few syscalls, small enough to stay in cache
 HASHED_COPY_BYTES = 512 * 1024  # a hashed copy's buffer: read, hashed and written from the CPU's cache
+# a hashed copy of fewer bytes has no second buffer to read while the first is written: a writer
+# thread (WriteBehind) would only cost its start (a stream block of a few small chunks)
+WRITE_BEHIND_MIN_BYTES = 2 * HASHED_COPY_BYTES
 PIPE_BYTES = 1024 * 1024  # splice's pipe: Linux's default pipe-max-size (an unprivileged process may ask for it)
 # splice refused for these file descriptors: copy through a buffer instead
 _NO_SPLICE = {errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EBADF, errno.ESPIPE}
@@ -80,16 +84,25 @@ def _same_bytes_as_numpy(dset: h5py.Dataset, dtype: np.dtype) -> bool:
         return False
 
 
-def stored_rows(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype) -> StoredRows | None:
-    """Where ``dset``'s rows are in its file, or None when they cannot be copied byte for byte
-    into an array of ``dtype`` (then read them through h5py)."""
-    if dset.file.driver != "sec2" or not _same_bytes_as_numpy(dset, dtype) or info.rows == 0:
+def raw_layout(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype) -> int | None:
+    """``dset``'s storage layout (h5py.h5d.CONTIGUOUS, CHUNKED, ...) when its stored bytes are
+    the rows as an array of ``dtype`` holds them (no filter, no external file, the same byte
+    order and width); None when they must be read through h5py, or there are no rows."""
+    if not _same_bytes_as_numpy(dset, dtype) or info.rows == 0:
         return None
     dcpl = dset.id.get_create_plist()
     if dcpl.get_nfilters() or dcpl.get_external_count():
         return None
+    return int(dcpl.get_layout())
+
+
+def stored_rows(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype) -> StoredRows | None:
+    """Where ``dset``'s rows are in its file, or None when they cannot be copied byte for byte
+    into an array of ``dtype`` (then read them through h5py)."""
+    layout = raw_layout(dset, info, dtype) if dset.file.driver == "sec2" else None
+    if layout is None:
+        return None
     row_bytes = row_nbytes(info.row_shape, dtype)
-    layout = dcpl.get_layout()
     if layout == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset()
         if offset is None:  # never written: HDF5 serves the fill value

@@ -79,7 +79,7 @@ ACTIVITY_OFFSET = 56
 META_OFFSET = 64
 CHECKSUM_NONE = 0
 _STR_FIELDS = frozenset({"source_path", "key", "mode", "dtype", "source_dtype", "vlen"})
-_LIST_FIELDS = frozenset({"row_shape", "linked", "files", "depends"})
+_LIST_FIELDS = frozenset({"row_shape", "linked", "files", "depends", "remote"})
 MAX_HEADER_BYTES = 4 * 1024 * 1024  # a multi-file segment's header (its file list) is at most this
 _VLEN_KINDS = frozenset({"", "seq", "utf-8", "ascii"})  # h5serve/hdf5/vlen.py: fixed, numeric, strings
 META_LENGTH_OFFSET = 32  # the u32 metadata length in the fixed header
@@ -135,6 +135,9 @@ class SegmentMeta:
     vlen: str = ""
     values: int = 0
     start: int = 0  # mode="stream": the block's first global row (it holds rows start .. start + rows - 1)
+    # an object of a store (``source_path`` its s3:// URL, dev, ino and mtime 0, ``source_size`` its size):
+    # (ETag, version id) as the daemon opened it, part of the name, so a rewritten object is a new segment
+    remote: tuple = ()
 
     @property
     def source(self) -> tuple[str, int, int, int, int]:
@@ -142,9 +145,15 @@ class SegmentMeta:
 
     def identities(self) -> list[tuple]:
         """Every file whose identity the rows depend on, as (path, dev, ino, size, mtime_ns)."""
+        return list(self._identities)
+
+    @functools.cached_property
+    def _identities(self) -> tuple[tuple, ...]:
+        # built once per meta: the stale sweep asks every segment's every few seconds (a window of
+        # 100,000s of small stream blocks is as many segments)
         out = [self.source, *((self.linked,) if self.linked else ())]
         out += [tuple(f[:5]) for f in self.files[1:]]
-        return out + [tuple(d) for d in self.depends]
+        return tuple(out + [tuple(d) for d in self.depends])
 
     def shard_label(self) -> str:
         """Which ranks' rows these are, in ``h5serve status``'s words, for log lines: ``all ranks
@@ -210,15 +219,17 @@ class SegmentMeta:
             base += ("depends", *(v for d in self.depends for v in d))
         if self.vlen:  # not ``values``: known only once loaded
             base += ("vlen", self.vlen)
+        if self.remote:
+            base += ("remote", *self.remote)
         return base
 
     def to_wire(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["row_shape"] = list(self.row_shape)
         out["linked"] = list(self.linked)
-        for name in ("files", "depends"):  # only when used: a one-file header reads as before
+        for name in ("files", "depends", "remote"):  # only when used: a one-file header reads as before
             if out[name]:
-                out[name] = [list(entry) for entry in out[name]]
+                out[name] = list(out[name]) if name == "remote" else [list(entry) for entry in out[name]]
             else:
                 del out[name]
         if not self.vlen:  # fixed rows: the header an h5serve without variable-length rows reads too
@@ -231,7 +242,7 @@ class SegmentMeta:
     def from_wire(cls, data: object) -> SegmentMeta:
         names = {f.name for f in fields(cls)}
         if isinstance(data, dict):  # written before node mode (span 1), or without these fields
-            data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, "start": 0, **data}
+            data = {"span": 1, "files": [], "depends": [], "vlen": "", "values": 0, "start": 0, "remote": [], **data}
         if not isinstance(data, dict) or set(data) != names:
             raise SegmentError("segment metadata has missing or unknown fields")
         for name, value in data.items():
@@ -248,6 +259,9 @@ class SegmentMeta:
         for name, size in (("files", 6), ("depends", 5)):
             if not all(_is_identity(entry, size) for entry in data[name]):
                 raise SegmentError(f"segment metadata {name} {data[name]!r:.80} is invalid")
+        remote = data["remote"]
+        if remote and (len(remote) != 2 or not all(isinstance(v, str) and len(v) <= 1024 for v in remote)):
+            raise SegmentError(f"segment metadata remote {remote!r:.80} is invalid")
         if data["files"] and (len(data["files"]) < 2 or sum(f[5] for f in data["files"]) != data["total_rows"]
                               or tuple(data["files"][0][:5]) != (data["source_path"], data["source_dev"],
                                                                   data["source_ino"], data["source_size"],
@@ -256,7 +270,7 @@ class SegmentMeta:
         try:
             meta = cls(**{**data, "row_shape": tuple(data["row_shape"]), "linked": tuple(linked),
                           "files": tuple(tuple(f) for f in data["files"]),
-                          "depends": tuple(tuple(d) for d in data["depends"])})
+                          "depends": tuple(tuple(d) for d in data["depends"]), "remote": tuple(remote)})
             meta.np_dtype  # noqa: B018 - validates the dtype string
             meta.row_range  # noqa: B018 - validates mode, world size and rank
         except (TypeError, ValueError) as exc:

@@ -39,7 +39,7 @@ __all__ = [
     "decode_reply",
     "MAX_REPLY_BYTES",
     "MAX_FILES",
-    "MAX_PATH_CHARS", "MAX_KEY_CHARS",
+    "MAX_PATH_CHARS", "MAX_KEY_CHARS", "REMOTE_PREFIXES",
     "MAX_WORLD_SIZE",
     "normalise_key",
 ]
@@ -59,6 +59,7 @@ MAX_DTYPE_CHARS = 32
 # refuses longer lists before sending (files.py: MAX_FILES, MAX_FILES_PATH_BYTES).
 MAX_FILES_FRAME_BYTES = 1000 * 1024
 MAX_FILES = 4096
+REMOTE_PREFIXES = ("s3://",)  # the URLs an acquire may name (the daemon fetches them: docs/architecture.md)
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,16 @@ class Acquire:
     # mode="stream", prototype (branch wip-arena): the block's rows in a slot of the key's arena of
     # slots of this many rows (segments/arena.py), not a segment of its own; 0: not sent
     arena: int = 0
+    # an s3:// object (``path`` is its URL): its identity as the client described it, [size, ETag, version id]
+    # ("" when the store gives none); the daemon serves only that version. Not sent for a local file.
+    pin: tuple[int, str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
-        _check_absolute("path", self.path)
+        if self.pin is not None:
+            self._check_remote()
+        else:
+            _check_absolute("path", self.path)
         if isinstance(self.files, list) and not self.files:
             object.__setattr__(self, "files", ())  # an empty list on the wire: one file
         if self.files != ():
@@ -164,6 +171,19 @@ class Acquire:
             raise ProtocolError(f"field 'span' must be 1 outside mode 'node', got {self.span}")
         if self.dtype is not None:
             _check_str("dtype", self.dtype, MAX_DTYPE_CHARS)
+
+    def _check_remote(self) -> None:
+        """An object of a store: ``path`` an ``s3://`` URL, one file, and ``pin`` its identity."""
+        if not self.path.startswith(REMOTE_PREFIXES):
+            raise ProtocolError(f"field 'pin' is for {' and '.join(REMOTE_PREFIXES)} URLs only, got path "
+                                f"{self.path[:80]!r}")
+        if self.files:
+            raise ProtocolError("field 'files' must be empty for a URL (the daemon fetches one object per request)")
+        pin = self.pin
+        if (not isinstance(pin, (list, tuple)) or len(pin) != 3 or not is_int(pin[0]) or pin[0] < 0
+                or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in pin[1:])):
+            raise ProtocolError(f"field 'pin' must be [size, etag, version id], got {pin!r:.80}")
+        object.__setattr__(self, "pin", (pin[0], pin[1], pin[2]))
 
 
 Request = Ping | Status | Shutdown | Acquire
@@ -292,6 +312,8 @@ def encode_request(request_id: int, request: Request) -> bytes:
         del fields["prefetch"]
     if fields.get("arena") == 0:  # not an arena block (prototype): the message as before
         del fields["arena"]
+    if "pin" in fields and fields["pin"] is None:  # a local file: the message as before
+        del fields["pin"]
     return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
 
 

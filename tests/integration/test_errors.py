@@ -225,7 +225,7 @@ FALLS_BACK = {
     "AccessDenied": True, "CapacityError": True, "ShmFull": True, "BudgetExceeded": True, "SegmentError": True,
     "DaemonUnavailable": True, "UntrustedDaemon": True, "DaemonAlreadyRunning": True, "HostError": True,
     "AddressInUse": True, "NoPermission": True, "OutOfResources": True, "ProtocolError": True,
-    "RemoteError": True,
+    "RemoteError": True, "ObjectNotFound": True, "ObjectAccessDenied": True, "ObjectStoreError": True,
 }
 
 

@@ -223,10 +223,11 @@ def test_lightning_default_sampler_with_make_loader_never_double_shards(lightnin
 
 # With the defaults Lightning would shard a DataLoader of your own over a contiguous or
 # interleave shard a second time, silently: each rank would see half of its shard. "plain"
-# (shuffle=True) gets DistributedSampler(ds): caught by
-# SharedH5Dataset.__len__ refusing DistributedSampler. "epoch" (sampler=EpochShuffleSampler)
-# gets DistributedSamplerWrapper, whose _DatasetSamplerWrapper iterates the EpochShuffleSampler:
-# caught by the sampler's __iter__. (node on one node holds every row, so there it works.)
+# (shuffle=True) gets DistributedSampler(ds): caught by SharedH5Dataset.__len__ refusing to be
+# measured by a DistributedSampler (the one check on the caller's frame: resharding.py says why).
+# "epoch" (sampler=EpochShuffleSampler) gets DistributedSamplerWrapper, whose
+# _DatasetSamplerWrapper iterates the EpochShuffleSampler: caught by the sampler's __iter__.
+# (node on one node holds every row, so there it works.)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", [*(f"{mode}:plain" for mode in SHARDED), "contiguous:epoch"])
 def test_lightning_default_sampler_with_own_loader_on_a_shard_never_double_shards(lightning: dict,
@@ -280,8 +281,8 @@ def test_accelerate_make_loader_through_prepare_never_double_shards(accelerate: 
 # A DataLoader of your own over a contiguous/interleave shard, prepared, would be sharded again
 # by BatchSamplerShard, silently: each rank would see about half of its shard. "epoch"
 # (sampler=EpochShuffleSampler) is caught by the sampler's __iter__ under BatchSamplerShard;
-# "plain" (torch's BatchSampler over a RandomSampler) by the dataset's len() measured from
-# inside Accelerate's wrapper.
+# "plain" (torch's BatchSampler over a RandomSampler) by the dataset's set_epoch, which
+# Accelerate's DataLoaderShard calls at the start of each pass when its sampler has none.
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", ["contiguous:plain", "interleave:plain", "contiguous:epoch"])
 def test_accelerate_own_loader_on_a_shard_through_prepare_never_double_shards(accelerate: dict,

@@ -58,7 +58,8 @@ def test_a_good_layout_gets_no_advice_and_the_json_schema(plain: Path, nowhere: 
     assert report["schema_version"] == 1
     assert set(report) == {"schema_version", "file", "file_bytes", "world_size", "ranks_per_node", "mode", "datasets",
                            "needs", "budget", "budget_rule", "shm", "daemon", "nofile_soft", "nofile_hard",
-                           "recommended_mode", "stream", "advice"}
+                           "recommended_mode", "stream", "advice", "remote"}
+    assert report["remote"] == ""  # a local file (a URL's object: tests/integration/test_remote.py)
     assert report["recommended_mode"] == "global" and report["stream"] is None
     x, y = report["datasets"]
     assert x == {"key": "x", "rows": 1000, "row_shape": [3, 4, 4], "dtype": "uint8", "nbytes": 48000,

@@ -43,8 +43,10 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the test reads what ended the rank
         report["error"] = f"{type(exc).__name__}: {exc}"
     report["seconds"] = time.monotonic() - started
-    with open(f"{args.out}/rank{rank}.json", "w") as f:
+    # written whole, then renamed: the test reads the report as soon as its name appears
+    with open(f"{args.out}/rank{rank}.json.tmp", "w") as f:
         json.dump(report, f)
+    os.replace(f"{args.out}/rank{rank}.json.tmp", f"{args.out}/rank{rank}.json")
     ds.close()
     os._exit(1 if "error" in report else 0)  # no teardown collective: the other rank may be stopped
 

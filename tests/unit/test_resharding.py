@@ -1,6 +1,8 @@
-"""A second sharding is refused with the fix: torch's DistributedSampler measuring a
-rank-sharded dataset, and the real Lightning and Accelerate wrappers iterating an h5serve
-sampler. (tests/integration/test_frameworks.py runs the frameworks' own multi-process jobs.)"""
+"""A second sharding is refused with the fix: make_loader given torch's DistributedSampler for
+a rank-sharded dataset, a DistributedSampler you build measuring one (``len(ds)``),
+Accelerate's prepared DataLoader over one, and the real Lightning and Accelerate wrappers
+iterating an h5serve sampler. (tests/integration/test_frameworks.py runs the frameworks' own
+multi-process jobs.)"""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from h5serve.client import (
     EpochShuffleSampler,
     NodeShuffleSampler,
     SharedH5Dataset,
+    make_loader,
 )
 from h5serve.client.samplers.node import NodePlace
 from h5serve.errors import ConfigError
@@ -33,12 +36,27 @@ def _lazy(h5: Path, **kwargs: object) -> SharedH5Dataset:
     return SharedH5Dataset(h5, "x", "y", runtime_dir="/nonexistent/h5serve", **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode,held", [("contiguous", "rank 1's shard"), ("interleave", "rank 1's shard"),
-                                       ("node", "this node's rows")])
-def test_distributed_sampler_over_a_sharded_dataset_is_refused(h5: Path, mode: str, held: str) -> None:
+SHARDED = [("contiguous", "rank 1's shard"), ("interleave", "rank 1's shard"), ("node", "this node's rows")]
+
+
+def _sharded(h5: Path, mode: str) -> SharedH5Dataset:
     layout = {"local_rank": 1, "local_world_size": 2, "node_rank": 0, "num_nodes": 2} if mode == "node" else {}
-    ds = _lazy(h5, mode=mode, rank=1, world_size=4, **layout)
+    return _lazy(h5, mode=mode, rank=1, world_size=4, **layout)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode,held", SHARDED)
+def test_make_loader_refuses_a_distributed_sampler_for_a_sharded_dataset(h5: Path, mode: str, held: str) -> None:
+    ds = _sharded(h5, mode)
+    with pytest.raises(ConfigError, match=f"{held}.*DistributedSampler over 4 replicas.*without sampler="):
+        make_loader(ds, 8, sampler=DistributedSampler(range(len(ds)), num_replicas=4, rank=1))  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode,held", SHARDED)
+def test_a_distributed_sampler_of_your_own_over_a_sharded_dataset_is_refused(h5: Path, mode: str, held: str) -> None:
+    """Caught in ``len(ds)`` from the caller's frame (resharding.py says why that check stays)."""
+    ds = _sharded(h5, mode)
     with pytest.raises(ConfigError, match=f"{held}.*DistributedSampler over 4 replicas.*make_loader"):
         DistributedSampler(ds, num_replicas=4, rank=1)
     assert len(list(DistributedSampler(ds, num_replicas=1, rank=0))) == len(ds)  # one replica shards nothing
@@ -100,18 +118,22 @@ def test_lightning_reaches_set_epoch_through_batch_sampler_sampler() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode", ["contiguous", "interleave"])
-def test_accelerate_sharding_a_plain_loader_over_a_shard_is_refused(h5: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode,held", [("contiguous", "only rank 0's shard"), ("interleave", "only rank 0's shard"),
+                                       ("stream", "this node's blocks")])
+def test_accelerate_sharding_a_plain_loader_over_a_shard_is_refused(h5: Path, mode: str, held: str) -> None:
     """prepare(DataLoader(ds, shuffle=True)) wraps torch's BatchSampler(RandomSampler(ds)): no
-    h5serve sampler is iterated, the dataset is measured from inside Accelerate's wrapper."""
-    from torch.utils.data import BatchSampler, RandomSampler
+    h5serve sampler is iterated, and Accelerate's DataLoaderShard calls the dataset's set_epoch
+    at the start of the pass (its sampler has none)."""
+    from torch.utils.data import DataLoader
 
     data_loader = pytest.importorskip("accelerate.data_loader", reason="accelerate is not installed")
     ds = _lazy(h5, mode=mode, rank=0, world_size=2)
-    shard = data_loader.BatchSamplerShard(BatchSampler(RandomSampler(ds), 8, False), num_processes=2,
-                                          process_index=0)
-    with pytest.raises(ConfigError, match=r"only rank 0's shard.*prepare"):
-        list(shard)
+    prepared = data_loader.prepare_data_loader(DataLoader(ds, 8, shuffle=True), num_processes=2, process_index=0)
+    with pytest.raises(ConfigError, match=rf"{held}.*set_epoch.*accelerator.prepare\(loader\)"):
+        next(iter(prepared))
     whole = _lazy(h5, mode="global", rank=0, world_size=2)  # what prepare is for: nothing refused
-    assert len(list(data_loader.BatchSamplerShard(BatchSampler(RandomSampler(whole), 8, False), num_processes=2,
-                                                  process_index=0))) == 7
+    assert len(list(data_loader.prepare_data_loader(DataLoader(whole, 8, shuffle=True), num_processes=2,
+                                                    process_index=0))) == 7
+    alone = _lazy(h5, mode=mode, rank=0, world_size=1)  # one rank: nothing sharded, nothing refused
+    assert len(list(data_loader.prepare_data_loader(DataLoader(alone, 8, shuffle=True), num_processes=1,
+                                                    process_index=0))) == 13

@@ -42,9 +42,11 @@ MAX_OPEN_FILES = 64  # h5py handles one process keeps open at once (each is a de
 class FileHandles:
     """One H5Handle per file, opened on first use, at most MAX_OPEN_FILES open at once."""
 
-    def __init__(self, paths: tuple[str, ...], options: dict[str, Any]) -> None:
+    def __init__(self, paths: tuple[str, ...], options: dict[str, Any], description: DatasetDescription | None = None,
+                 ) -> None:
         self.paths = paths
         self.options = options
+        self.pins = description.remote if description is not None else ()  # remote files' identities, as described
         self._open: OrderedDict[int, H5Handle] = OrderedDict()
 
     def get(self, index: int) -> H5Handle:
@@ -52,7 +54,8 @@ class FileHandles:
         if handle is None:
             if len(self._open) >= MAX_OPEN_FILES:
                 self._open.popitem(last=False)[1].close()
-            handle = self._open[index] = H5Handle(self.paths[index], self.options)
+            handle = self._open[index] = H5Handle(self.paths[index], self.options,
+                                                  self.pins[index] if self.pins else None)
         else:
             self._open.move_to_end(index)
         return handle
@@ -63,7 +66,7 @@ class FileHandles:
         self._open.clear()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"paths": self.paths, "options": self.options, "_open": OrderedDict()}
+        return {"paths": self.paths, "options": self.options, "pins": self.pins, "_open": OrderedDict()}
 
 
 class FilesLazyBackend(NoHooks):
@@ -88,7 +91,7 @@ class FilesLazyBackend(NoHooks):
         if not self.cached:
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
-        self.handles = FileHandles(spec.files, dict(spec.h5_options))
+        self.handles = FileHandles(spec.files, dict(spec.h5_options), description)
         self._caches: dict[tuple[int, int], ChunkCache | VlenCache] = {}
 
     def _cache(self, k: int, j: int) -> ChunkCache | VlenCache:

@@ -10,9 +10,11 @@ import h5py
 
 from ...errors import SourceChanged
 from ...hdf5.compound import rows_dataset
-from ...hdf5.identity import open_h5
+from ...hdf5.identity import open_h5, open_remote_h5
 from ...hdf5.rawcopy import StoredRows, stored_rows
+from ...hdf5.remote import RemoteIdentity, is_url
 from ...hdf5.source import DatasetInfo
+from .. import _process
 
 __all__ = ["H5Handle"]
 
@@ -20,11 +22,14 @@ __all__ = ["H5Handle"]
 class H5Handle:
     """An h5py file opened once per process (keyed on pid), never pickled; its dataset
     objects are kept too (looking one up costs ~40 us, more than gathering a batch), and
-    where their rows sit in the file (rawcopy: read without HDF5 when stored as numpy holds them)."""
+    where their rows sit in the file (rawcopy: read without HDF5 when stored as numpy holds them).
+    A URL is opened through hdf5/remote.py, checked to be ``pin`` (its identity when the dataset
+    described it) at every open: SourceChanged once the object was rewritten."""
 
-    def __init__(self, path: str, options: dict[str, Any]) -> None:
+    def __init__(self, path: str, options: dict[str, Any], pin: RemoteIdentity | None = None) -> None:
         self.path = path
         self.options = options
+        self.pin = pin
         self._pid = -1
         self._file: h5py.File | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
@@ -36,7 +41,11 @@ class H5Handle:
             self._file = None  # inherited across fork: never use or close the parent's handle
             self._datasets, self._stored, self._identity = {}, {}, {}
         if self._file is None:
-            self._file = open_h5(self.path, **self.options)
+            if is_url(self.path):
+                self._file = open_remote_h5(self.path, self.pin, **self.options)[0]
+                _process.close_at_exit(self)  # closed before the interpreter finalizes (why: _process.py)
+            else:
+                self._file = open_h5(self.path, **self.options)
             self._pid = os.getpid()
         return self._file
 
@@ -87,5 +96,5 @@ class H5Handle:
         self._file = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "_pid": -1, "_file": None, "_datasets": {}, "_stored": {},
-                "_identity": {}}
+        return {"path": self.path, "options": self.options, "pin": self.pin, "_pid": -1, "_file": None,
+                "_datasets": {}, "_stored": {}, "_identity": {}}

@@ -48,6 +48,7 @@ from ...util.units import format_bytes, row_nbytes
 from ...wire.connection import DaemonClient
 from ...wire.protocol import Acquire, AcquireResult
 from ..ragged import RaggedColumn
+from ..remote import pinned
 from ..spec import BackendSpec
 from ..streaming.batch import StreamBatch
 from .attach import ATTACH_TRIES, EvictionRetry, asked_again
@@ -79,8 +80,10 @@ def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5Serv
     the dataset's description of its files (hdf5/description.py), built once, on first call.
 
     Raised as ``ShmBackend.connect`` is for what the daemon answers at once (no daemon,
-    BudgetExceeded, a bad key)."""
-    if wait:
+    BudgetExceeded, a bad key). An s3:// object the daemon fetches (``spec.pin``) is always waited
+    for: a read here meanwhile would fetch it once more per rank."""
+    spec = pinned(spec, describe)  # an s3:// object the daemon fetches: with its identity (client/remote.py)
+    if wait or spec.pin:
         return ShmBackend.connect(spec, rank_for_logs)
     deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
     client = DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user)

@@ -181,7 +181,7 @@ class ShmBackend(ArrayBackend):
         """
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
-                    None if dtype is None else dtype.str, spec.selection.span, spec.files)
+                    None if dtype is None else dtype.str, spec.selection.span, spec.files, pin=spec.pin)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
         first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
@@ -263,7 +263,8 @@ class ShmBackend(ArrayBackend):
         """``segment``, checked to hold the rows ``request`` asked for (else closed: SegmentError)."""
         m = segment.meta
         wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
-        if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files):
+        pinned = request.pin is None or (m.source_path, m.source_size, *m.remote) == (request.path, *request.pin)
+        if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files) or not pinned:
             # rows, not labels: selections share segments
             segment.close()
             raise SegmentError(f"segment {result.name} does not hold rows {wanted} of {request.key!r} "
@@ -342,7 +343,7 @@ class LazyBackend(NoHooks):
             options = {**hdf5_cache_options(self.infos[0], budget), **options}
             log.info("h5serve: the shard (%d MiB) is over the lazy cache budget (%d MiB): reading rows "
                      "uncached, which is slower; pass cache_bytes= to change it", need >> 20, budget >> 20)
-        self.handle = H5Handle(spec.path, options)
+        self.handle = H5Handle(spec.path, options, description.pin(0))
         self._caches: list[ChunkCache | VlenCache] | None = None
 
     def _chunk_caches(self) -> list[ChunkCache | VlenCache]:

@@ -1,19 +1,40 @@
 """Catching a second sharding: a sampler that splits an already-sharded h5serve dataset or
 sampler across the ranks again.
 
-Rank-sharded datasets (contiguous, interleave, node) hold only this rank's or this node's
-rows, and h5serve's samplers already hand each rank its own batches. A wrapper that shards
-again gives every rank a fraction of its share, silently: the job trains on 1/W of the data.
-Three wrappers do that without being asked:
+Rank-sharded datasets (contiguous, interleave, node, stream) hold only this rank's or this
+node's rows, and h5serve's samplers already hand each rank its own batches. A wrapper that
+shards again gives every rank a fraction of its share, silently: the job trains on 1/W of the
+data. Where each such wrapper is caught, and how:
 
-- torch's ``DistributedSampler(dataset)`` over a sharded dataset (Lightning inserts one into a
-  plain DataLoader by default);
-- Lightning's ``DistributedSamplerWrapper`` around a custom sampler;
-- Accelerate's ``BatchSamplerShard`` (``accelerator.prepare(loader)``) around any batch sampler.
+- make_loader given torch's ``DistributedSampler`` for a rank-sharded dataset: refused when it
+  is given (``check_sampler``), from the objects themselves.
+- Lightning's default (``use_distributed_sampler=True``) around make_loader's loader: it
+  rebuilds the batch sampler as ``type(bs)(DistributedSampler(ds), ...)``, refused in the
+  batch sampler's ``__init__`` (``check_not_rebuilt``), from its argument.
+- Accelerate's ``prepare`` of a plain ``DataLoader(ds, shuffle=True)`` over a rank-sharded
+  dataset: its ``DataLoaderShard`` calls ``dataset.set_epoch(epoch)`` at the start of every
+  pass when no sampler it holds has a ``set_epoch`` (torch's RandomSampler and
+  SequentialSampler have none); ``SharedH5Dataset.set_epoch`` refuses (``check_not_prepared``).
+  Not caught with ``use_seedable_sampler=True`` (then Accelerate's own sampler takes the call).
+- Lightning's ``DistributedSamplerWrapper`` and Accelerate's ``BatchSamplerShard`` iterating an
+  h5serve sampler (make_loader's through ``prepare``; ``DataLoader(sampler=EpochShuffleSampler)``
+  under either): refused in the sampler's ``__iter__`` (``check_not_resharded``) by looking at
+  the caller's frames, once per epoch. Neither wrapper reads anything from the sampler that
+  tells it apart from any other consumer: Lightning's only measures it (``len``) and lists it;
+  Accelerate's reads ``batch_size``, ``drop_last``, ``.sampler`` and ``set_epoch``, as every
+  loader and framework does, and ``prepare`` asks ``hasattr(sampler, "generator")``, which a
+  property raising there would answer for anyone asking. So the frames stay here, outside
+  ``len()`` and the per-batch path.
 
-None of them tells the wrapped object who is calling, so the check looks at the caller's
-frame: one frame lookup per ``len()`` or per epoch, no cost per sample. It is best effort: a
-wrapper not listed here, or one that copies the indices elsewhere first, is not seen.
+- torch's ``DistributedSampler`` over a rank-sharded dataset of more than one rank, in a
+  DataLoader you build (``DataLoader(ds, sampler=DistributedSampler(ds))``) or inserted by
+  Lightning's default into a plain ``DataLoader(ds, shuffle=True)``: refused in ``len(ds)``
+  (``length_unless_resharded``) from the caller's frame. This is the one
+  check kept on frames on purpose. A DistributedSampler only measures its dataset (``len``, in
+  ``__init__`` and each ``__iter__``) and hands the DataLoader indices from its own seed and
+  epoch, which look like any subset sampler's; torch and Lightning call nothing else on the
+  dataset. Without the frame the job trains every rank on 1/W of its share, silently, under
+  Lightning's default settings: a frame lookup per ``len()`` (never per batch) is the smaller cost.
 """
 
 from __future__ import annotations
@@ -25,8 +46,10 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from ...errors import ConfigError
+from ...order.sharding import GLOBAL, NODE, STREAM
 
-__all__ = ["check_not_measured_by_distributed_sampler", "check_not_rebuilt", "check_not_resharded"]
+__all__ = ["length_unless_resharded", "check_not_prepared", "check_not_rebuilt", "check_not_resharded",
+           "check_sampler"]
 
 # module of the wrapper -> what to tell the user
 _WRAPPERS = {
@@ -91,27 +114,60 @@ def check_not_rebuilt(sampler_class: type, argument: object) -> None:
         raise ConfigError(f"{sampler_class.__name__} got a {type(argument).__name__} to wrap: {_FIXES['lightning']}")
 
 
-def check_not_measured_by_distributed_sampler(dataset: Any) -> None:
-    """Call in a rank-sharded dataset's ``__len__``: torch's DistributedSampler measures its
-    dataset in ``__init__`` and ``__iter__``, the samplers under Accelerate's
-    ``BatchSamplerShard`` in ``__iter__``.
+def check_sampler(dataset: Any, sampler: object) -> None:
+    """Call where a dataset is handed the sampler to draw its batches with (make_loader).
 
-    Raised when a DistributedSampler over more than one replica, or Accelerate's wrapper, is
-    measuring ``dataset``: ConfigError naming the fix.
+    Raised when ``sampler`` is torch's DistributedSampler and ``dataset`` a rank-sharded
+    SharedH5Dataset: ConfigError naming the fix.
     """
+    if isinstance(sampler, DistributedSampler) and _sharded(dataset):
+        raise ConfigError(
+            f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)} and h5serve's samplers deal it to the "
+            f"ranks already; a DistributedSampler over {sampler.num_replicas} replicas would shard it a second time "
+            f"(each rank would train on 1/{sampler.num_replicas} of its share). Use make_loader(ds, batch_size) "
+            "without sampler=; or use mode='global' if you want DistributedSampler")
+
+
+def length_unless_resharded(dataset: Any) -> int:
+    """``len(dataset.indices)`` for its ``__len__`` of 2+ ranks (never per batch): torch's DistributedSampler
+    measures its dataset in ``__init__`` and ``__iter__`` and calls nothing else on it, so the
+    caller's frame is the only place it can be seen (the module's docstring says why it is kept).
+
+    Raised when a DistributedSampler over more than one replica is measuring a rank-sharded
+    ``dataset``: ConfigError naming the fix.
+    """
+    if not _sharded(dataset):
+        return len(dataset.indices)
     caller = sys._getframe(2)
     owner = caller.f_locals.get("self") if caller is not None else None
-    if not isinstance(owner, DistributedSampler) or owner.num_replicas <= 1:
-        if _wrapper_in(caller) == "accelerate":
-            raise ConfigError(f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}; {_FIXES['accelerate']}")
-        return
-    raise ConfigError(
-        f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}, and a DistributedSampler over "
-        f"{owner.num_replicas} replicas would shard it a second time (each rank would train on 1/"
-        f"{owner.num_replicas} of its share). Use make_loader(ds, batch_size) without a sampler (with Lightning: "
-        "Trainer(use_distributed_sampler=False)); or use mode='global' if you want DistributedSampler"
-    )
+    if isinstance(owner, DistributedSampler) and owner.num_replicas > 1:
+        raise ConfigError(
+            f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}, and a DistributedSampler over "
+            f"{owner.num_replicas} replicas would shard it a second time (each rank would train on 1/"
+            f"{owner.num_replicas} of its share). Use make_loader(ds, batch_size) without a sampler (with "
+            "Lightning: Trainer(use_distributed_sampler=False)); or use mode='global' if you want DistributedSampler")
+    return len(dataset.indices)
+
+
+def check_not_prepared(dataset: Any) -> None:
+    """Call in a rank-sharded dataset's ``set_epoch``: Accelerate's prepared DataLoader
+    (``DataLoaderShard.set_epoch``, at the start of every pass) calls ``dataset.set_epoch`` when
+    no sampler it holds has one, as in ``accelerator.prepare(DataLoader(ds, shuffle=True))``.
+
+    Raised when ``dataset`` is rank-sharded over more than one rank: ConfigError naming the fix.
+    """
+    if _sharded(dataset) and dataset.world_size > 1:
+        raise ConfigError(f"SharedH5Dataset(mode={dataset.mode!r}) holds {_held(dataset)}, and its set_epoch was "
+                          "called, as Accelerate's prepared DataLoader calls it when its sampler has none; "
+                          f"{_FIXES['accelerate']}")
+
+
+def _sharded(dataset: Any) -> bool:
+    """Whether ``dataset`` is a SharedH5Dataset asked for a rank-sharded mode (every mode but global)."""
+    mode = getattr(dataset, "requested_mode", None)
+    return mode is not None and mode != GLOBAL
 
 
 def _held(dataset: Any) -> str:
-    return "this node's rows" if dataset.mode == "node" else f"only rank {dataset.rank}'s shard"
+    shares = {NODE: "this node's rows", STREAM: "this node's blocks"}
+    return shares.get(dataset.mode, f"only rank {dataset.rank}'s shard")

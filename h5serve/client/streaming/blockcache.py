@@ -176,8 +176,10 @@ class BlockCache:
     def retain(self, alive: np.ndarray) -> None:
         """Free every held block not in ``alive``."""
         self._check_pid()
-        keep = set(np.asarray(alive).tolist())
-        for block in [b for b in self._blocks if b not in keep]:
+        if not self._blocks:
+            return
+        held = np.fromiter(self._blocks, dtype=np.int64, count=len(self._blocks))
+        for block in held[~np.isin(held, alive)].tolist():  # in the time of the blocks held, not a set of the window
             self._drop(block)
 
     def _read(self, block: int) -> list[Arrays]:

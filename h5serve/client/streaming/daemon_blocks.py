@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -62,14 +63,13 @@ from torch.utils.data import get_worker_info
 
 from ...errors import CapacityError, SegmentError
 from ...hdf5.source import DatasetInfo
-from ...order.sharding import GLOBAL, STREAM
+from ...order.sharding import STREAM
 from ...order.stream_order import BlockLayout
 from ...segments import HEADER_SIZE, AttachedSegment
 from ...segments.stitch import can_stitch
 from ...wire.connection import DaemonClient
 from ...wire.protocol import Acquire, AcquireResult
 from ..backends.attach import EvictionRetry, attach_asking_again
-from ..backends.sources import ShmBackend
 from ..gather import as_column
 from ..ragged import RaggedColumn
 from ..spec import BackendSpec
@@ -77,7 +77,8 @@ from .arena_blocks import ARENA_ENV, ArenaBlocks
 from .blockcache import Arrays, gather_by_block
 from .refusal import no_room_message
 from .stitched import StitchedBlocks
-from .window_fit import mappable_blocks
+from .whole_keys import WholeKeys
+from .window_fit import mappable_blocks, past_the_cap
 
 __all__ = ["DaemonBlocks", "DEFAULT_WAIT_S", "PREFETCH_DEPTH", "STITCH_ENV"]
 
@@ -113,6 +114,8 @@ class DaemonBlocks:
         # prototype (branch wip-arena): the daemon's arenas instead of a segment per block
         self._use_arena = self._stitch and not spec.files and os.environ.get(ARENA_ENV) == "1"
         self._reset()
+        if self._arena is None and self.mapped_cap < min(self.capacity, self.layout.n_blocks):
+            warnings.warn(past_the_cap(self.capacity, self.mapped_cap), RuntimeWarning, stacklevel=2)
 
     def _reset(self) -> None:
         self._pid = os.getpid()
@@ -131,10 +134,15 @@ class DaemonBlocks:
         # per block: _NONE, _ASKED (in _asked) or _HELD (in _held), so that a step's window is
         # compared with what this process has in numpy, not a Python loop over the window
         self._state = np.zeros(max(self.layout.n_blocks, 1), dtype=np.int8)
+        self._inside = np.zeros(len(self._state), dtype=bool)  # _outside's mask, all False between calls
         self._asked: dict[int, list[AcquireResult]] = {}  # prefetched: acquires sent, not mapped yet
-        self._whole: dict[int, AttachedSegment] = {}  # keys held whole, mapped (by key index)
-        self._whole_asked = False  # their acquires sent (their loads started)
+        self._wholes = WholeKeys(self.spec, self.whole, self.out_dtypes)  # keys held whole
         self._partial: list[AttachedSegment | None] = []  # the keys of the block being mapped, mapped so far
+        # the window a step's retain and prefetch last acted on (the sampler hands the same array
+        # objects while its window does not change): the same again, and nothing closed or
+        # refused since, is nothing to do, so a step costs nothing per block of the window
+        self._retained: np.ndarray | None = None
+        self._prefetched: tuple[np.ndarray, np.ndarray] | None = None
         self.attaches = 0  # blocks mapped by this process
         self.peak = 0  # most blocks mapped at once
         self.budget_waits = 0  # times a needed block waited for room (the daemon's budget, or its shm filesystem)
@@ -184,19 +192,22 @@ class DaemonBlocks:
                         rows=(a, b), prefetch=prefetch)
                 for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
 
-    def _whole_request(self, index: int) -> Acquire:
-        sel = self.spec.selection
-        dtype = self.spec.dtypes[index]
-        return Acquire(self.spec.path, self.spec.keys[index], sel.world_size, sel.rank, GLOBAL,
-                       None if dtype is None else dtype.str)
 
     # ----- the window -------------------------------------------------------------------------
     def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
-        """The blocks in ``state`` that none of ``windows`` holds."""
-        inside = np.zeros(len(self._state), dtype=bool)
+        """The blocks in ``state`` that none of ``windows`` holds (ascending). One vectorised
+        pass over the blocks' states (a mask kept between calls, not allocated each time):
+        cheaper than a Python pass over the thousands of blocks a large window holds."""
+        if not (self._held if state == _HELD else self._asked):
+            return np.zeros(0, dtype=np.int64)
+        inside = self._inside
         for window in windows:
             inside[np.asarray(window, dtype=np.int64)] = True
-        return np.flatnonzero((self._state == state) & ~inside)
+        try:
+            return np.flatnonzero((self._state == state) & ~inside)
+        finally:
+            for window in windows:
+                inside[np.asarray(window, dtype=np.int64)] = False
 
     def retain(self, alive: np.ndarray) -> None:
         """Close every mapped block not in ``alive`` (the node's window at this step); none when
@@ -205,10 +216,11 @@ class DaemonBlocks:
         if self._arena is not None:
             self._arena.retain(alive)
             return
-        if self._keeps_all:
+        if self._keeps_all or alive is self._retained:
             return
         for block in self._outside(_HELD, alive).tolist():
             self._close(block)
+        self._retained = alive
 
     def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
         """After a batch: close the blocks of ``done`` (this rank has used them for the last time
@@ -231,6 +243,7 @@ class DaemonBlocks:
             self._close(block)
 
     def _close(self, block: int) -> None:
+        self._prefetched = None  # the block may be asked for again
         if self._stitched is not None:
             self._stitched.remove(block)
         if self._state[block] == _HELD:
@@ -245,25 +258,22 @@ class DaemonBlocks:
         (the blocks are asked for again when needed). Forgets the prefetches outside ``alive`` and
         ``ahead`` (the window has passed them: nothing held, nothing to close)."""
         self._check_pid()
-        if self._arena is not None and (self._whole_asked or not any(self.whole)):
+        if self._arena is not None and self._wholes.asked:
             self._arena.prefetch(ahead, alive)
             return
         if (self._keeps_all and not self._asked and len(self._held) == self.layout.n_blocks
-                and (self._whole_asked or not any(self.whole))):
+                and self._wholes.asked):
             return  # every block mapped and kept: nothing to ask for, each batch (a second epoch's)
+        if self._prefetched is not None and self._prefetched[0] is ahead and self._prefetched[1] is alive:
+            return  # this window's blocks all asked for or mapped already
+        said = (ahead, alive)
         alive = np.asarray(alive, dtype=np.int64)
         ahead = np.asarray(ahead, dtype=np.int64)[:PREFETCH_DEPTH]  # further ahead is never asked for
         for block in self._outside(_ASKED, ahead, alive).tolist():
             del self._asked[block]
             self._state[block] = _NONE
         client = self.client()
-        if not self._whole_asked and any(self.whole):  # the keys held whole: their loads start now
-            self._whole_asked = True
-            for index in (i for i, w in enumerate(self.whole) if w):
-                try:
-                    client.request(self._whole_request(index))
-                except CapacityError:
-                    break  # asked again, waiting, at their first use
+        self._wholes.start(client)  # the keys held whole: their loads start now
         if self._arena is not None:
             self._arena.prefetch(ahead, alive)
             return
@@ -278,6 +288,7 @@ class DaemonBlocks:
                 if (block, False) not in wanted and (block, True) not in wanted:  # listed twice
                     wanted.append((block, prefetch))
         if not wanted:
+            self._prefetched = said if len(self._asked) < PREFETCH_DEPTH else None
             return
         per_block = [self._requests(block, prefetch) for block, prefetch in wanted]
         # sent together, their replies taken together: one wait, not a round trip a block and key
@@ -291,6 +302,7 @@ class DaemonBlocks:
                 raise refused
             self._asked[block] = [AcquireResult.from_wire(a) for a in answers if not isinstance(a, Exception)]
             self._state[block] = _ASKED
+        self._prefetched = said if len(self._asked) < PREFETCH_DEPTH else None
 
     # ----- gathering --------------------------------------------------------------------------
     def _block(self, block: int, needed: set[int]) -> list[AttachedSegment]:
@@ -398,21 +410,6 @@ class DaemonBlocks:
                 segment.close()
                 self._partial[i] = None
 
-    def _whole_segment(self, index: int) -> AttachedSegment:
-        """Key ``index``'s whole segment, mapped at its first use (waiting as a needed block
-        waits: ``_wait_ready``) and held.
-
-        Raised when there is no room in time: BudgetExceeded or ShmFull; as a load fails."""
-        segment = self._whole.get(index)
-        if segment is not None:
-            return segment
-        client, request = self.client(), self._whole_request(index)
-        result = self._wait_ready(client, request, None)
-        segment = ShmBackend.attach_one(client, request, result,
-                                        None if self.spec.timeout is None else time.monotonic() + self.wait_s)
-        self._whole[index] = segment
-        return segment
-
     def gather(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
         """The rows ``rows`` (global, int64) of every dataset, mapping the blocks that hold them
         (and the keys held whole).
@@ -431,9 +428,9 @@ class DaemonBlocks:
             if not whole:
                 columns.append(next(parts))
                 continue
-            taken = self._whole_segment(index).data.take(rows, axis=0)
-            wanted = self.out_dtypes[index]
-            columns.append(as_column(taken if taken.dtype == wanted else taken.astype(wanted)))
+            columns.append(self._wholes.column(index, rows, self.client(),
+                                               lambda client, request: self._wait_ready(client, request, None),
+                                               self.wait_s))
         return columns
 
     def _gather_stitched(self, rows: np.ndarray) -> list[torch.Tensor | np.ndarray | RaggedColumn]:
@@ -473,8 +470,7 @@ class DaemonBlocks:
         if self._pid == os.getpid():
             for block in list(self._held):
                 self._close(block)
-            for segment in self._whole.values():
-                segment.close()
+            self._wholes.close()
             if self._client is not None:
                 self._client.close()
         self._reset()
@@ -482,8 +478,8 @@ class DaemonBlocks:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # a spawned worker maps its own
-        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _whole={}, _stitched=None, _arena=None,
-                     _whole_asked=False, _partial=[])
+        state.update(_pid=-1, _client=None, _held=OrderedDict(), _asked={}, _stitched=None, _arena=None, _partial=[],
+                     _wholes=WholeKeys(self.spec, self.whole, self.out_dtypes), _retained=None, _prefetched=None)
         return state
 
 

@@ -169,16 +169,30 @@ class StreamSampler(Sampler[StreamBatch]):
         life = int((last - first).max()) if len(first) else 0
         full = self.window if self.window < len(blocks) else 0  # the node's blocks all fit: prefetch them all
 
+        # a step's arrays are the previous step's objects when they did not change (no block
+        # started or ended between them): the cache sees that by identity and skips the step
+        ending = np.bincount(last, minlength=1) if len(last) else np.zeros(1, dtype=np.int64)
+        said: dict[str, Any] = {"b": None, "lo": -1, "hi": -1, "alive": blocks[:0], "ahead": blocks[:0]}
+
         def window(b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            lo, hi = np.searchsorted(first, b - life), np.searchsorted(first, b, side="right")
-            alive = blocks[lo:hi][last[lo:hi] >= b]
-            ahead = blocks[hi : hi + max(self.capacity - max(len(alive), full), 0)]
+            lo, hi = int(np.searchsorted(first, b - life)), int(np.searchsorted(first, b, side="right"))
+            same = (said["b"] == b - 1 and (lo, hi) == (said["lo"], said["hi"])
+                    and not (0 <= b - 1 < len(ending) and ending[b - 1]))
+            if not same:
+                alive = blocks[lo:hi][last[lo:hi] >= b]
+                if not np.array_equal(alive, said["alive"]):
+                    said["alive"] = alive
+                ahead = blocks[hi : hi + max(self.capacity - max(len(said["alive"]), full), 0)]
+                if not np.array_equal(ahead, said["ahead"]):
+                    said["ahead"] = ahead
+            said.update(b=b, lo=lo, hi=hi)
+            alive, ahead = said["alive"], said["ahead"]
             if not self.workers:
                 return alive, ahead, None
             after = b + self.workers
-            lo = np.searchsorted(first, after - life)
-            hi = np.searchsorted(first, max(b - self.behind, first_batch), side="right")
-            return alive, ahead, blocks[lo:hi][last[lo:hi] >= after]
+            since = int(np.searchsorted(first, after - life))
+            until = int(np.searchsorted(first, max(b - self.behind, first_batch), side="right"))
+            return alive, ahead, blocks[since:until][last[since:until] >= after]
 
         return window
 

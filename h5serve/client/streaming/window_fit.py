@@ -14,7 +14,8 @@ from ...util.units import format_bytes
 from ...wire.connection import DaemonClient
 from ..spec import BackendSpec
 
-__all__ = ["DaemonWindow", "KERNEL_SHARE", "MAX_MAPPED_ENV", "check_window", "daemon_window", "mappable_blocks"]
+__all__ = ["DaemonWindow", "KERNEL_SHARE", "MAX_MAPPED_ENV", "check_window", "daemon_window", "mappable_blocks",
+           "past_the_cap"]
 
 # of the memory mappings (vm.max_map_count) and descriptors (RLIMIT_NOFILE) the kernel lets a
 # process have, the share a stream's mapped blocks may take; the rest is the program's own
@@ -75,3 +76,12 @@ def check_window(window: int, capacity: int, block_bytes: int, block_cost: int, 
             f"the daemon's shared memory (rows and a header page per key, in whole pages), more than its budget of "
             f"{format_bytes(budget)}: pass a window of at most {format_bytes(fits * block_bytes)} ({fits} blocks), "
             "window=None for what the budget holds, or start the daemon with a larger --max-memory")
+
+
+def past_the_cap(window: int, cap: int) -> str:
+    """The warning for a window of more blocks than this process may keep mapped."""
+    return (f"h5serve: the stream's window holds {window} blocks but this process may keep only {cap} mapped "
+            f"(half of vm.max_map_count and of the open-files limit, or {MAX_MAPPED_ENV}): batches drawn across the "
+            "window will map many blocks again, each an attach and a request (an epoch can take several times "
+            "longer; the order is unchanged). Raise vm.max_map_count (sysctl), use larger blocks (block_rows=), "
+            "or a smaller window (window=)")

@@ -41,7 +41,8 @@ import h5py
 
 from ...errors import AccessDenied, SourceChanged, SourceNotFound, error_from_code
 from ...hdf5.compound import FieldRows, rows_dataset
-from ...hdf5.identity import FileIdentity, holder_identity, open_h5_verified, pinned_rows
+from ...hdf5.identity import FileIdentity, holder_identity, open_h5_verified, open_remote_h5, pinned_rows
+from ...hdf5.remote import METADATA_BLOCK_BYTES, METADATA_CACHE_BLOCKS, RemoteIdentity, shown_url
 from ...hdf5.source import inspect_dataset
 from .._process import drop_forkserver_alive_fd, set_pdeathsig, set_process_name
 from ..loading.loader import loader_context
@@ -137,8 +138,27 @@ def _is_virtual(f: h5py.File, key: str) -> bool:
         return False
 
 
-def _inspect(ident: FileIdentity, key: str, virtual_ok: bool) -> Answer:
+def _inspect_remote(remote: RemoteIdentity, key: str) -> Inspection:
+    """An s3:// object's dataset, read through a small block cache (HDF5's metadata only), the
+    object pinned to ``remote``; the rows must be in the object itself (no external link,
+    virtual dataset or external storage: HDF5 would open local files they name)."""
+    f, _ = open_remote_h5(remote.url, remote, block_bytes=METADATA_BLOCK_BYTES, cache_blocks=METADATA_CACHE_BLOCKS)
+    with f:
+        dset = rows_dataset(f, key)
+        base = dset.dset if isinstance(dset, FieldRows) else dset
+        if base.file.id.fileno != f.id.fileno or base.is_virtual or base.id.get_create_plist().get_external_count():
+            raise AccessDenied(f"{shown_url(remote.url)}[{key}] is an external link, a virtual dataset or external "
+                               "storage: the daemon fetches only rows stored in the object itself; read it lazily")
+        return Inspection(inspect_dataset(f, key, vlen=True), None, False)
+
+
+def _inspect(ident: FileIdentity, key: str, virtual_ok: bool, remote: RemoteIdentity | None = None) -> Answer:
     """The inspection itself (as whoever this process now is)."""
+    if remote is not None:
+        try:
+            return _inspect_remote(remote, key)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, the daemon raises it
+            return InspectionFailed(*error_of(exc))
     try:
         with open_h5_verified(ident) as f:
             if not virtual_ok and _is_virtual(f, key):  # refused before HDF5 looks for its sources
@@ -154,7 +174,8 @@ def _inspect(ident: FileIdentity, key: str, virtual_ok: bool) -> Answer:
         return InspectionFailed(*error_of(exc))
 
 
-def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials | None, virtual_ok: bool) -> None:
+def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials | None, virtual_ok: bool,
+           remote: RemoteIdentity | None = None) -> None:
     """The inspection, in the child: one answer (inspection.py) written to ``sender``'s
     descriptor, then ``os._exit`` (no cleanup of what the forkserver handed down)."""
     set_pdeathsig()
@@ -164,7 +185,7 @@ def _child(sender: Connection, ident: FileIdentity, key: str, creds: Credentials
     try:
         if creds is not None:
             _become(creds)
-        blob = encode_answer(_inspect(ident, key, virtual_ok))
+        blob = encode_answer(_inspect(ident, key, virtual_ok, remote))
     except BaseException as exc:  # noqa: BLE001 - _become failed: reported like any failure
         blob = encode_answer(InspectionFailed(*error_of(exc)))
     try:
@@ -195,7 +216,7 @@ def _read_answer(fd: int, deadline: float) -> bytes | None:
 
 
 def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None, virtual_ok: bool = True,
-                 timeout: float = INSPECT_TIMEOUT_S) -> Inspection:
+                 timeout: float = INSPECT_TIMEOUT_S, remote: RemoteIdentity | None = None) -> Inspection:
     """Inspect ``key`` in the file ``ident`` describes (opened and checked by the resolver) in a
     child process, as ``creds`` (None: as the daemon). ``virtual_ok`` False: a virtual dataset
     is refused (``virtual_refused``) before HDF5 looks for its sources. Blocks the calling
@@ -204,10 +225,12 @@ def inspect_file(ident: FileIdentity, key: str, creds: Credentials | None, virtu
     Raised when the child does not answer within ``timeout`` (it is killed): SourceNotFound.
     Raised when its answer is not one of the schema: SourceChanged.
     Raised when the inspection fails: its error (KeyNotFound, UnsupportedDataset, SourceChanged, ...).
+    ``remote``: ``ident`` is an s3:// object (its URL), read as the daemon's user with its credentials
+    (``creds`` None), pinned to this identity.
     """
     ctx = loader_context()
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child, args=(sender, ident, key, creds, virtual_ok), name=INSPECTOR_NAME,
+    process = ctx.Process(target=_child, args=(sender, ident, key, creds, virtual_ok, remote), name=INSPECTOR_NAME,
                           daemon=True)
     try:
         process.start()

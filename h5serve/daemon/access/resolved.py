@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...hdf5.identity import FileIdentity
+from ...hdf5.remote import RemoteIdentity
 from ...hdf5.source import DatasetInfo
 
 __all__ = ["Resolved", "ResolvedFiles"]
@@ -21,6 +22,8 @@ class Resolved:
     info: DatasetInfo
     linked: FileIdentity | None  # the externally linked file holding the rows, if any
     sources: tuple[FileIdentity, ...] = ()  # a virtual dataset's source files (other than this one)
+    # an s3:// object (``ident``: its URL and size, dev, ino and times 0): its ETag and version as looked up
+    remote: RemoteIdentity | None = None
 
 
 @dataclass(frozen=True)

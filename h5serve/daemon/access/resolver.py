@@ -32,14 +32,16 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from 3.11 on
 from typing import Any
 
-from ...errors import AccessDenied, H5ServeError, SourceNotFound
+from ...errors import AccessDenied, H5ServeError, SourceChanged, SourceNotFound
 from ...hdf5.identity import FileIdentity, open_identified
+from ...hdf5.remote import RemoteIdentity, is_url, remote_identity, shown_url
 from ...hdf5.source import DatasetInfo
 from ...util.lru import LRU
 from .inspection import Inspection
 from .inspector import Credentials, inspect_file, virtual_refused
 from .peer import Peer, check_peer_can_read
 from .resolved import Resolved, ResolvedFiles
+from .urls import UrlPolicy
 
 __all__ = ["Resolver", "resolve_files", "RESOLVE_WAIT_S", "RESOLVE_TIMEOUT_S"]
 
@@ -100,9 +102,12 @@ def _without_tracebacks(exc: BaseException) -> BaseException:
     return exc
 
 
-def _pending_key(path: str, key: str, peer: Peer, files: tuple[str, ...]) -> tuple[object, ...]:
-    """One resolution in flight per file (or file list), key and requesting identity."""
-    return (files or path, key, peer.uid, peer.gid)
+Pin = tuple[int, str, str]  # an s3:// object's identity as the client described it: size, ETag, version id
+
+
+def _pending_key(path: str, key: str, peer: Peer, files: tuple[str, ...], pin: Pin | None) -> tuple[object, ...]:
+    """One resolution in flight per file (or file list, or object version), key and requesting identity."""
+    return (files or path, key, peer.uid, peer.gid, pin)
 
 
 def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Peer) -> ResolvedFiles:
@@ -116,8 +121,11 @@ def resolve_files(resolver: Resolver, paths: tuple[str, ...], key: str, peer: Pe
 class Resolver:
     """Resolves (path, key, peer) in threads; one ``Future`` per request in flight."""
 
-    def __init__(self, allow_roots: tuple[str, ...] = ()) -> None:
+    def __init__(self, allow_roots: tuple[str, ...] = (), urls: UrlPolicy | None = None) -> None:
         self.allow_roots = allow_roots
+        self.urls = urls or UrlPolicy()
+        # an s3:// object's dataset metadata, by its identity (ETag included) and key: read once per object
+        self._remote_infos: LRU[tuple[RemoteIdentity, str], DatasetInfo] = LRU(_INFO_CACHE_SIZE)
         self._pool = _DaemonThreads(RESOLVER_THREADS)
         # keyed by the identity opened (ctime included: an in-place rewrite misses, whatever its
         # mtime says) and by the requesting uid: no user's verdict ever answers another's request
@@ -155,25 +163,26 @@ class Resolver:
         except OSError:  # empty: EAGAIN
             pass
 
-    def peek(self, path: str, key: str, peer: Peer,
-             files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | BaseException | None:
+    def peek(self, path: str, key: str, peer: Peer, files: tuple[str, ...] = (),
+             pin: Pin | None = None) -> Resolved | ResolvedFiles | BaseException | None:
         """This request's resolution if it is done, without taking it (its client's next
         ``poll`` still gets it, error included): the result, the error it raised, or None while
         it runs or when none is in flight."""
-        _, future = self._pending.get(_pending_key(path, key, peer, files), (0.0, None))
+        _, future = self._pending.get(_pending_key(path, key, peer, files, pin), (0.0, None))
         if future is None or not future.done():
             return None
         return future.exception() or future.result()
 
-    def poll(self, path: str, key: str, peer: Peer,
-             files: tuple[str, ...] = ()) -> Resolved | ResolvedFiles | None:
+    def poll(self, path: str, key: str, peer: Peer, files: tuple[str, ...] = (),
+             pin: Pin | None = None) -> Resolved | ResolvedFiles | None:
         """The resolution of this request: started now if none is in flight, waited for until
         RESOLVE_WAIT_S after it started; None while it is still running (ask again). ``files``: many files as
-        one dataset, every one resolved (resolve_files; their segment: fileset.py).
+        one dataset, every one resolved (resolve_files; their segment: fileset.py). ``pin``: ``path``
+        is an s3:// object the client described as this (``resolve_remote``).
 
         Raised when the file cannot be served: the H5ServeError saying why.
         """
-        pending_key = _pending_key(path, key, peer, files)
+        pending_key = _pending_key(path, key, peer, files, pin)
         started, future = self._pending.get(pending_key, (0.0, None))
         if future is not None and self._stale(future):
             self._drop(pending_key)
@@ -183,6 +192,8 @@ class Resolver:
                 self._forget_abandoned()
             if files:
                 future = self._pool.submit(resolve_files, self, files, key, peer)
+            elif pin is not None:
+                future = self._pool.submit(self.resolve_remote, path, key, pin)
             else:
                 future = self._pool.submit(self.resolve, path, key, peer)
             started = time.monotonic()
@@ -221,8 +232,31 @@ class Resolver:
             if self._stale(future):
                 self._drop(k)
 
+    def resolve_remote(self, url: str, key: str, pin: Pin) -> Resolved:
+        """An s3:// object, for any peer: allowed (``--allow-url``, urls.py), looked up now with the
+        daemon's own credentials (a HEAD), the version the client described (else SourceChanged),
+        its dataset's metadata read once per version (in a child process, inspector.py).
+        Blocking: runs in a resolver thread.
+
+        Raised when the daemon may not fetch it: AccessDenied; when it changed: SourceChanged; as
+        the store answers (ObjectNotFound, ObjectAccessDenied, ObjectStoreError)."""
+        self.urls.check(url)
+        now = remote_identity(url)
+        if (now.size, now.etag, now.version_id) != pin:
+            raise SourceChanged(f"{shown_url(url)} changed since this job described it (size {pin[0]:,}, ETag "
+                                f"{pin[1] or '-'}; now {now.describe()}): restart the job to read the new object, and "
+                                "write new data under new keys rather than over objects a job reads")
+        info = self._remote_infos.get((now, key))
+        if info is None:
+            ident = FileIdentity(url, 0, 0, now.size, 0, 0)
+            info = inspect_file(ident, key, None, virtual_ok=False, remote=now).info
+            self._remote_infos.put((now, key), info)
+        return Resolved(FileIdentity(url, 0, 0, now.size, 0, 0), info, None, (), remote=now)
+
     def resolve(self, path: str, key: str, peer: Peer) -> Resolved:
         """Open, check and inspect (blocking: runs in a resolver thread)."""
+        if is_url(path):  # only with the object's identity (an acquire's ``pin``): resolve_remote
+            raise AccessDenied(f"{shown_url(path)}: a URL must come with the object's identity (the client sends it)")
         fd, ident = open_identified(path)
         try:
             self._check_allowed(path, ident.path)

@@ -57,8 +57,9 @@ from ...errors import SourceChanged
 from ...hdf5.compound import rows_dataset
 from ...hdf5.files import plan_file_parts
 from ...hdf5.identity import check_holder, identities_unchanged, open_h5_verified, pinned_rows
-from ...hdf5.rawcopy import StoredRows, data_extents, drop_cached
+from ...hdf5.rawcopy import WRITE_BEHIND_MIN_BYTES, StoredRows, data_extents, drop_cached
 from ...hdf5.reads import ShardWrite, local_range, read_shard_into, shard_span, split_span
+from ...hdf5.remote import is_url
 from ...hdf5.source import DatasetInfo, inspect_dataset
 from ...order.sharding import RowRange, Selection
 from ...segments import SegmentMeta, SegmentWriter, create_segment
@@ -68,9 +69,11 @@ from ...util.units import row_nbytes
 from .._process import LOADER_NAME, drop_forkserver_alive_fd, quiet_blas, set_pdeathsig, set_process_name
 from .fileset import read_files_part
 from .loadcrc import RunningCrc
+from .loadresult import LoadError, LoadOk, LoadStats
 from .openfile import OpenFile
-from .parts import DaemonGone, PartResult, Parts, error_of
-from .reserve import Reservation
+from .parts import DaemonGone, PartResult, Parts, report_failure
+from .remoteload import run_remote_load
+from .reserve import INLINE_RESERVE_BYTES, Reservation
 from .vlenload import Room, load_vlen
 
 __all__ = ["LoadJob", "LoadStats", "LoadOk", "LoadError", "start_load", "run_load", "die_with_daemon",
@@ -109,41 +112,19 @@ class LoadJob:
     arena: ArenaTarget | None = None  # prototype: a stream block into a slot of its arena (arenaload.py)
 
 
-@dataclass(frozen=True)
-class LoadStats:
-    """How a load went, for the daemon's log and metrics."""
-
-    parts: int  # processes the rows were read by
-    create_s: float  # creating (and reserving) the segment
-    copied_bytes: int  # bytes copied file to file instead of through h5py
-    read_s: float  # reading every row, all parts, from when the segment was reserved
-    part_s: tuple[float, ...]  # when each part was done, from the start of the reads
-    checksum: str  # "crc32c:..." as stored in the header, "" when not computed
-    checksum_s: float
-    page_cache_drop_bytes: int  # source bytes whose cached pages are dropped after publishing
-    values: int  # variable-length rows: the values written (the segment's size depends on it)
+_REMOTE_PRELOAD: list[str] = []  # what s3:// loads import, preloaded too when the daemon is told to fetch URLs
 
 
-@dataclass(frozen=True)
-class LoadOk:
-    """A loader's reply: the segment is published, as ``name`` (the job's final name, or a
-    fresh one when a file that is not ours held that: lifecycle.publish)."""
-
-    stats: LoadStats
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class LoadError:
-    """A loader's reply: the load failed (``code`` as in h5serve.errors) and the temporary is gone."""
-
-    code: str
-    message: str
-
-
-def start_forkserver() -> None:
+def start_forkserver(remote: bool = False) -> None:
     """Start the loaders' forkserver now (it imports numpy and h5py: a second or more on a busy
-    node), so that the first load does not stall the control loop while it starts."""
+    node), so that the first load does not stall the control loop while it starts. ``remote``
+    (``--allow-url`` given): it imports fsspec and s3fs too, when installed, so that no loader
+    or inspection of an s3:// object imports them itself (0.4-1.5 s each here)."""
+    if remote and not _REMOTE_PRELOAD:
+        import importlib.util
+
+        if importlib.util.find_spec("s3fs") is not None:
+            _REMOTE_PRELOAD.extend(["fsspec", "s3fs", "h5serve.hdf5.fetch"])
     from multiprocessing import forkserver
 
     from .._process import clean_preparation, no_hdf5_file_locking, safe_python_env
@@ -165,7 +146,7 @@ def loader_context() -> multiprocessing.context.ForkServerContext:
     # everything a loader runs, so each loader starts in ~2 ms instead of importing ~20 ms of modules
     ctx.set_forkserver_preload(
         ["h5serve.hdf5.source", "h5serve.segments", "h5serve.hdf5.reads", "h5serve.daemon.loading.loader",
-         "h5serve.daemon.loading.spare", "h5serve.daemon.access.inspector"])
+         "h5serve.daemon.loading.spare", "h5serve.daemon.access.inspector", *_REMOTE_PRELOAD])
     return ctx
 
 
@@ -250,7 +231,8 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     if places is not None and dset.file.id.get_vfd_handle() != f.id.get_vfd_handle():
         places = None  # an external link's file: HDF5 may close and reopen it between loads
     copied = read_shard_into(dset, info, rows, writer.data, progress, span,
-                             ShardWrite(writer.data_target(), hashed, ready, write_behind=span is None, places=places))
+                             ShardWrite(writer.data_target(), hashed, ready, places=places,
+                                        write_behind=span is None and meta.nbytes > WRITE_BEHIND_MIN_BYTES))
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
@@ -385,12 +367,7 @@ def _abort(exc: BaseException, parts: Parts | None, reservation: Reservation | N
         writer.abort()
     if files is not None:
         files.close()
-    if not isinstance(exc, DaemonGone):
-        code, message = error_of(exc)
-        try:
-            reply.send(LoadError(code, message))
-        except OSError:
-            pass
+    report_failure(reply, exc)
 
 
 def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | None = None,
@@ -400,6 +377,9 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
     ``files``: a loader kept for more jobs (streamloader.py) reads one-part loads through the
     file it keeps open, and keeps ``reply`` open. Returns whether the load succeeded."""
     daemon_gone = daemon_gone or die_with_daemon(job.daemon_pid)
+    if is_url(job.meta.source_path):  # an s3:// object: fetched by ranged GETs (remoteload.py)
+        return run_remote_load(job.shm_dir, job.tmp_name, job.final_name, job.meta, job.checksum, reply, daemon_gone,
+                               keep_reply=files is not None)
     set_process_name(LOADER_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
     writer: SegmentWriter | None = None
@@ -418,7 +398,8 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
                                 reserve=False)
         started = time.monotonic_ns()
         parts = Parts(len(spans)) if len(spans) > 1 else None
-        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None)
+        reservation = Reservation(writer, parts.mark_reserved if parts is not None else lambda: None,
+                                  inline=parts is None and meta.file_size <= INLINE_RESERVE_BYTES)
         if parts is not None:
             _fork_parts(job, spans, writer, parts, daemon_gone, reply)
         progress = _Progress(writer, parts, daemon_gone)

@@ -19,13 +19,15 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...errors import SegmentError, code_for
 from .._process import set_pdeathsig
+from .loadresult import LoadError
 
-__all__ = ["Parts", "PartResult", "PartFailed", "DaemonGone", "error_of", "EXIT_DAEMON_GONE"]
+__all__ = ["Parts", "PartResult", "PartFailed", "DaemonGone", "error_of", "report_failure", "EXIT_DAEMON_GONE"]
 
 _REAP_S = 5.0  # how long killed children get to be reaped before the loader stops waiting
 EXIT_DAEMON_GONE = 3  # a child's exit status when it stopped because the daemon is gone
@@ -51,6 +53,18 @@ def error_of(exc: BaseException) -> tuple[str, str]:
         return exc.code, exc.message
     code = code_for(exc)
     return code, (f"{exc}" if code != "remote" else f"{type(exc).__name__}: {exc}")
+
+
+def report_failure(reply: Any, exc: BaseException) -> None:
+    """Tell the daemon on ``reply`` that a load failed with ``exc`` (its LoadError), unless the
+    daemon is gone (DaemonGone: nobody to tell) or the pipe is closed."""
+    if isinstance(exc, DaemonGone):
+        return
+    code, message = error_of(exc)
+    try:
+        reply.send(LoadError(code, message))
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ error, never a SIGBUS) before it writes any. That takes 25-80 ms for 300 MB on t
 and a loader used to do nothing else meanwhile; now a thread reserves while the loader (and
 its part processes, forked first) open the file, inspect the dataset and find its chunks,
 and every process waits for the reservation before its first write (``Reservation.wait``,
-``Parts.wait_reserved``).
+``Parts.wait_reserved``). A small segment (a stream block of a few chunks) is reserved in the
+loader's own thread instead: starting a thread costs more than its ``fallocate``, and a window of
+many small blocks is a load each.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from collections.abc import Callable
 
 from ...segments import SegmentWriter
 
-__all__ = ["Reservation"]
+__all__ = ["INLINE_RESERVE_BYTES", "Reservation"]
+
+INLINE_RESERVE_BYTES = 4 << 20  # a segment up to this size is reserved without a thread of its own
 
 
 class Reservation:
-    """``writer.reserve_all()`` in a thread; ``done()`` is called once it succeeded."""
+    """``writer.reserve_all()`` in a thread (``inline``: here, before returning); ``done()`` is
+    called once it succeeded."""
 
-    def __init__(self, writer: SegmentWriter, done: Callable[[], None]) -> None:
+    def __init__(self, writer: SegmentWriter, done: Callable[[], None], inline: bool = False) -> None:
         self.seconds = 0.0  # how long reserving took
         self.done_ns = time.monotonic_ns()  # when it was done (``time.monotonic_ns``)
         self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if inline:
+            self._run(writer, done)
+            return
         self._thread = threading.Thread(target=self._run, args=(writer, done), name="h5serve-reserve", daemon=True)
         # A thread that has started still needs the GIL to reach posix_fallocate, and this
         # one's Python work (opening the file, finding its chunks) kept it for a switch
@@ -38,7 +47,8 @@ class Reservation:
     def _run(self, writer: SegmentWriter, done: Callable[[], None]) -> None:
         started = time.monotonic_ns()
         try:
-            self._entering.set()
+            if self._thread is not None:
+                self._entering.set()
             writer.reserve_all()
             done()
         except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the loader's own thread
@@ -51,10 +61,12 @@ class Reservation:
 
         Raised when the shm filesystem has no room: ShmFull (from SegmentWriter.reserve_all).
         """
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
             raise self._error
 
     def settle(self) -> None:
         """Wait for the thread whatever happened (before the segment's descriptor is closed)."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()

@@ -20,8 +20,10 @@ __all__ = ["COUNTERS", "Entries", "Entry", "LoadFailure", "load_log_level", "not
 # Shown in `status --json` from the start, so watchers never see a key appear.
 # damaged: published segments found changed (missing, truncated, made writable, header rewritten)
 # and loaded again; stalled: loads stopped by the watchdog after --stall-timeout without progress.
+# remote_*: loads of s3:// objects (daemon/loading/remoteload.py), the bytes their GETs received and the
+# milliseconds they took (status shows the rate)
 COUNTERS = ("loads_requested", "loads", "load_errors", "hits", "evictions", "stale_evictions", "refusals", "adopted",
-            "damaged", "stalled")
+            "damaged", "stalled", "remote_loads", "remote_bytes", "remote_fetch_ms")
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from ...util.units import format_bytes
 from .._process import loader_output
 from ..config import STALL_CHECK_INTERVAL_S
 from ..loading.killload import kill_load
-from ..loading.loader import LoadError, LoadOk, LoadStats
 from ..loading.loaderpool import LoaderPool
+from ..loading.loadresult import LoadError, LoadOk, LoadStats
 from .entries import Entry, LoadFailure, load_log_level, not_ours
 from .loadindex import Records
 from .refusals import stalled_load
@@ -134,6 +134,13 @@ class LoadReaper:
         entry.load_copied_bytes = stats.copied_bytes
         self.counters["loads"] += 1
         log.log(load_log_level(entry.meta), "loaded %s in %.2fs", entry.file, entry.load_seconds)
+        if entry.meta.remote:
+            self.counters["remote_loads"] += 1
+            self.counters["remote_bytes"] += stats.fetched_bytes
+            self.counters["remote_fetch_ms"] += round(stats.fetch_s * 1000)
+            log.info("fetched %s of %s in %.2fs (%.1f MB/s)", format_bytes(stats.fetched_bytes),
+                     printable(entry.meta.source_path), stats.fetch_s,
+                     stats.fetched_bytes / max(stats.fetch_s, 1e-9) / 1e6)
         read_s = max(stats.read_s, 1e-9)
         entry.load_read_seconds = read_s
         log.debug("load of %s: %d rows, %s, in %d part(s), segment created in %.2fs, rows read in %.2fs "

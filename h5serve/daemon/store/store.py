@@ -47,6 +47,7 @@ from ..access.peer import Peer
 from ..access.resolved import Resolved, ResolvedFiles
 from ..access.resolver import RESOLVE_TIMEOUT_S, Resolver
 from ..access.secret import load_secret
+from ..access.urls import UrlPolicy
 from ..config import (
     DEFAULT_STALL_TIMEOUT_S,
     FAILURE_MEMORY_S,
@@ -79,6 +80,7 @@ class SegmentStore:
     def __init__(
         self, location: RuntimeLocation, shm_dir: Path, max_memory: int, loaders: int,
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
+        allow_urls: tuple[str, ...] = (),
         load_processes: int = 1, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, checksum: bool = True,
         drop_page_cache: bool = True,
     ) -> None:
@@ -99,7 +101,7 @@ class SegmentStore:
         self.entries, self.failures = self.records.entries, self.records.failures
         self.counters, self.errors = self.records.counters, self.records.errors
         self.loads = self.records.loads
-        self.resolver = Resolver(self.allow_roots)
+        self.resolver = Resolver(self.allow_roots, UrlPolicy.of(allow_urls, group))
         self._stale = StaleSweep()
         # the spare loader, and loaders kept between stream blocks (loaderpool.py)
         self.pool = LoaderPool(loader_context(), loaders)
@@ -161,7 +163,7 @@ class SegmentStore:
         counts as a hit."""
         now = time.monotonic()
         for key, (req, peer, since) in list(self._resolving.items()):
-            resolved = self.resolver.peek(req.path, req.key, peer, req.files)
+            resolved = self.resolver.peek(req.path, req.key, peer, req.files, req.pin)
             if resolved is None and now - since <= RESOLVE_TIMEOUT_S:
                 continue  # still resolving
             del self._resolving[key]
@@ -184,7 +186,7 @@ class SegmentStore:
 
     def _find_or_load(self, req: Acquire, peer: Peer) -> AcquireResult:
         try:
-            resolved = self.resolver.poll(req.path, req.key, peer, req.files)
+            resolved = self.resolver.poll(req.path, req.key, peer, req.files, req.pin)
         except AccessDenied:
             self.counters["refusals"] += 1
             raise
@@ -200,7 +202,8 @@ class SegmentStore:
         (None: the loader does), and its published name. Remembered per request while its file
         resolves alike (the same identities, ctime included, and dataset: a file changed since
         replaces the entry), the least recently used forgotten past MAX_REMEMBERED_METAS requests."""
-        memo = (req.path, req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files)
+        memo = (req.path, req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files,
+                req.pin)
         found = self._metas.get(memo)
         if found is not None and (found[0] is resolved or found[0] == resolved):  # same identities, same rows
             meta, name = found[1], found[2]
@@ -211,6 +214,8 @@ class SegmentStore:
         if isinstance(resolved, ResolvedFiles):
             return meta, None, name
         info = resolved.info
+        if resolved.remote:  # an s3:// object: one loader, its GETs in flight side by side (remoteload.py)
+            return meta, None, name
         return meta, lambda: load_spans(info, meta, self.load_processes), name
 
     @staticmethod
@@ -231,6 +236,7 @@ class SegmentStore:
             # variable-length rows: values estimated for the budget until the load counts them
             vlen=info.vlen, values=round(info.mean_length * selection.count(info.rows)) if info.vlen else 0,
             start=req.rows[0] if req.rows else 0,
+            remote=(resolved.remote.etag, resolved.remote.version_id) if resolved.remote else (),
         )
 
     def _acquire_meta(self, req: Acquire, meta: SegmentMeta,
@@ -463,8 +469,15 @@ class SegmentStore:
             },
             "counters": dict(self.counters),
             "errors": dict(self.errors),
+            "remote": self._remote_status(),
             "arenas": self.arenas.report(),  # prototype (branch wip-arena)
         }
+
+    def _remote_status(self) -> dict[str, Any]:
+        """What loads of s3:// objects fetched: bytes, seconds, and the rate while fetching."""
+        fetched, seconds = self.counters["remote_bytes"], self.counters["remote_fetch_ms"] / 1000
+        return {"loads": self.counters["remote_loads"], "fetched_bytes": fetched, "fetch_seconds": seconds,
+                "bytes_per_s": round(fetched / seconds) if seconds else 0}
 
     def shutdown(self) -> None:
         """Stop loaders and unlink every segment and temporary of this daemon.

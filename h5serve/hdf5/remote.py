@@ -1,0 +1,410 @@
+"""Remote HDF5 files: ``s3://bucket/key.h5``, ``gs://...``, ``https://host/path.h5``, read by h5py
+through a file object from fsspec (docs/architecture.md, *Remote files*).
+
+- ``is_url`` / ``parse_url``: which names are URLs, and whether h5serve reads their scheme.
+- ``RemoteIdentity``: what a remote file is (URL, size, ETag, version id); taken when the job
+  describes its files, checked again at every later open (``open_remote(url, pin=...)``), so a
+  worker never reads a rewritten object under the old description.
+- ``open_remote``: a read-only, seekable file object for ``h5py.File(fileobj)``, with a bounded
+  block cache (``BLOCK_BYTES`` x ``CACHE_BLOCKS`` per open file). On S3 every range request
+  carries ``If-Match: <ETag>`` (s3fs does it for a file it opened), so once the object changes
+  a read fails with SourceChanged instead of mixing two versions.
+- ``remote_call``: one policy of retries (RETRY: exponential backoff with full jitter, a
+  deadline) for transient failures (5xx, 429 and S3's SlowDown, timeouts, connection resets,
+  responses cut short); the libraries below are told not to retry themselves, so a read is
+  retried by one policy, not three stacked ones.
+- ``remote_error``: any failure of fsspec, s3fs, botocore or aiohttp as h5serve's class
+  (ObjectNotFound, ObjectAccessDenied, SourceChanged, ObjectStoreError) with a message naming
+  the URL (query strings and user info cut off) and the HTTP status, and never a credential.
+
+fsspec and its backends (s3fs, gcsfs, aiohttp) are optional (``pip install 'h5serve[s3]'``)
+and imported only when a URL is opened. Credentials come from each backend's standard chain
+(S3: environment, ``~/.aws``, instance roles; an endpoint of another store: ``AWS_ENDPOINT_URL``);
+h5serve never reads, stores or prints them.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import (
+    ConfigError,
+    H5ServeError,
+    ObjectAccessDenied,
+    ObjectNotFound,
+    ObjectStoreError,
+    SourceChanged,
+)
+
+__all__ = [
+    "SCHEMES",
+    "BLOCK_BYTES",
+    "CACHE_BLOCKS",
+    "METADATA_BLOCK_BYTES",
+    "METADATA_CACHE_BLOCKS",
+    "RETRY",
+    "RetryPolicy",
+    "RemoteIdentity",
+    "RemoteFile",
+    "is_url",
+    "parse_url",
+    "shown_url",
+    "remote_identity",
+    "filesystem_of",
+    "open_remote",
+    "remote_call",
+    "remote_error",
+    "expand_url_pattern",
+]
+
+log = logging.getLogger("h5serve.remote")
+T = TypeVar("T")
+
+# scheme -> the pip extra that brings its fsspec backend (named in the error when it is missing)
+SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+BLOCK_BYTES = 2 << 20  # one range request: large enough for HDF5's chunk reads, small for its metadata reads
+CACHE_BLOCKS = 16  # blocks kept per open file (least recently used dropped): at most 32 MiB a file
+# an open for HDF5's metadata only (describing a file, the daemon's inspection and loads): small requests, so
+# that metadata costs little beside the rows (each rank describes its files; the daemon fetches the rows once)
+# (64 KiB: a 12 MiB file's datasets described in 128 KiB, its chunk index listed in 320 KiB; 2 MiB blocks: 4 MiB, 8 MiB)
+METADATA_BLOCK_BYTES = 64 << 10
+METADATA_CACHE_BLOCKS = 128
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # one request, once connected
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                              "ServiceUnavailable", "RequestTimeTooSkewed"})
+# exception classes (by name: their modules are optional) that mean the connection, not the request, failed
+_TRANSIENT_NAMES = frozenset({"TimeoutError", "ConnectionError", "ClientPayloadError", "ServerDisconnectedError",
+                              "ClientConnectionError", "ClientOSError", "HTTPClientError", "EndpointConnectionError",
+                              "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError", "IncompleteRead",
+                              "FSTimeoutError", "ResponseParserError", "IncompleteReadError"})
+_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Transient failures are tried again ``attempts`` times in all, waiting a random time up to
+    ``first_s * 2**n`` (at most ``cap_s``) before try ``n + 1``, and never past ``deadline_s``
+    from the first try."""
+
+    attempts: int = 6
+    first_s: float = 0.2
+    cap_s: float = 10.0
+    deadline_s: float = 120.0
+
+    def wait(self, attempt: int) -> float:
+        return random.uniform(0, min(self.cap_s, self.first_s * 2 ** attempt))
+
+
+RETRY = RetryPolicy()
+
+
+@dataclass(frozen=True)
+class RemoteIdentity:
+    """What a remote file is: its URL, size, ETag and version id ("" when the store gives none).
+    Equal identities: the same bytes (an ETag changes with the object; an https server that
+    gives no ETag is checked by size alone)."""
+
+    url: str
+    size: int
+    etag: str = ""
+    version_id: str = ""
+
+    @classmethod
+    def of(cls, url: str, info: dict[str, Any]) -> RemoteIdentity:
+        """From fsspec's ``info`` of the object (s3fs: ``ETag``, ``VersionId``; http: ``ETag``)."""
+        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
+        version = info.get("VersionId") or info.get("generation") or ""
+        return cls(url, int(info.get("size") or 0), str(etag), str(version))
+
+    def describe(self) -> str:
+        parts = [f"{self.size:,} bytes"]
+        if self.etag:
+            parts.append(f"ETag {self.etag}")
+        if self.version_id:
+            parts.append(f"version {self.version_id}")
+        return ", ".join(parts)
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` (any scheme: ``parse_url`` says whether h5serve reads it);
+    False for local paths, including ``file://``-less relative ones."""
+    return isinstance(path, str) and _URL.match(path) is not None and not path.startswith("file://")
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``(scheme, path)`` of a URL h5serve reads: the path as fsspec takes it (``bucket/key`` for
+    s3 and gs, the whole URL for http and https).
+
+    Raised for a scheme h5serve does not read, or no bucket and key: ConfigError."""
+    match = _URL.match(url)
+    if match is None:
+        raise ConfigError(f"{shown_url(url)!r} is not a URL")
+    scheme, rest = match[1].lower(), match[2]
+    if scheme not in SCHEMES:
+        raise ConfigError(f"{shown_url(url)!r}: h5serve reads files from {', '.join(sorted(SCHEMES))} URLs and "
+                          f"local paths, not {scheme}://")
+    if scheme in ("http", "https"):
+        return scheme, url
+    if "/" not in rest.strip("/") or not rest.split("/", 1)[0]:
+        raise ConfigError(f"{shown_url(url)!r} names no object: write {scheme}://bucket/path/file.h5")
+    return scheme, rest
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages show it: no user info (``user:pass@``), no query string (a presigned
+    URL's signature) or fragment."""
+    match = _URL.match(url)
+    if match is None:
+        return url
+    rest = re.sub(r"^[^/@]*@", "", match[2])
+    return f"{match[1]}://{re.split(r'[?#]', rest, maxsplit=1)[0]}"
+
+
+def _scrub(text: str) -> str:
+    """``text`` without any credential value this process holds in its environment, and without
+    the query string of any URL in it (a presigned URL's signature)."""
+    text = re.sub(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#'\"()]+)[?#][^\s'\"()]*", r"\1", text)
+    for name in _SECRET_VARS:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def _filesystem(scheme: str) -> Any:
+    """fsspec's filesystem for ``scheme`` (one per process: fsspec caches instances by their
+    options and makes new ones after a fork), told not to retry (``remote_call`` does).
+
+    Raised when fsspec or the scheme's backend is not installed: ConfigError naming the extra."""
+    extra = SCHEMES[scheme]
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise ConfigError(f"reading {scheme}:// files needs fsspec: pip install 'h5serve[{extra}]'") from exc
+    options: dict[str, Any] = {}
+    if scheme == "s3":
+        options["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                                    "retries": {"total_max_attempts": 1}}
+        # botocore reads these too; named here as well because fsspec keys its cached instances by
+        # their options: a process that changes the endpoint gets a filesystem on the new one
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint_url"] = endpoint
+    try:
+        fs = fsspec.filesystem(scheme, **options)
+    except ImportError as exc:
+        raise ConfigError(f"reading {scheme}:// files needs fsspec's {scheme} backend ({exc.name or exc}): "
+                          f"pip install 'h5serve[{extra}]'") from exc
+    if scheme == "s3":
+        fs.retries = 1  # s3fs's own loop around each request: one try, remote_call retries
+    return fs
+
+
+def filesystem_of(scheme: str) -> Any:
+    """fsspec's filesystem for ``scheme`` as ``open_remote`` uses it (told not to retry).
+
+    Raised when its backend is not installed: ConfigError naming the extra."""
+    return _filesystem(scheme)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out and len(out) < 8:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return out
+
+
+def _status(chain: list[BaseException]) -> tuple[int | None, str]:
+    """The HTTP status and the store's error code, from the first exception in ``chain`` that
+    carries a response (botocore's ClientError) or a status (aiohttp's ClientResponseError)."""
+    for exc in chain:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = str(response.get("Error", {}).get("Code", ""))
+            if status is None and code.isdigit():
+                status = int(code)
+            return (int(status) if status is not None else None), code
+        status = getattr(exc, "status", None)  # not ``code``: aiohttp's parser errors carry a made-up 400 there
+        if isinstance(status, int) and 100 <= status < 600:
+            return status, ""
+    return None, ""
+
+
+def _is_transient(chain: list[BaseException], status: int | None, code: str) -> bool:
+    if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
+        return True
+    if status is not None:
+        return False
+    names = {cls.__name__ for exc in chain for cls in type(exc).__mro__}
+    return bool(names & _TRANSIENT_NAMES) and not isinstance(chain[0], (FileNotFoundError, PermissionError))
+
+
+def remote_error(exc: BaseException, url: str, doing: str, tries: int = 1) -> H5ServeError:
+    """h5serve's error for ``exc``, met while ``doing`` (``"reading"``) ``url``; ``tries``: how
+    many times it was tried. An H5ServeError is returned as it is."""
+    if isinstance(exc, H5ServeError):
+        return exc
+    chain = _chain(exc)
+    status, code = _status(chain)
+    where = shown_url(url)
+    what = f"HTTP {status}" + (f" {code}" if code and code != str(status) else "") if status else type(exc).__name__
+    reason = _scrub(str(exc)) or type(exc).__name__
+    if any(type(e).__name__ == "FileExpired" for e in chain) or status == 412:
+        return SourceChanged(f"{where} changed while this job was reading it (the store no longer holds the version "
+                             "it opened): restart the job to read the new object, and write new data under new keys "
+                             "rather than over objects a job reads")
+    if status == 404 or (status is None and isinstance(chain[0], FileNotFoundError)):
+        fix = ("check the URL" if where.startswith(("http://", "https://")) else
+               "check the URL, and AWS_ENDPOINT_URL for a store other than AWS")
+        return ObjectNotFound(f"{doing} {where} failed: {what}: the object or its bucket does not exist ({reason}); "
+                              f"{fix}", url=where, status=status or 404)
+    if status in (401, 403) or (status is None and isinstance(chain[0], PermissionError)):
+        fix = ("the server refused it: the object may not be public, or a presigned URL expired"
+               if where.startswith(("http://", "https://")) else
+               "check the credentials the standard chain finds (AWS_ACCESS_KEY_ID / AWS_PROFILE, ~/.aws, the "
+               "instance role) and the bucket's policy")
+        return ObjectAccessDenied(f"{doing} {where} failed: {what}: access denied ({reason}); {fix}", url=where,
+                                  status=status)
+    after = f" after {tries} tries" if tries > 1 else ""
+    return ObjectStoreError(f"{doing} {where} failed{after}: {what} ({reason}); the store is failing, throttling or "
+                            "unreachable: try again later, or read with fewer processes", url=where, status=status)
+
+
+def remote_call(url: str, doing: str, fn: Callable[[], T], policy: RetryPolicy | None = None) -> T:
+    """``fn()``, tried again after transient failures as ``policy`` says (None: RETRY as it is at
+    the call).
+
+    Raised when it fails for good: ``remote_error``'s class (ObjectNotFound, ObjectAccessDenied,
+    SourceChanged, ObjectStoreError)."""
+    policy = RETRY if policy is None else policy
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except H5ServeError:
+            raise
+        except Exception as exc:
+            attempt += 1
+            chain = _chain(exc)
+            status, code = _status(chain)
+            wait = policy.wait(attempt - 1)
+            if (not _is_transient(chain, status, code) or attempt >= policy.attempts
+                    or time.monotonic() - start + wait > policy.deadline_s):
+                if shown_url(url) != url:  # the libraries' own messages would show its query string (a signature)
+                    raise remote_error(exc, url, doing, attempt) from None
+                raise remote_error(exc, url, doing, attempt) from exc
+            log.debug("h5serve: %s %s: %s (try %d of %d); again in %.2f s", doing, shown_url(url),
+                      status or type(exc).__name__, attempt, policy.attempts, wait)
+            time.sleep(wait)
+
+
+def remote_identity(url: str) -> RemoteIdentity:
+    """The identity of the object ``url`` names now (one HEAD request on S3).
+
+    Raised as ``remote_call`` is; for a bad URL or a missing backend: ConfigError."""
+    scheme, path = parse_url(url)
+    fs = _filesystem(scheme)
+    info = remote_call(url, "looking up", lambda: fs.info(path, refresh=True) if scheme == "s3" else fs.info(path))
+    if info.get("type", "file") != "file":
+        raise ObjectNotFound(f"{shown_url(url)} is a directory (a prefix), not an object: name an HDF5 file",
+                             url=shown_url(url), status=None)
+    return RemoteIdentity.of(url, info)
+
+
+def expand_url_pattern(pattern: str) -> list[str]:
+    """The objects a URL with ``*``, ``?`` or ``[...]`` names (fsspec's glob), sorted, as URLs.
+
+    Raised as ``remote_call`` is."""
+    scheme, path = parse_url(pattern)
+    fs = _filesystem(scheme)
+    found = remote_call(pattern, "listing", lambda: fs.glob(path))
+    prefix = "" if scheme in ("http", "https") else f"{scheme}://"
+    return sorted(prefix + str(p) for p in found)
+
+
+class RemoteFile(io.RawIOBase):
+    """A remote file opened read-only for h5py (``h5py.File(RemoteFile)``): reads go through
+    fsspec's file (its block cache) and ``remote_call`` (retries, h5serve's errors)."""
+
+    def __init__(self, url: str, raw: Any, identity: RemoteIdentity) -> None:
+        super().__init__()
+        self.url = url
+        self.identity = identity
+        self._raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes this file's block cache has fetched from the store so far (fsspec's count)."""
+        return int(getattr(getattr(self._raw, "cache", None), "total_requested_bytes", 0) or 0)
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return int(self._raw.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def readinto(self, buffer: Any) -> int:
+        at = self._raw.tell()
+
+        def once() -> int:
+            self._raw.seek(at)  # a failed try may have moved nothing or part of the way
+            return int(self._raw.readinto(buffer))
+
+        return remote_call(self.url, "reading", once)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._raw.close()
+            finally:
+                super().close()
+
+
+def open_remote(url: str, pin: RemoteIdentity | None = None, *, block_bytes: int | None = None,
+                cache_blocks: int | None = None) -> RemoteFile:
+    """``url`` opened for reading (one HEAD request, no data yet), with a block cache of
+    ``cache_blocks`` blocks of ``block_bytes`` (None: CACHE_BLOCKS, BLOCK_BYTES as they are at
+    the call); ``pin``: the identity it must still have.
+
+    Raised when it is not ``pin`` any more: SourceChanged naming both. Raised as
+    ``remote_call`` is; for a bad URL or a missing backend: ConfigError."""
+    scheme, path = parse_url(url)
+    fs = _filesystem(scheme)
+    if scheme == "s3":
+        fs.invalidate_cache(path)  # the HEAD s3fs's file takes its ETag from must be of now
+    block = BLOCK_BYTES if block_bytes is None else block_bytes
+    blocks = CACHE_BLOCKS if cache_blocks is None else cache_blocks
+    raw = remote_call(url, "opening", lambda: fs.open(path, "rb", block_size=block, cache_type="blockcache",
+                                                      cache_options={"maxblocks": blocks}))
+    try:
+        details = getattr(raw, "details", None) or remote_call(url, "looking up", lambda: fs.info(path))
+        identity = RemoteIdentity.of(url, details)
+        if pin is not None and (identity.size, identity.etag, identity.version_id) != (
+                pin.size, pin.etag, pin.version_id):
+            raise SourceChanged(f"{shown_url(url)} changed since this job described it ({pin.describe()}; now "
+                                f"{identity.describe()}): restart the job to read the new object, and write new "
+                                "data under new keys rather than over objects a job reads")
+    except BaseException:
+        raw.close()
+        raise
+    return RemoteFile(url, raw, identity)
