@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError, DaemonAlreadyRunning, DaemonUnavailable, H5ServeError, host_error
 from ..wire.protocol import Ping
-from ..wire.runtime import ensure_runtime_dir, resolve_runtime, resolve_shm_dir
+from ..wire.runtime import arena_wanted, ensure_runtime_dir, resolve_runtime, resolve_shm_dir
 from .common import EXIT_OK, daemon_client
 
 __all__ = ["cmd_start", "cmd_stop", "START_TIMEOUT_S", "STOP_TIMEOUT_S"]
@@ -189,6 +189,7 @@ def _run_foreground(args: argparse.Namespace, location: Any) -> int:
         metrics_paths=args.metrics_paths,
         idle_exit=args.idle_exit or 0.0,
         hold_dir=Path(args.hold_dir) if args.hold_dir else None,
+        arenas=arena_wanted(),
     )
     start_from_root()  # the daemon, its forkserver and loaders: from /, no implicit sys.path entry
     try:

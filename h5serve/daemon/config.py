@@ -82,6 +82,8 @@ class DaemonConfig:
     # with idle_exit: in use while this directory has an entry (a SLURM prolog's hold for each
     # running job of the daemon's user: idle.holds); root's, so the user cannot forge a hold
     hold_dir: Path | None = None
+    # prototype (branch wip-arena): offer stream arenas (H5SERVE_ARENA=1 in the daemon's environment at start)
+    arenas: bool = False
 
     def __post_init__(self) -> None:
         for name in ("loaders", "load_processes"):

@@ -30,6 +30,7 @@ from ..errors import (
     code_for,
     host_error,
 )
+from ..segments.arena import ARENA_VERSION
 from ..util.logtext import EscapingFilter
 from ..util.safeio import open_regular, read_small
 from ..util.units import format_bytes
@@ -238,7 +239,7 @@ class Server:
             group=config.group, allow_roots=config.allow_roots, budget_rule=rule, allow_urls=config.allow_urls,
             load_processes=config.load_processes or default_load_processes(),
             stall_timeout=config.stall_timeout, checksum=config.checksum,
-            drop_page_cache=config.drop_page_cache,
+            drop_page_cache=config.drop_page_cache, arenas=config.arenas,
         )
         self._stopping = False
         self._stop_reason = ""  # said in the log and to systemd (STATUS=) when the daemon stops on its own
@@ -271,7 +272,9 @@ class Server:
             self._shutdown_by(peer)
         assert isinstance(request, (Ping, Shutdown))
         # a stream-mode client sizes its window by the budget; "used" lets a poller skip status's segment list
-        return {**info, "budget": self.store.max_memory, "used": self.store.used_bytes()}
+        # "arena": the arena layout's version this daemon offers (prototype; not sent without it)
+        return {**info, "budget": self.store.max_memory, "used": self.store.used_bytes(),
+                **({"arena": ARENA_VERSION} if self.config.arenas else {})}
 
     def _shutdown_by(self, peer: Peer | None) -> None:
         """Stop, when ``peer`` is the daemon's own user or root: a ``--group`` member may use the
@@ -301,7 +304,7 @@ class Server:
         except H5ServeError as exc:
             self.store.errors[exc.code] += 1
             if isinstance(exc, (ProtocolError, ConfigError)):  # raised while decoding: the id it read, if any
-                request_id = getattr(exc, "request_id", request_id)
+                request_id = getattr(exc, "request_id", 0) or request_id  # 0: raised after decoding
             return encode_error(request_id, exc.code, str(exc))
         except Exception as exc:  # the daemon never dies of a request
             log.exception("internal error while handling a request")

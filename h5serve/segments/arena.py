@@ -30,10 +30,12 @@ from ..errors import SegmentError
 from ..util.units import PAGE_BYTES
 
 __all__ = ["ArenaLayout", "ArenaTarget", "FREE", "LOADING", "READY", "read_layout", "write_header", "table_of",
-           "lock_range", "punch_hole", "locked_by_others", "ARENA_MARK"]
+           "lock_range", "punch_hole", "locked_by_others", "ARENA_MARK",
+           "ARENA_VERSION"]
 
 ARENA_MARK = "arena-"  # after the daemon's prefix: the arena files among its segments
 _MAGIC, _VERSION = b"H5SARENA", 1
+ARENA_VERSION = _VERSION  # what a daemon's ping offers and a client maps (the layout's version)
 # magic, version, pad, n_slots, slot_bytes, rows_per_slot, row_bytes, data_offset, meta length
 HEADER = struct.Struct("<8sIIQQQQQI")
 TABLE_OFFSET = PAGE_BYTES

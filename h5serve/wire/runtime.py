@@ -34,6 +34,8 @@ __all__ = [
     "trusted_daemon_uids",
     "MAX_IPC_PATH",
     "DAEMON_USER_ENV",
+    "ARENA_ENV",
+    "arena_wanted",
     "SOCKET_NAME",
     "HANDOUT_SOCKET_NAME",
     "PIDFILE_NAME",
@@ -46,6 +48,14 @@ HANDOUT_SOCKET_NAME = "h5serve.fds"  # segment descriptors for the daemon's othe
 PIDFILE_NAME = "h5serve.pid"
 LOGFILE_NAME = "h5serve.log"
 DAEMON_USER_ENV = "H5SERVE_DAEMON_USER"
+# "1": stream blocks of fixed-size rows in the daemon's arenas (prototype, branch wip-arena): a
+# client asks for them, a daemon started with it offers them (its ping says "arena")
+ARENA_ENV = "H5SERVE_ARENA"
+
+
+def arena_wanted() -> bool:
+    """Whether this process was started with ``ARENA_ENV=1`` (the stream arena prototype)."""
+    return os.environ.get(ARENA_ENV) == "1"
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.client.streaming.arena_blocks import ARENA_ENV, _Mapped
+from h5serve.client.streaming.arena_blocks import _Mapped
 from h5serve.errors import BudgetExceeded
 from h5serve.segments import segment_prefix
 from h5serve.segments.arena import ARENA_MARK, READY
 from h5serve.segments.stitch import mappings_in_use
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
-from h5serve.wire.runtime import resolve_runtime
+from h5serve.wire.runtime import ARENA_ENV, resolve_runtime
 
 from ..helpers import make_h5, running_daemon, torchrun_two_ranks, wait_for, watch_memory
 

@@ -15,6 +15,7 @@ description), so a child drops what it inherited without unlocking and opens its
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -30,10 +31,24 @@ from ...order.stream_order import BlockLayout
 from ...segments.arena import READY, ArenaLayout, lock_range, read_layout, table_of
 from ...wire.connection import DaemonClient
 from ...wire.protocol import Acquire, AcquireResult
+from ...wire.runtime import ARENA_ENV, arena_wanted
 
-__all__ = ["ArenaBlocks", "ARENA_ENV"]
+__all__ = ["ArenaBlocks", "arenas_used"]
 
-ARENA_ENV = "H5SERVE_ARENA"  # "1": stream blocks of fixed-size rows in the daemon's arenas (prototype)
+log = logging.getLogger("h5serve.client")
+
+
+def arenas_used(eligible: bool, offered: bool) -> bool:
+    """Whether a stream takes its blocks from the daemon's arenas: ``eligible`` (fixed-size rows,
+    stitched, of one file), asked for (``ARENA_ENV=1``) and ``offered`` by the daemon's ping.
+    Asked for and not offered (an older daemon, or one started without it): a segment per
+    block, said in the log, never an acquire the daemon would refuse."""
+    if not (eligible and arena_wanted()):
+        return False
+    if not offered:
+        log.info("h5serve: %s=1 but the daemon offers no stream arenas: a segment per block", ARENA_ENV)
+    return offered
+
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5
 _NONE, _ASKED, _HELD = 0, 1, 2
 ASK_TOGETHER = 8  # blocks ahead asked for in one exchange (the window's own blocks are asked at once)

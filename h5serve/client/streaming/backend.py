@@ -368,7 +368,7 @@ class StreamBackend(NoHooks):
         else:
             self.name = "shm"
             self.cache = DaemonBlocks(spec, infos, self.out_dtypes, self.config.layout, self.config.capacity,
-                                      daemon.budget, self.config.block_cost, whole)
+                                      daemon.budget, self.config.block_cost, whole, daemon.arena)
         log.info("h5serve: streaming %s in blocks of %d rows (%s), a window of %d blocks, %s",
                  spec.pattern or spec.path, self.config.layout.block_rows, format_bytes(self.config.block_bytes),
                  self.config.capacity, "from the daemon's shared memory" if daemon else "read here through h5py")

@@ -73,7 +73,7 @@ from ..backends.attach import EvictionRetry, attach_asking_again
 from ..gather import as_column
 from ..ragged import RaggedColumn
 from ..spec import BackendSpec
-from .arena_blocks import ARENA_ENV, ArenaBlocks
+from .arena_blocks import ArenaBlocks, arenas_used
 from .blockcache import Arrays, gather_by_block
 from .refusal import no_room_message
 from .stitched import StitchedBlocks
@@ -100,7 +100,8 @@ class DaemonBlocks:
     ``gather`` returns rows in ``out_dtypes``. Picklable: a spawned worker connects anew."""
 
     def __init__(self, spec: BackendSpec, infos: list[DatasetInfo], out_dtypes: list[np.dtype], layout: BlockLayout,
-                 capacity: int, budget: int, block_cost: int, whole: Sequence[bool] = ()) -> None:
+                 capacity: int, budget: int, block_cost: int, whole: Sequence[bool] = (),
+                 arena_offered: bool = False) -> None:
         self.spec, self.infos, self.layout = spec, infos, layout
         self.whole = [bool(w) for w in whole] or [False] * len(infos)  # keys held whole, not block by block
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
@@ -112,7 +113,7 @@ class DaemonBlocks:
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
         # prototype (branch wip-arena): the daemon's arenas instead of a segment per block
-        self._use_arena = self._stitch and not spec.files and os.environ.get(ARENA_ENV) == "1"
+        self._use_arena = arenas_used(self._stitch and not spec.files, arena_offered)
         self._reset()
         if self._arena is None and self.mapped_cap < min(self.capacity, self.layout.n_blocks):
             warnings.warn(past_the_cap(self.capacity, self.mapped_cap), RuntimeWarning, stacklevel=2)

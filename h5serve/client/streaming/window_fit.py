@@ -9,6 +9,7 @@ import resource
 from dataclasses import dataclass
 
 from ...errors import ConfigError
+from ...segments.arena import ARENA_VERSION
 from ...segments.stitch import mappings_in_use, max_mappings
 from ...util.units import format_bytes
 from ...wire.connection import DaemonClient
@@ -25,13 +26,17 @@ MAX_MAPPED_ENV = "H5SERVE_MAX_MAPPED_BLOCKS"  # a lower cap on the blocks a proc
 
 @dataclass(frozen=True)
 class DaemonWindow:
-    """What the client learnt from the node's daemon for stream mode: its memory budget."""
+    """What the client learnt from the node's daemon for stream mode: its memory budget, and
+    whether it offers stream arenas (prototype, branch wip-arena)."""
 
     budget: int  # the daemon's --max-memory (or what it derived from /dev/shm), bytes
+    # its ping offers the arena layout this client maps (a daemon started with H5SERVE_ARENA=1);
+    # False: an older daemon, or one started without it: a segment per block
+    arena: bool = False
 
 
 def daemon_window(spec: BackendSpec) -> DaemonWindow:
-    """Ask the node's daemon (ping) for its budget.
+    """Ask the node's daemon (ping) for its budget and whether it offers arenas.
 
     Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon)."""
     with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
@@ -39,7 +44,7 @@ def daemon_window(spec: BackendSpec) -> DaemonWindow:
         budget = info.get("budget")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # an older daemon: its status
             budget = int(client.status()["memory"]["budget"])
-    return DaemonWindow(budget)
+    return DaemonWindow(budget, info.get("arena") == ARENA_VERSION)
 
 
 def mappable_blocks(keys: int, stitched: bool, floor: int) -> int:

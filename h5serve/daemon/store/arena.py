@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import BudgetExceeded, SegmentError, error_from_code
+from ...errors import BudgetExceeded, ProtocolError, SegmentError, error_from_code
 from ...segments import SegmentMeta, segment_prefix
 from ...segments.arena import (
     ARENA_MARK,
@@ -96,7 +96,8 @@ class Arenas:
 
     def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
                  pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool, object, bool], None],
-                 other_loads: Callable[[], int]) -> None:
+                 other_loads: Callable[[], int], offered: bool = False) -> None:
+        self.offered = offered  # started with H5SERVE_ARENA=1: its ping says so, else Acquire.arena is refused
         self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
         self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
         self._make_room, self._other_loads = make_room, other_loads
@@ -120,8 +121,12 @@ class Arenas:
         """``req``'s block in a slot: ready, or loading (its load queued).
 
         Raised when no slot can be had (the budget full, every slot leased): BudgetExceeded; when
-        the block's last load failed moments ago: its error."""
+        the block's last load failed moments ago: its error. Raised when this daemon offers no
+        arenas (a client asks only when its ping says it does): ProtocolError."""
         assert req.rows is not None
+        if not self.offered:
+            raise ProtocolError("this daemon offers no stream arenas (started without H5SERVE_ARENA=1; its ping "
+                                "says so): ask for the block without 'arena'")
         arena = self._arena_of(req, meta)
         start = req.rows[0]
         failed = arena.failures.get(start)

@@ -82,7 +82,7 @@ class SegmentStore:
         group: int | None = None, allow_roots: tuple[Path, ...] = (), budget_rule: str = "--max-memory",
         allow_urls: tuple[str, ...] = (),
         load_processes: int = 1, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S, checksum: bool = True,
-        drop_page_cache: bool = True,
+        drop_page_cache: bool = True, arenas: bool = False,
     ) -> None:
         self.budget_rule = budget_rule
         self.checksum = checksum  # loaders store a crc32 of the rows (status --verify compares it)
@@ -120,10 +120,8 @@ class SegmentStore:
         # hashing its name was a third of answering a hit
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
         # prototype (branch wip-arena): stream blocks asked for in slots of an arena (arena.py)
-        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool,
-                             lambda needed, meta, prefetch, arena, punch: self._make_room(needed, meta, prefetch,
-                                                                                          arena, punch),
-                             lambda: len(self.loads.running()))
+        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self._make_room,
+                             lambda: len(self.loads.running()), offered=arenas)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
