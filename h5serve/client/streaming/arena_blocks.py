@@ -71,7 +71,7 @@ class _Mapped:
         except BaseException:
             os.close(fd)
             raise
-        self.name, self.fd = result.name, fd
+        self.name, self.fd, self.pid = result.name, fd, os.getpid()
         lay = self.layout
         self.table = table_of(self._map, lay)
         dtype = np.dtype(lay.dtype)
@@ -89,6 +89,13 @@ class _Mapped:
                                    offset=lay.data_offset, strides=(lay.slot_bytes, lay.row_bytes, *inner))
 
     def lock(self, slot: int, kind: int) -> bool:
+        """Lease (``F_RDLCK``) or let go (``F_UNLCK``) of ``slot`` through this description.
+
+        Raised in another process than the one that opened it (a forked child shares the open
+        file description, so its unlock would drop its parent's lease): SegmentError."""
+        if self.pid != os.getpid():
+            raise SegmentError(f"stream arena {self.name} was opened by process {self.pid}: a forked process "
+                               "opens its own (its own open file description, its own leases)")
         return lock_range(self.fd, self.layout.slot_offset(slot), self.layout.slot_bytes, kind)
 
     def shows(self, slot: int, start: int, generation: int) -> bool:
@@ -101,9 +108,9 @@ class _Mapped:
         assert self.view is not None
         return self.view[slots, local]
 
-    def close(self, unlock: bool = True) -> None:
-        """Unmap and close (in a forked child, ``unlock`` False: the descriptor's open file
-        description is the parent's too, its locks stay the parent's)."""
+    def close(self) -> None:
+        """Unmap and close. In a forked child this closes its copy of the descriptor only: the
+        open file description, and its locks, stay the parent's while the parent holds it."""
         self.table = self.flat = self.view = None  # type: ignore[assignment]
         try:
             self._map.close()
@@ -157,6 +164,7 @@ class ArenaBlocks:
         """Let go of the leases outside ``alive``; nothing to look at when the window is the one
         of the last call and nothing was leased since (most batches: a window changes only when
         a block enters or leaves it)."""
+        self._check_pid()
         if self.keeps_all:
             return
         if self._held_since == self.holds and _same(self._last_retained, alive):
@@ -166,6 +174,7 @@ class ArenaBlocks:
         self._held_since, self._last_retained = self.holds, np.array(alive, dtype=np.int64)
 
     def release(self, done: np.ndarray) -> None:
+        self._check_pid()
         if not self.keeps_all:
             for block in np.asarray(done).tolist():
                 self._release(int(block))
@@ -183,6 +192,7 @@ class ArenaBlocks:
 
     def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
         """Ask for the window's blocks, then those ahead, not held or asked yet: one exchange."""
+        self._check_pid()
         alive = np.asarray(alive, dtype=np.int64)
         ahead = np.asarray(ahead, dtype=np.int64)[:self.depth]
         if self._settled and _same(self._last_window[0], alive) and _same(self._last_window[1], ahead):
@@ -310,18 +320,25 @@ class ArenaBlocks:
         return out
 
     def _check_pid(self) -> None:
+        """In a forked child (a DataLoader worker), before anything else: what it inherited is
+        its parent's (the arenas' open file descriptions, and so the parent's leases: an unlock
+        here would drop them), so it is closed without a lock touched, and the child holds
+        nothing; the arenas are opened anew at its first lease (its own descriptions and leases)."""
         if self._pid != os.getpid():
-            raise SegmentError("stream arenas (prototype) are for the process that opened them; no DataLoader workers")
+            self.close()
+            self._pid = os.getpid()
 
     def close(self) -> None:
-        mine = self._pid == os.getpid()
-        if mine:
+        if self._pid == os.getpid():
             for block in np.flatnonzero(self._state == _HELD).tolist():
                 self._release(block)
         for arena in self._arena:
             if arena is not None:
-                arena.close(unlock=mine)
+                arena.close()
         self._arena = [None] * self.keys
+        for slots in self._slot:
+            slots[:] = -1
+        self._made.clear()
         self._asked.clear()
         self._state[:] = _NONE
         self._last_window, self._settled, self._last_retained = (None, None), False, None
