@@ -21,6 +21,7 @@ import pytest
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.util.units import allocated_bytes, format_bytes
 from h5serve.wire.connection import DaemonClient
+from h5serve.wire.runtime import arena_wanted
 
 from ..helpers import (
     Daemon,
@@ -130,10 +131,13 @@ def test_one_rank_streams_and_auto_stream_false_keeps_lazy_reads(h5: Path) -> No
             assert plan.whole == (False, True)  # the labels' room came out of the window: both within the budget
             assert plan.window + ROWS * 8 + 4096 <= BUDGET
             with DaemonClient(d.runtime_dir) as client:
-                segments = client.status()["segments"]
+                status = client.status()
+            segments = status["segments"]
             labels = [s for s in segments if s["key"] == "y"]
             assert len(labels) == 1 and labels[0]["mode"] == "global" and labels[0]["whole_file"], labels
-            assert {s["key"] for s in segments if s["mode"] == "stream"} == {"x"}
+            in_arena = arena_wanted()  # prototype (H5SERVE_ARENA=1, the daemon's too): x's blocks in an arena
+            assert {s["key"] for s in segments if s["mode"] == "stream"} == (set() if in_arena else {"x"})
+            assert status["arenas"]["arenas"] == int(in_arena)
             for workers, context in ((2, "fork"), (1, "spawn")):  # workers map the labels' segment and blocks too
                 assert epoch_rows(ds, x_all, workers=workers, context=context) == rows, context
         finally:
