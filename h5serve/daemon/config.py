@@ -13,11 +13,15 @@ from ..wire.runtime import RuntimeLocation
 __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S", "default_loaders",
            "default_load_processes", "FAILURE_MEMORY_S", "MAX_AWAITING_RESOLUTION", "MAX_REMEMBERED_METAS",
            "MAX_QUEUED_LOADS_PER_UID", "STALL_CHECK_INTERVAL_S",
-           "SWEEP_INTERVAL_S", "IDLE_CHECK_INTERVAL_S"]
+           "SWEEP_INTERVAL_S", "IDLE_CHECK_INTERVAL_S", "ARENA_GRACE_S", "ARENA_SWEEP_S"]
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
 FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
+# prototype (branch wip-arena): a stream arena nobody has open, leases or loads is removed once it
+# was not asked for in ARENA_GRACE_S (an answer's client opens it within that), looked for every ARENA_SWEEP_S
+ARENA_GRACE_S = 5.0
+ARENA_SWEEP_S = 0.5
 # A load whose rows (or checksum) have not moved for this long is killed and fails: long enough
 # for the slowest single step of a healthy load (one compressed block, posix_fallocate of a
 # huge segment), short enough that a hung file system does not hold a loader slot for long.

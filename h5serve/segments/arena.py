@@ -31,7 +31,7 @@ from ..util.units import PAGE_BYTES
 
 __all__ = ["ArenaLayout", "ArenaTarget", "FREE", "LOADING", "READY", "read_layout", "write_header", "table_of",
            "lock_range", "punch_hole", "locked_by_others", "ARENA_MARK",
-           "ARENA_VERSION"]
+           "ARENA_VERSION", "TABLE_OFFSET"]
 
 ARENA_MARK = "arena-"  # after the daemon's prefix: the arena files among its segments
 _MAGIC, _VERSION = b"H5SARENA", 1

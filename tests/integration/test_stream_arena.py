@@ -81,7 +81,8 @@ def _blocks(path: Path) -> list[Acquire]:
             for a in range(0, 1000, 64)]
 
 
-def test_leases_keep_a_slot_and_a_reused_slot_is_seen(tmp_path: Path) -> None:
+def test_leases_keep_a_slot_and_a_reused_slot_is_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ARENA_ENV, "1")  # the daemon offers arenas
     path = make_h5(tmp_path / "small.h5", rows=1000, row_shape=(1024,))  # 16 blocks of 64 KiB
     with running_daemon("--max-memory", str(1024 * 1024), "--loaders", "1") as d, DaemonClient(d.runtime_dir) as c:
         blocks = _blocks(path)
@@ -136,7 +137,8 @@ def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest
     for r in reports:  # workers, forked or spawned, gather the same batches as the rank itself
         assert r["runs"]["make:2"] == r["runs"]["make:0"] == r["runs"]["make:1:spawn"]
     arenas, counters = status["arenas"], status["counters"]
-    assert arenas["arenas"] == 2 and counters["loads"] == 0  # x and y in arenas, no block in a segment of its own
+    # x and y in arenas (removed once the job's last stream closed them), no block in a segment of its own
+    assert arenas["arenas"] <= 2 <= arenas["arenas"] + arenas["removed"] and counters["loads"] == 0
     blocks = -(-ROWS // BLOCK_ROWS)
     # x's blocks (4x the budget) loaded once a node an epoch, y's (a small arena) at least once: the
     # ranks share each load; a slot reused while the other rank still needed it would load again
@@ -158,9 +160,10 @@ time.sleep(300)
 """
 
 
-def test_a_dead_ranks_lease_goes_with_it(tmp_path: Path) -> None:
+def test_a_dead_ranks_lease_goes_with_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank killed while it leases a slot (SIGKILL: no cleanup of its own) holds it no more:
     the kernel drops its OFD locks with its last descriptor, and the daemon reuses the slot."""
+    monkeypatch.setenv(ARENA_ENV, "1")  # the daemon offers arenas
     path = make_h5(tmp_path / "small.h5", rows=1000, row_shape=(1024,))
     with running_daemon("--max-memory", str(1024 * 1024), "--loaders", "1") as d, DaemonClient(d.runtime_dir) as c:
         blocks = _blocks(path)

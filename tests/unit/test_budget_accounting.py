@@ -59,7 +59,7 @@ def test_the_budget_counts_pages_and_makes_room_by_them(store: SegmentStore) -> 
         store.entries[entry.name] = entry
     assert store.used_bytes() == 1200 * 2 * PAGE_BYTES
     assert store.status()["memory"]["segment_bytes"] == 1200 * (HEADER_SIZE + 1)
-    store._make_room(_block(1200).allocated_size, _block(1200))
+    store.make_room(_block(1200).allocated_size, _block(1200))
     assert len(store.entries) == BUDGET // (2 * PAGE_BYTES) - 1  # and the new block's pages
     assert store.used_bytes() + 2 * PAGE_BYTES == BUDGET
     assert min(int(name[1:]) for name in store.entries) == 1200 - len(store.entries)  # the oldest went
@@ -87,7 +87,7 @@ def test_variable_length_loads_count_their_room_while_they_run(store: SegmentSto
     assert first.room % PAGE_BYTES == second.room % PAGE_BYTES == 0
     assert store.used_bytes() == first.room + second.room <= BUDGET
     with pytest.raises(BudgetExceeded):  # nothing else fits beside them now but what they left
-        store._make_room(BUDGET - first.room - second.room + 1, make_meta())
+        store.make_room(BUDGET - first.room - second.room + 1, make_meta())
     # the first one loaded 300,000 values, 1.1 MiB: counted at its real pages from now on
     first.meta, first.state, first.room = replace(first.meta, values=300_000), "ready", 0
     real = allocated_bytes(HEADER_SIZE + values_offset(1100) + 300_000 * 4)

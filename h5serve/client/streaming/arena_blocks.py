@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import CapacityError, SegmentError
 from ...order.stream_order import BlockLayout
-from ...segments.arena import READY, ArenaLayout, lock_range, read_layout, table_of
+from ...segments.arena import READY, TABLE_OFFSET, ArenaLayout, lock_range, read_layout, table_of
 from ...wire.connection import DaemonClient
 from ...wire.protocol import Acquire, AcquireResult
 from ...wire.runtime import ARENA_ENV, arena_wanted
@@ -68,6 +68,9 @@ class _Mapped:
             if st.st_size < self.layout.file_size:
                 raise SegmentError(f"stream arena {path} is shorter than its header says")
             self._map = mmap.mmap(fd, self.layout.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # in use while open: a read lock on the header page, which the daemon never locks;
+            # with the last description that has one gone, and no lease, it removes the arena
+            lock_range(fd, 0, TABLE_OFFSET, fcntl.F_RDLCK)
         except BaseException:
             os.close(fd)
             raise
@@ -246,7 +249,13 @@ class ArenaBlocks:
             while True:
                 if result is None or result.state != "ready":
                     result = self._ready(request, deadline, needed)
-                arena = self._mapped(k, result)
+                try:
+                    arena = self._mapped(k, result)
+                except FileNotFoundError:  # removed since the answer (no stream had it open): asked again
+                    if time.monotonic() > deadline:
+                        raise
+                    result = None
+                    continue
                 if not 0 <= result.slot < arena.layout.n_slots:
                     raise SegmentError(f"the daemon answered slot {result.slot} of stream arena {result.name}, "
                                        f"which has {arena.layout.n_slots}")

@@ -21,11 +21,12 @@ import mmap
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -46,13 +47,30 @@ from ...segments.arena import (
 )
 from ...util.units import format_bytes, row_nbytes
 from ...wire.protocol import Acquire, AcquireResult
-from ..config import FAILURE_MEMORY_S
+from ..config import ARENA_GRACE_S, ARENA_SWEEP_S, FAILURE_MEMORY_S
 from ..loading.loader import LoadError, LoadJob, LoadOk
 from ..loading.loaderpool import LoaderPool
+from .loadindex import LoadIndex
+from .loadqueue import check_queue_of
+from .refusals import over_budget
 
-__all__ = ["Arenas"]
+__all__ = ["ArenaHost", "Arenas"]
 
 log = logging.getLogger("h5serve.daemon")
+
+
+class ArenaHost(Protocol):
+    """What the arenas use of the store (store.py's SegmentStore): its eviction, its loads (the
+    loaders and the per-uid queue bound count slot loads with them) and its budget's accounts."""
+
+    budget_rule: str
+    counters: Counter[str]
+    loads: LoadIndex
+
+    def used_bytes(self) -> int: ...
+
+    def make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, arena: object = None,
+                  punch: bool = True) -> None: ...
 
 
 @dataclass
@@ -82,6 +100,7 @@ class _Arena:
     slots: list[_Slot] = field(default_factory=list)  # the slots used so far (grown one at a time)
     slot_of: dict[int, int] = field(default_factory=dict)  # block start row -> slot
     failures: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # block start -> code, message, when
+    asked: float = field(default_factory=time.monotonic)  # its last acquire (``sweep``'s grace counts from it)
 
     def publish(self, slot: _Slot) -> None:
         """The table's row for ``slot``: its block and generation first, its state last."""
@@ -95,12 +114,14 @@ class Arenas:
     daemon's leftovers remove them); ``max_memory``: the budget their used slots count against."""
 
     def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
-                 pool: LoaderPool, make_room: Callable[[int, SegmentMeta, bool, object, bool], None],
-                 other_loads: Callable[[], int], offered: bool = False) -> None:
+                 pool: LoaderPool, host: ArenaHost, offered: bool = False) -> None:
         self.offered = offered  # started with H5SERVE_ARENA=1: its ping says so, else Acquire.arena is refused
         self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
         self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
-        self._make_room, self._other_loads = make_room, other_loads
+        self._host = host
+        self._next_sweep = 0.0
+        self.removed = 0  # arenas unlinked: no stream used them any more
+        self.kept = 0  # sweeps that kept an arena past its grace because a process had it open or leased
         self._arenas: dict[tuple, _Arena] = {}
         self._queue: list[tuple[_Arena, _Slot]] = []
         self._running: list[tuple[_Arena, _Slot]] = []
@@ -134,8 +155,11 @@ class Arenas:
             if time.monotonic() - failed[2] < FAILURE_MEMORY_S:
                 raise error_from_code(failed[0], failed[1])
             del arena.failures[start]
+        arena.asked = time.monotonic()
         index = arena.slot_of.get(start)
         if index is None:
+            # one more load queued for ``uid``: counted with its segments' (loadqueue.py), as a segment's load is
+            check_queue_of(self._host.loads.queued(), uid, meta, self._host.counters, self.queued_by(uid))
             slot = self._take_slot(arena, meta, req.prefetch)
             slot.block, slot.generation, slot.state, slot.needed = start, slot.generation + 1, LOADING, False
             slot.meta, slot.spans, slot.uid = meta, spans, uid
@@ -195,6 +219,7 @@ class Arenas:
         budget as segments per block did (LRU), a finished stream's arena gives way, and a
         prefetch never takes another rank's next block."""
         layout = arena.layout
+        refusals = self._host.counters["refusals"]  # a refusal of the store's eviction below is this one's
         free = next((s for s in arena.slots if s.state == FREE and not s.punched), None)
         # a free slot's lock fails only while a rank that locked it before reading the table lets go
         if free is not None and self._lock(arena, free):
@@ -216,10 +241,11 @@ class Arenas:
                 grown = self._grow(arena, meta, prefetch)
                 if grown is not None:
                     return grown
-        raise BudgetExceeded(
-            f"no room for a block of {meta.source_path}[{meta.key}]: its stream arena's {len(arena.slots)} slots "
-            f"({format_bytes(len(arena.slots) * layout.slot_bytes)}) are all being read or loaded and the budget "
-            f"({format_bytes(self.max_memory)}) has no room for another; ask again once ranks release blocks")
+        # no slot to be had: the store's refusal of a segment that does not fit (refusals.over_budget),
+        # counted once, the same error a block in a segment of its own meets
+        if self._host.counters["refusals"] == refusals:
+            self._host.counters["refusals"] += not prefetch
+        raise over_budget(meta, layout.slot_bytes, self._host.used_bytes(), self.max_memory, self._host.budget_rule)
 
     def _grow(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot | None:
         """One more slot's pages (a punched slot's, or a slot never used), write-locked, if the
@@ -228,7 +254,7 @@ class Arenas:
         if punched is None and len(arena.slots) >= arena.layout.n_slots:
             return None
         try:
-            self._make_room(arena.layout.slot_bytes, meta, prefetch, arena, False)
+            self._host.make_room(arena.layout.slot_bytes, meta, prefetch, arena, False)
         except BudgetExceeded:
             return None
         if punched is None:
@@ -274,7 +300,7 @@ class Arenas:
     # ----- loads ----------------------------------------------------------------------------
     def launch(self) -> None:
         """Start queued slot loads while loaders are free (the store's running loads count too)."""
-        while self._queue and len(self._running) + self._other_loads() < self.max_loaders:
+        while self._queue and len(self._running) + len(self._host.loads.running()) < self.max_loaders:
             arena, slot = self._queue.pop(0)
             assert slot.meta is not None
             layout = arena.layout
@@ -322,18 +348,57 @@ class Arenas:
             lock_range(arena.fd, arena.layout.slot_offset(slot.index), arena.layout.slot_bytes, fcntl.F_UNLCK)
         self._running = still
         self._reaping = [p for p in self._reaping if not _reaped(p)]
+        self.sweep()
+
+    def queued_by(self, uid: int) -> int:
+        """Slot loads ``uid`` asked for that wait for a loader (its per-uid queue bound counts them)."""
+        return sum(1 for _, slot in self._queue if slot.uid == uid)
+
+    def sweep(self) -> None:
+        """Unlink every arena no stream uses any more, and with it every page it held, its header
+        and table too: no process has it open (each holds a read lock on the header page while
+        it does: ``ArenaBlocks``' ``_Mapped``), none leases a slot, no slot is loading, and none
+        was asked for in ARENA_GRACE_S (between an answer and its client's open). Runs from
+        ``poll`` at most every ARENA_SWEEP_S."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + ARENA_SWEEP_S
+        for key, arena in list(self._arenas.items()):
+            if now - arena.asked < ARENA_GRACE_S or any(s.state == LOADING for s in arena.slots):
+                continue
+            if locked_by_others(arena.fd, 0, arena.layout.file_size):
+                self.kept += 1
+                continue
+            log.info("stream arena %s: no stream uses it any more, removed (%s given back)", arena.name,
+                     format_bytes(arena.layout.data_offset + sum(not s.punched for s in arena.slots)
+                                  * arena.layout.slot_bytes))
+            del self._arenas[key]
+            self._queue = [(a, s) for a, s in self._queue if a is not arena]
+            self._close_arena(arena)
+            try:
+                os.unlink(self.shm_dir / arena.name)
+            except FileNotFoundError:
+                pass
+            self.removed += 1
+
+    @staticmethod
+    def _close_arena(arena: _Arena) -> None:
+        del arena.table
+        arena.mapping.close()
+        os.close(arena.fd)
 
     def report(self) -> dict[str, int]:
         """Counters and sizes for ``status`` (prototype)."""
         slots = [s for a in self._arenas.values() for s in a.slots]
         return {"arenas": len(self._arenas), "loads": self.loads, "reclaims": self.reclaims, "punches": self.punches,
-                "slots": len(slots), "ready": sum(s.state == READY for s in slots), "bytes": self.nbytes}
+                "slots": len(slots), "ready": sum(s.state == READY for s in slots), "bytes": self.nbytes,
+                "removed": self.removed, "kept": self.kept}
 
     def leased(self) -> bool:
-        """Whether a rank leases any slot of any arena (the idle exit waits for them as for a
-        segment's lease): one ``F_OFD_GETLK`` an arena."""
-        return any(locked_by_others(a.fd, a.layout.data_offset, a.layout.n_slots * a.layout.slot_bytes)
-                   for a in self._arenas.values())
+        """Whether a process has any arena open or leases a slot of one (the idle exit waits for
+        them as for a segment's lease): one ``F_OFD_GETLK`` an arena, over the whole file."""
+        return any(locked_by_others(a.fd, 0, a.layout.file_size) for a in self._arenas.values())
 
     @property
     def running(self) -> int:
@@ -355,9 +420,7 @@ class Arenas:
                 slot.process.join(timeout=5)
         self._running, self._queue = [], []
         for arena in self._arenas.values():
-            del arena.table
-            arena.mapping.close()
-            os.close(arena.fd)
+            self._close_arena(arena)
         self._arenas.clear()
 
 

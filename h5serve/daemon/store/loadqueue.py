@@ -24,10 +24,12 @@ def _queued(entries: Iterable[Entry]) -> list[Entry]:
     return [e for e in entries if e.state == "loading" and e.process is None]
 
 
-def check_queue_of(entries: Iterable[Entry], uid: int, meta: SegmentMeta, counters: Counter[str]) -> None:
+def check_queue_of(entries: Iterable[Entry], uid: int, meta: SegmentMeta, counters: Counter[str],
+                   also: int = 0) -> None:
     """Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting for a loader (the
-    load of ``meta`` would be one more): CapacityError, counted as a refusal."""
-    queued = sum(1 for e in _queued(entries) if e.requester == uid)
+    load of ``meta`` would be one more; ``also``: its loads queued elsewhere, stream arena slots):
+    CapacityError, counted as a refusal."""
+    queued = also + sum(1 for e in _queued(entries) if e.requester == uid)
     if queued >= MAX_QUEUED_LOADS_PER_UID:
         counters["refusals"] += 1
         raise CapacityError(

@@ -120,8 +120,7 @@ class SegmentStore:
         # hashing its name was a third of answering a hit
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
         # prototype (branch wip-arena): stream blocks asked for in slots of an arena (arena.py)
-        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self._make_room,
-                             lambda: len(self.loads.running()), offered=arenas)
+        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self, arenas)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -259,7 +258,7 @@ class SegmentStore:
             if failure is not None and time.monotonic() - failure.at < FAILURE_MEMORY_S:
                 raise error_from_code(failure.code, failure.message)
             self.failures.pop(name, None)
-            check_queue_of(self.loads.queued(), uid, meta, self.counters)
+            check_queue_of(self.loads.queued(), uid, meta, self.counters, self.arenas.queued_by(uid))
             entry = self._start(name, meta, uid, None if spans is None else spans(), req.prefetch)
             self.prefetched.asked(name, req.prefetch, True)
         else:
@@ -306,7 +305,7 @@ class SegmentStore:
 
     def _start(self, name: str, meta: SegmentMeta, uid: int,
                spans: tuple[tuple[int, int], ...] | None = None, prefetch: bool = False) -> Entry:
-        self._make_room(meta.allocated_size, meta, prefetch)  # variable-length rows: their estimate
+        self.make_room(meta.allocated_size, meta, prefetch)  # variable-length rows: their estimate
         entry = Entry(name, meta, "loading", file=publish_name(self.shm_dir, name), requester=uid, waiting={uid},
                       tmp_name=temporary_name(self.namespace), spans=spans)
         self.entries[name] = entry
@@ -376,7 +375,7 @@ class SegmentStore:
         in flight its room (``Entry.charge``)."""
         return self.entries.ledger.total + self.arenas.nbytes  # kept as entries come, go and change (entries.Entries)
 
-    def _make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, arena: object = None,
+    def make_room(self, needed: int, meta: SegmentMeta, prefetch: bool = False, arena: object = None,
                    punch: bool = True) -> None:
         """Evict least-recently-used segments no client holds until ``needed`` fits the budget
         (for a ``prefetch``, never a stream block prefetched and not needed yet: prefetch.py).
