@@ -20,6 +20,7 @@ import mmap
 import os
 import stat
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -75,6 +76,9 @@ class _Mapped:
             os.close(fd)
             raise
         self.name, self.fd, self.pid = result.name, fd, os.getpid()
+        # freed unclosed (a dataset collected, the process exiting): the descriptor closed, and with
+        # it this description's leases; the mapping goes with the last view of it
+        self._finalizer = weakref.finalize(self, _let_go, self._map, fd)
         lay = self.layout
         self.table = table_of(self._map, lay)
         dtype = np.dtype(lay.dtype)
@@ -115,11 +119,15 @@ class _Mapped:
         """Unmap and close. In a forked child this closes its copy of the descriptor only: the
         open file description, and its locks, stay the parent's while the parent holds it."""
         self.table = self.flat = self.view = None  # type: ignore[assignment]
-        try:
-            self._map.close()
-        except BufferError:  # a gathered view still alive: the mapping goes with it
-            pass
-        os.close(self.fd)
+        self._finalizer()
+
+
+def _let_go(mapping: mmap.mmap, fd: int) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a gathered view still alive: the mapping goes with it
+        pass
+    os.close(fd)
 
 
 class ArenaBlocks:
