@@ -2,10 +2,10 @@
 daemon fetches, once per node, and which each process reads itself (docs/architecture.md,
 *Remote files*).
 
-The daemon fetches one ``s3://`` object of fixed-size rows in modes global, node, contiguous
-and interleave: the client sends the URL and the object's identity as it described it (size,
+The daemon fetches one ``s3://`` object of fixed-size rows in every mode (stream mode: block by
+block, client/streaming/daemon_blocks.py): the client sends the URL and the object's identity as it described it (size,
 ETag, version id: ``BackendSpec.pin``), never a credential; the daemon fetches with its own.
-Everything else (gs://, https://, many remote files, variable-length rows, stream mode) is
+Everything else (gs://, https://, many remote files, variable-length rows) is
 read here, through fsspec, with this process's credentials. ``reads_here`` says which, for the
 dataset; ``pinned`` adds the identity, for the daemon's backends (backends/progressive.py).
 """
@@ -24,14 +24,13 @@ from .spec import BackendSpec
 
 __all__ = ["REMOTE_WARNING", "pinned", "reads_here"]
 
-REMOTE_WARNING = ("h5serve: the daemon fetches one s3:// object of fixed-size rows in modes global, node, contiguous "
-                  "and interleave; these remote files (gs://, https://, many files, variable-length rows or stream "
-                  "mode) are read by each process itself through fsspec (same rows, same order as a local copy; "
-                  "slower, and once per process, not once per node)")
+REMOTE_WARNING = ("h5serve: the daemon fetches one s3:// object of fixed-size rows, in any mode; these remote files "
+                  "(gs://, https://, many files or variable-length rows) are read by each process itself through "
+                  "fsspec (same rows, same order as a local copy; slower, and once per process, not once per node)")
 
 
-def _daemon_fetches(spec: BackendSpec, description: DatasetDescription, mode: str) -> bool:
-    return (not spec.files and mode != STREAM and parse_url(spec.path)[0] == "s3" and bool(description.remote)
+def _daemon_fetches(spec: BackendSpec, description: DatasetDescription) -> bool:
+    return (not spec.files and parse_url(spec.path)[0] == "s3" and bool(description.remote)
             and not any(key.vlen for key in description.keys))
 
 
@@ -41,7 +40,7 @@ def pinned(spec: BackendSpec, describe: Callable[[], DatasetDescription]) -> Bac
     if not spec.remote or spec.pin is not None:
         return spec
     description = describe()
-    if not _daemon_fetches(spec, description, spec.selection.mode):
+    if not _daemon_fetches(spec, description):
         return spec
     identity = description.remote[0]
     assert identity is not None
@@ -55,11 +54,11 @@ def reads_here(spec: BackendSpec, describe: Callable[[], DatasetDescription], mo
     it once). Stream mode: False after the warning (its backend reads remote files here itself).
 
     Raised for one read here with ``fallback="error"``: ConfigError naming ``shown``."""
-    if not spec.remote or _daemon_fetches(spec, describe(), mode):
+    if not spec.remote or _daemon_fetches(spec, describe()):
         return False
     if fallback == "error":
-        raise ConfigError(f"{shown}: the h5serve daemon fetches one s3:// object of fixed-size rows (not stream mode, "
-                          "gs://, https:// or many files), and fallback='error' forbids reading it here; pass "
-                          "fallback='lazy' to read it in each process, or copy it to a local file system")
+        raise ConfigError(f"{shown}: the h5serve daemon fetches one s3:// object of fixed-size rows (not gs://, "
+                          "https://, many files or variable-length rows), and fallback='error' forbids reading it "
+                          "here; pass fallback='lazy' to read it in each process, or copy it to a local file system")
     warnings.warn(REMOTE_WARNING, RuntimeWarning, stacklevel=4)  # the line that built the dataset
     return mode != STREAM

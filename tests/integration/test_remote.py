@@ -3,7 +3,7 @@ S3 API server on loopback (moto's server mode, in this process's threads), read 
 fsspec/s3fs: the same rows in the same order as the same file on disk in every mode the lazy
 path has; 404 and 403 as h5serve's errors naming the URL and never the secret key; an object
 rewritten mid-job is SourceChanged, in the process reading it and in one opening it afresh
-(a spawned worker); patterns of s3:// keys; a running daemon is never sent a URL.
+(a spawned worker); patterns of s3:// keys; a running daemon is never sent what it does not fetch (many remote files).
 
 Skipped, with the reason, where moto[server] or s3fs is not installed (``pip install -e '.[test]'``
 installs both)."""
@@ -245,8 +245,8 @@ def test_an_object_rewritten_mid_job_is_source_changed(s3: Any, local: Path, tmp
 
 def test_what_the_daemon_does_not_fetch_is_read_here(s3: Any, local: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stream mode and many remote files are read by each process, said once, never sent to the
-    daemon (tests/integration/test_remote_daemon.py: what it fetches)."""
+    """Many remote files are read by each process, said once, never sent to the daemon
+    (tests/integration/test_remote_daemon.py and test_remote_stream.py: what it fetches)."""
     from h5serve.client.remote import REMOTE_WARNING
 
     url = upload(s3, local, "daemon/train.h5")
@@ -260,12 +260,13 @@ def test_what_the_daemon_does_not_fetch_is_read_here(s3: Any, local: Path, tmp_p
         assert [str(w.message) for w in caught] == [REMOTE_WARNING]
         assert ds.backend == "lazy" and len(ds) == 2 * ROWS
         with pytest.raises(ConfigError, match="fetches one s3:// object"):
-            SharedH5Dataset(url, "x", "y", mode="stream", window="16KiB", block_rows=128, fallback="error")
+            SharedH5Dataset([url, second], "x", "y", mode="stream", window="16KiB", block_rows=128,
+                            fallback="error")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            streamed = SharedH5Dataset(url, "x", "y", mode="stream", window="16KiB", block_rows=128)
+            streamed = SharedH5Dataset([url, second], "x", "y", mode="stream", window="16KiB", block_rows=128)
         assert streamed.backend == "lazy" and streamed.stream is not None
-        assert len(list(make_loader(streamed, 100, seed=1))) == -(-ROWS // 100)
+        assert len(list(make_loader(streamed, 100, seed=1))) == -(-2 * ROWS // 100)
         assert d.status()["segments"] == []  # nothing was asked of it
     finally:
         d.stop()

@@ -183,14 +183,14 @@ class DaemonBlocks:
             (a, b), path = self.layout.span(block), self.spec.path
         sel = self.spec.selection
         return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str,
-                        rows=(a, b), prefetch=prefetch)
+                        rows=(a, b), prefetch=prefetch, pin=self.spec.pin)
                 for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
 
     def _whole_request(self, index: int) -> Acquire:
         sel = self.spec.selection
         dtype = self.spec.dtypes[index]
         return Acquire(self.spec.path, self.spec.keys[index], sel.world_size, sel.rank, GLOBAL,
-                       None if dtype is None else dtype.str)
+                       None if dtype is None else dtype.str, pin=self.spec.pin)
 
     # ----- the window -------------------------------------------------------------------------
     def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:

@@ -35,14 +35,7 @@ from ...errors import AccessDenied, SourceChanged, UnsupportedDataset
 from ...hdf5.compound import FieldRows, rows_dataset
 from ...hdf5.fetch import Extent, fetch_rows
 from ...hdf5.reads import ShardWrite, read_shard_into
-from ...hdf5.remote import (
-    METADATA_BLOCK_BYTES,
-    METADATA_CACHE_BLOCKS,
-    RemoteFile,
-    RemoteIdentity,
-    open_remote,
-    shown_url,
-)
+from ...hdf5.remote import RemoteIdentity, open_remote, shown_url
 from ...hdf5.source import DatasetInfo, inspect_dataset
 from ...segments import SegmentMeta, SegmentWriter, create_segment
 from ...util.crc import LOAD_CRC
@@ -50,6 +43,7 @@ from ...util.units import row_nbytes
 from .._process import LOADER_NAME, set_process_name
 from .loadcrc import RunningCrc
 from .loadresult import LoadOk, LoadStats
+from .openfile import OpenFile
 from .parts import DaemonGone, report_failure
 
 __all__ = ["run_remote_load", "remote_pin"]
@@ -146,34 +140,38 @@ def _read_through_h5py(meta: SegmentMeta, writer: SegmentWriter, checksum: bool,
         bulk.close()
 
 
-def _load(meta: SegmentMeta, writer: SegmentWriter, fileobj: RemoteFile, checksum: bool,
-          daemon_gone: Callable[[], bool]) -> tuple[int, int, float]:
-    """The rows into ``writer``: ``(crc or -1, bytes fetched for the rows, seconds fetching)``."""
-    with h5py.File(fileobj, "r") as f:
-        dset = _rows(f, meta)
-        info: DatasetInfo = inspect_dataset(f, meta.key)
-        if info.rows != meta.total_rows or info.row_shape != meta.row_shape or info.vlen:
-            raise SourceChanged(f"{shown_url(meta.source_path)}[{meta.key}] is not the dataset resolved (now "
-                                f"{info.rows} rows of shape {info.row_shape}); request it again")
-        if isinstance(dset, h5py.Dataset) and meta.rows:
-            sink = _Sink(writer, row_nbytes(meta.row_shape, meta.np_dtype), daemon_gone)
-            stats = fetch_rows(dset, info, meta.np_dtype, meta.row_range, remote_pin(meta), sink)
-            if stats is not None:
+def _load(meta: SegmentMeta, writer: SegmentWriter, f: h5py.File, checksum: bool,
+          daemon_gone: Callable[[], bool], checked: set[str]) -> tuple[int, int, float]:
+    """The rows into ``writer`` (``f``: the object opened over the metadata block cache):
+    ``(crc or -1, bytes fetched for the rows, seconds fetching)``. ``checked``: the datasets
+    of ``f`` whose fetched rows were already compared with h5py's (a kept loader's: once each)."""
+    dset = _rows(f, meta)
+    info: DatasetInfo = inspect_dataset(f, meta.key)
+    if info.rows != meta.total_rows or info.row_shape != meta.row_shape or info.vlen:
+        raise SourceChanged(f"{shown_url(meta.source_path)}[{meta.key}] is not the dataset resolved (now "
+                            f"{info.rows} rows of shape {info.row_shape}); request it again")
+    if isinstance(dset, h5py.Dataset) and meta.rows:
+        sink = _Sink(writer, row_nbytes(meta.row_shape, meta.np_dtype), daemon_gone)
+        stats = fetch_rows(dset, info, meta.np_dtype, meta.row_range, remote_pin(meta), sink)
+        if stats is not None:
+            if meta.key not in checked:
                 _check_ends(dset, meta, writer.data)
-                writer.set_progress(meta.rows)
-                return (sink.joined_crc() if checksum else -1), stats.bytes, stats.seconds
+                checked.add(meta.key)
+            writer.set_progress(meta.rows)
+            return (sink.joined_crc() if checksum else -1), stats.bytes, stats.seconds
     return _read_through_h5py(meta, writer, checksum, daemon_gone)
 
 
 def run_remote_load(shm_dir: Path, tmp_name: str, final_name: str, meta: SegmentMeta, checksum: bool,
-                    reply: Connection, daemon_gone: Callable[[], bool], keep_reply: bool = False) -> bool:
+                    reply: Connection, daemon_gone: Callable[[], bool], kept: OpenFile | None = None) -> bool:
     """Load ``meta`` (an s3:// object's rows) into ``tmp_name`` in ``shm_dir``, publish it
     as ``final_name`` and report on ``reply`` (LoadOk, or LoadError and nothing published).
-    Returns whether it succeeded."""
+    ``kept``: a loader kept for stream blocks (streamloader.py) reads through the object it
+    keeps open (openfile.py), and keeps ``reply`` open. Returns whether it succeeded."""
     set_process_name(LOADER_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     writer: SegmentWriter | None = None
-    fileobj: RemoteFile | None = None
+    owned: OpenFile | None = None
     try:
         if meta.vlen or meta.files:
             raise UnsupportedDataset(f"{shown_url(meta.source_path)}: the daemon fetches one object of fixed-size "
@@ -181,13 +179,13 @@ def run_remote_load(shm_dir: Path, tmp_name: str, final_name: str, meta: Segment
         t0 = time.monotonic()
         writer = create_segment(shm_dir, tmp_name, meta)
         started = time.monotonic()
-        fileobj = open_remote(meta.source_path, remote_pin(meta), block_bytes=METADATA_BLOCK_BYTES,
-                              cache_blocks=METADATA_CACHE_BLOCKS)
-        crc, ranged, fetch_s = _load(meta, writer, fileobj, checksum, daemon_gone)
+        files = kept if kept is not None else (owned := OpenFile())
+        fileobj, f = files.remote(meta, remote_pin(meta))
+        before = fileobj.fetched_bytes
+        crc, ranged, fetch_s = _load(meta, writer, f, checksum, daemon_gone, files.checked)
         read_done = time.monotonic()
         stored = writer.store_checksum(crc) if checksum else ""
-        fetched = ranged + fileobj.fetched_bytes
-        fileobj.close()
+        fetched = ranged + fileobj.fetched_bytes - before
         stats = LoadStats(parts=1, create_s=started - t0, copied_bytes=0, read_s=read_done - started,
                           part_s=(read_done - started,), checksum=stored, checksum_s=0.0, page_cache_drop_bytes=0,
                           values=0, fetched_bytes=fetched, fetch_s=fetch_s)
@@ -200,10 +198,12 @@ def run_remote_load(shm_dir: Path, tmp_name: str, final_name: str, meta: Segment
     except BaseException as exc:  # noqa: BLE001 - reported: the daemon turns it into an error reply
         if writer is not None:
             writer.abort()
+        if kept is not None:
+            kept.close()  # a failed load ends a kept loader (streamloader.py): nothing of the object is kept
         report_failure(reply, exc)
         return False
     finally:
-        if fileobj is not None:
-            fileobj.close()
-        if not keep_reply:
+        if owned is not None:
+            owned.close()
+        if kept is None:
             reply.close()

@@ -332,7 +332,8 @@ class SegmentStore:
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
                           self.load_processes, self.checksum,
                           self._drops_pages(entry), entry.spans,
-                          keep=entry.meta.mode == STREAM and entry.spans is not None and len(entry.spans) == 1,
+                          keep=entry.meta.mode == STREAM and (entry.spans is None and bool(entry.meta.remote)
+                                                              or entry.spans is not None and len(entry.spans) == 1),
                           room=room, virtual_ok=entry.requester in (os.geteuid(), 0))
             entry.process, entry.reply = self.pool.launch(job)
             self.loads.start(entry)
