@@ -46,7 +46,8 @@ class OpenFile:
             fileobj = open_remote(meta.source_path, pin, block_bytes=METADATA_BLOCK_BYTES,
                                   cache_blocks=METADATA_CACHE_BLOCKS)
             try:
-                self._remote = (fileobj, h5py.File(fileobj, "r"))
+                # no chunk cache: the two rows checked (remoteload._check_ends) are read alone, not their chunks
+                self._remote = (fileobj, h5py.File(fileobj, "r", rdcc_nbytes=0))
             except BaseException:
                 fileobj.close()
                 raise
