@@ -381,7 +381,7 @@ class StreamBackend(NoHooks):
                           c.capacity * c.block_bytes, c.worker_room)
 
     def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
-        if self.spec.remote and self.spec.pin is None:  # read here: said by client/remote.py
+        if self.spec.remote and self.spec.pin is None and not self.spec.pins:  # read here: said by client/remote.py
             return None
         try:
             return daemon_window(self.spec, remote_probe(self.spec, self.infos))

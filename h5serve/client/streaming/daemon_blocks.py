@@ -176,14 +176,16 @@ class DaemonBlocks:
         """One acquire per key for ``block``; of many files, the block's rows of the one file that
         holds them (a block never spans two): the segment is that file's, shared with any job
         that reads the file, alone or in another set."""
+        pin = self.spec.pin
         if self.spec.files:
             index, a, b = self.layout.locate(block)
             path = self.spec.files[index]
+            pin = self.spec.pins[index] if self.spec.pins else None  # many s3:// objects: this one's identity
         else:
             (a, b), path = self.layout.span(block), self.spec.path
         sel = self.spec.selection
         return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str,
-                        rows=(a, b), prefetch=prefetch, pin=self.spec.pin)
+                        rows=(a, b), prefetch=prefetch, pin=pin)
                 for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
 
     def _whole_request(self, index: int) -> Acquire:

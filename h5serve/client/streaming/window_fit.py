@@ -56,13 +56,14 @@ def remote_probe(spec: BackendSpec, infos: Sequence[DatasetInfo]) -> Acquire | N
     """For an s3:// object the daemon is to fetch (``spec.pin``): an acquire of the first row
     of its key of the smallest rows, the cheapest load that tells whether the daemon fetches it
     (one row and the object's metadata); None for a local file."""
-    if spec.pin is None:
+    pin = spec.pins[0] if spec.pins else spec.pin  # many objects: the first (a block names one object)
+    if pin is None:
         return None
     index = min(range(len(infos)), key=lambda i: row_nbytes(infos[i].row_shape, infos[i].dtype))
     dtype = spec.dtypes[index]
     sel = spec.selection
     return Acquire(spec.path, spec.keys[index], sel.world_size, sel.rank, STREAM,
-                   None if dtype is None else dtype.str, rows=(0, 1), pin=spec.pin)
+                   None if dtype is None else dtype.str, rows=(0, 1), pin=pin)
 
 
 def mappable_blocks(keys: int, stitched: bool, floor: int) -> int:

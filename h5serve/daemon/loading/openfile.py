@@ -40,11 +40,15 @@ class OpenFile:
     def remote(self, meta: SegmentMeta, pin: RemoteIdentity) -> tuple[RemoteFile, h5py.File]:
         """``meta``'s s3:// object (pinned to ``pin``) and HDF5's view of it, opened once per
         version. Raised as ``open_remote`` and ``h5py.File`` are."""
-        identity = (meta.source, meta.remote)
+        return self.remote_object(pin, (meta.source, meta.remote))
+
+    def remote_object(self, pin: RemoteIdentity, identity: tuple = ()) -> tuple[RemoteFile, h5py.File]:
+        """The s3:// object ``pin`` names, opened pinned to it and kept while ``identity`` (else
+        the pin) stays the one asked for. Raised as ``open_remote`` and ``h5py.File`` are."""
+        identity = identity or (pin.url, pin.size, pin.etag, pin.version_id)
         if self._remote is None or self._remote_identity != identity:
             self.close()
-            fileobj = open_remote(meta.source_path, pin, block_bytes=METADATA_BLOCK_BYTES,
-                                  cache_blocks=METADATA_CACHE_BLOCKS)
+            fileobj = open_remote(pin.url, pin, block_bytes=METADATA_BLOCK_BYTES, cache_blocks=METADATA_CACHE_BLOCKS)
             try:
                 # no chunk cache: the two rows checked (remoteload._check_ends) are read alone, not their chunks
                 self._remote = (fileobj, h5py.File(fileobj, "r", rdcc_nbytes=0))
