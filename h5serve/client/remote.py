@@ -2,12 +2,13 @@
 daemon fetches, once per node, and which each process reads itself (docs/architecture.md,
 *Remote files*).
 
-The daemon fetches one ``s3://`` object of fixed-size rows in modes global, node, contiguous
-and interleave: the client sends the URL and the object's identity as it described it (size,
-ETag, version id: ``BackendSpec.pin``), never a credential; the daemon fetches with its own.
-Everything else (gs://, https://, many remote files, variable-length rows, stream mode) is
-read here, through fsspec, with this process's credentials. ``reads_here`` says which, for the
-dataset; ``pinned`` adds the identity, for the daemon's backends (backends/progressive.py).
+The daemon fetches ``s3://`` objects of fixed-size rows, one or many (a list or pattern), in
+every mode (stream mode: block by block, client/streaming/daemon_blocks.py): the client sends the
+URLs and each object's identity as it described it (size, ETag, version id: ``BackendSpec.pin``,
+or ``pins`` for many), never a credential; the daemon fetches with its own. Everything else
+(gs://, https://, variable-length rows, s3:// mixed with local files) is read here, through
+fsspec, with this process's credentials. ``reads_here`` says which, for the dataset; ``pinned``
+adds the identities, for the daemon's backends (backends/progressive.py, streaming/backend.py).
 """
 
 from __future__ import annotations
@@ -18,34 +19,35 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 from ..hdf5.description import DatasetDescription
-from ..hdf5.remote import parse_url
+from ..hdf5.remote import is_url, parse_url
 from ..order.sharding import STREAM
 from .spec import BackendSpec
 
 __all__ = ["REMOTE_WARNING", "pinned", "reads_here"]
 
-REMOTE_WARNING = ("h5serve: the daemon fetches one s3:// object of fixed-size rows in modes global, node, contiguous "
-                  "and interleave; these remote files (gs://, https://, many files, variable-length rows or stream "
-                  "mode) are read by each process itself through fsspec (same rows, same order as a local copy; "
-                  "slower, and once per process, not once per node)")
+REMOTE_WARNING = ("h5serve: the daemon fetches s3:// objects of fixed-size rows (one or many), in any mode; these "
+                  "remote files (gs://, https://, variable-length rows, or s3:// mixed with local files) are read by "
+                  "each process itself through fsspec (same rows, same order as a local copy; slower, and once per "
+                  "process, not once per node)")
 
 
-def _daemon_fetches(spec: BackendSpec, description: DatasetDescription, mode: str) -> bool:
-    return (not spec.files and mode != STREAM and parse_url(spec.path)[0] == "s3" and bool(description.remote)
-            and not any(key.vlen for key in description.keys))
+def _daemon_fetches(spec: BackendSpec, description: DatasetDescription) -> bool:
+    return (all(is_url(p) and parse_url(p)[0] == "s3" for p in spec.files or (spec.path,)) and bool(description.remote)
+            and all(description.remote) and not any(key.vlen for key in description.keys))
 
 
 def pinned(spec: BackendSpec, describe: Callable[[], DatasetDescription]) -> BackendSpec:
     """``spec`` as it is, or for an object the daemon fetches, with its identity (``pin``) as the
     description (``describe()``) holds it."""
-    if not spec.remote or spec.pin is not None:
+    if not spec.remote or spec.pin is not None or spec.pins:
         return spec
     description = describe()
-    if not _daemon_fetches(spec, description, spec.selection.mode):
+    if not _daemon_fetches(spec, description):
         return spec
-    identity = description.remote[0]
-    assert identity is not None
-    return dataclasses.replace(spec, pin=(identity.size, identity.etag, identity.version_id))
+    pins = tuple((i.size, i.etag, i.version_id) for i in description.remote if i is not None)
+    if spec.files:  # many objects: one identity each, in the files' order
+        return dataclasses.replace(spec, pins=pins)
+    return dataclasses.replace(spec, pin=pins[0])
 
 
 def reads_here(spec: BackendSpec, describe: Callable[[], DatasetDescription], mode: str, fallback: str,
@@ -55,11 +57,12 @@ def reads_here(spec: BackendSpec, describe: Callable[[], DatasetDescription], mo
     it once). Stream mode: False after the warning (its backend reads remote files here itself).
 
     Raised for one read here with ``fallback="error"``: ConfigError naming ``shown``."""
-    if not spec.remote or _daemon_fetches(spec, describe(), mode):
+    if not spec.remote or _daemon_fetches(spec, describe()):
         return False
     if fallback == "error":
-        raise ConfigError(f"{shown}: the h5serve daemon fetches one s3:// object of fixed-size rows (not stream mode, "
-                          "gs://, https:// or many files), and fallback='error' forbids reading it here; pass "
-                          "fallback='lazy' to read it in each process, or copy it to a local file system")
+        raise ConfigError(f"{shown}: the h5serve daemon fetches s3:// objects of fixed-size rows (not gs://, "
+                          "https://, variable-length rows or s3:// mixed with local files), and fallback='error' "
+                          "forbids reading it here; pass fallback='lazy' to read it in each process, or copy it to a "
+                          "local file system")
     warnings.warn(REMOTE_WARNING, RuntimeWarning, stacklevel=4)  # the line that built the dataset
     return mode != STREAM

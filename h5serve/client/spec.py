@@ -34,6 +34,7 @@ class BackendSpec:
     # ``path`` is an s3:// object the daemon fetches (client/remote.py): its identity as described, [size, ETag,
     # version id], sent with every acquire, so the daemon serves that version or none
     pin: tuple[int, str, str] | None = None
+    pins: tuple[tuple[int, str, str], ...] = ()  # ``files`` are s3:// objects the daemon fetches: theirs, in order
 
     @property
     def remote(self) -> bool:

@@ -136,7 +136,8 @@ class SegmentMeta:
     values: int = 0
     start: int = 0  # mode="stream": the block's first global row (it holds rows start .. start + rows - 1)
     # an object of a store (``source_path`` its s3:// URL, dev, ino and mtime 0, ``source_size`` its size):
-    # (ETag, version id) as the daemon opened it, part of the name, so a rewritten object is a new segment
+    # (ETag, version id) as the daemon opened it, part of the name, so a rewritten object is a new segment; many
+    # objects (``files``): two entries per object, in the files' order
     remote: tuple = ()
 
     @property
@@ -260,7 +261,8 @@ class SegmentMeta:
             if not all(_is_identity(entry, size) for entry in data[name]):
                 raise SegmentError(f"segment metadata {name} {data[name]!r:.80} is invalid")
         remote = data["remote"]
-        if remote and (len(remote) != 2 or not all(isinstance(v, str) and len(v) <= 1024 for v in remote)):
+        if remote and (len(remote) != 2 * max(len(data["files"]), 1)
+                       or not all(isinstance(v, str) and len(v) <= 1024 for v in remote)):
             raise SegmentError(f"segment metadata remote {remote!r:.80} is invalid")
         if data["files"] and (len(data["files"]) < 2 or sum(f[5] for f in data["files"]) != data["total_rows"]
                               or tuple(data["files"][0][:5]) != (data["source_path"], data["source_dev"],

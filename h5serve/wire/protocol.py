@@ -127,10 +127,17 @@ class Acquire:
     # an s3:// object (``path`` is its URL): its identity as the client described it, [size, ETag, version id]
     # ("" when the store gives none); the daemon serves only that version. Not sent for a local file.
     pin: tuple[int, str, str] | None = None
+    # many s3:// objects as one dataset (``files`` their URLs): each one's identity, in ``files``' order. Not sent
+    # otherwise.
+    pins: tuple[tuple[int, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _check_str("path", self.path, MAX_PATH_CHARS)
-        if self.pin is not None:
+        if isinstance(self.pins, list) and not self.pins:
+            object.__setattr__(self, "pins", ())
+        if self.pins != ():
+            self._check_remote_files()
+        elif self.pin is not None:
             self._check_remote()
         else:
             _check_absolute("path", self.path)
@@ -141,7 +148,8 @@ class Acquire:
                 raise ProtocolError(f"field 'files' must be a list of 2 to {MAX_FILES} paths")
             for path in self.files:
                 _check_str("files", path, MAX_PATH_CHARS)
-                _check_absolute("files", path)
+                if not self.pins:
+                    _check_absolute("files", path)
             if self.files[0] != self.path:
                 raise ProtocolError("field 'files' must start with 'path'")
             object.__setattr__(self, "files", tuple(self.files))
@@ -180,10 +188,29 @@ class Acquire:
         if self.files:
             raise ProtocolError("field 'files' must be empty for a URL (the daemon fetches one object per request)")
         pin = self.pin
-        if (not isinstance(pin, (list, tuple)) or len(pin) != 3 or not is_int(pin[0]) or pin[0] < 0
-                or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in pin[1:])):
-            raise ProtocolError(f"field 'pin' must be [size, etag, version id], got {pin!r:.80}")
-        object.__setattr__(self, "pin", (pin[0], pin[1], pin[2]))
+        object.__setattr__(self, "pin", _checked_pin(pin))
+
+    def _check_remote_files(self) -> None:
+        """Many objects of a store: every path of ``files`` an ``s3://`` URL, ``pins`` their identities."""
+        if self.pin is not None:
+            raise ProtocolError("fields 'pin' and 'pins' exclude each other (one object, or many)")
+        files, pins = self.files, self.pins
+        if (not isinstance(pins, (list, tuple)) or not isinstance(files, (list, tuple))
+                or len(pins) != len(files) or len(files) < 2):
+            raise ProtocolError("field 'pins' must give one identity for each of 'files' (2 or more)")
+        for path in files:
+            if not isinstance(path, str) or not path.startswith(REMOTE_PREFIXES):
+                raise ProtocolError(f"field 'pins' is for {' and '.join(REMOTE_PREFIXES)} URLs only, got file "
+                                    f"{str(path)[:80]!r}")
+        object.__setattr__(self, "pins", tuple(_checked_pin(p) for p in pins))
+
+
+def _checked_pin(pin: object) -> tuple[int, str, str]:
+    """An object's identity on the wire, [size, ETag, version id], as a tuple. Raised otherwise: ProtocolError."""
+    if (not isinstance(pin, (list, tuple)) or len(pin) != 3 or not is_int(pin[0]) or pin[0] < 0
+            or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in pin[1:])):
+        raise ProtocolError(f"field 'pin' must be [size, etag, version id], got {pin!r:.80}")
+    return (pin[0], pin[1], pin[2])
 
 
 Request = Ping | Status | Shutdown | Acquire
@@ -314,6 +341,8 @@ def encode_request(request_id: int, request: Request) -> bytes:
         del fields["arena"]
     if "pin" in fields and fields["pin"] is None:  # a local file: the message as before
         del fields["pin"]
+    if "pins" in fields and not fields["pins"]:  # not many objects: the message as before
+        del fields["pins"]
     return msgpack.packb({"v": VERSION, "id": request_id, "op": request.OP, **fields})
 
 

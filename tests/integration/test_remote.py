@@ -3,7 +3,8 @@ S3 API server on loopback (moto's server mode, in this process's threads), read 
 fsspec/s3fs: the same rows in the same order as the same file on disk in every mode the lazy
 path has; 404 and 403 as h5serve's errors naming the URL and never the secret key; an object
 rewritten mid-job is SourceChanged, in the process reading it and in one opening it afresh
-(a spawned worker); patterns of s3:// keys; a running daemon is never sent a URL.
+(a spawned worker); patterns of s3:// keys; a running daemon is never sent what it does not fetch
+(variable-length rows).
 
 Skipped, with the reason, where moto[server] or s3fs is not installed (``pip install -e '.[test]'``
 installs both)."""
@@ -29,7 +30,7 @@ import pytest
 from h5serve import ConfigError, ObjectAccessDenied, ObjectNotFound, ObjectStoreError, SourceChanged
 from h5serve.client import SharedH5Dataset, collate, make_loader
 
-from ..helpers import Daemon, make_h5
+from ..helpers import Daemon, make_h5, vlen_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -243,29 +244,30 @@ def test_an_object_rewritten_mid_job_is_source_changed(s3: Any, local: Path, tmp
     assert url in str(info.value)
 
 
-def test_what_the_daemon_does_not_fetch_is_read_here(s3: Any, local: Path, tmp_path: Path,
+def test_what_the_daemon_does_not_fetch_is_read_here(s3: Any, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stream mode and many remote files are read by each process, said once, never sent to the
-    daemon (tests/integration/test_remote_daemon.py: what it fetches)."""
+    """Variable-length rows of an object are read by each process, said once, never sent to the
+    daemon (tests/integration/test_remote_daemon.py, test_remote_stream.py, test_remote_files.py:
+    what it fetches)."""
     from h5serve.client.remote import REMOTE_WARNING
 
-    url = upload(s3, local, "daemon/train.h5")
-    second = upload(s3, local, "daemon/second.h5")
+    url = upload(s3, vlen_file(tmp_path / "vlen.h5", {"v": 0.05}, first_rows=64, rows=200, first_length=3),
+                 "daemon/vlen.h5")
     d = Daemon("--allow-url", f"s3://{BUCKET}/")
     try:
         d.start()
         monkeypatch.setenv("H5SERVE_RUNTIME_DIR", str(d.runtime_dir))
         with pytest.warns(RuntimeWarning) as caught:
-            ds = SharedH5Dataset([url, second], "x", "y", mode="global", wait_ready=True)
+            ds = SharedH5Dataset(url, "v", mode="global", wait_ready=True)
         assert [str(w.message) for w in caught] == [REMOTE_WARNING]
-        assert ds.backend == "lazy" and len(ds) == 2 * ROWS
-        with pytest.raises(ConfigError, match="fetches one s3:// object"):
-            SharedH5Dataset(url, "x", "y", mode="stream", window="16KiB", block_rows=128, fallback="error")
+        assert ds.backend == "lazy" and len(ds) == 200
+        with pytest.raises(ConfigError, match="fetches s3:// objects of fixed-size rows"):
+            SharedH5Dataset(url, "v", mode="stream", window="1MiB", block_rows=16, fallback="error")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            streamed = SharedH5Dataset(url, "x", "y", mode="stream", window="16KiB", block_rows=128)
+            streamed = SharedH5Dataset(url, "v", mode="stream", window="1MiB", block_rows=16)
         assert streamed.backend == "lazy" and streamed.stream is not None
-        assert len(list(make_loader(streamed, 100, seed=1))) == -(-ROWS // 100)
+        assert sum(len(b) for b in make_loader(streamed, 10, seed=1)) == 200
         assert d.status()["segments"] == []  # nothing was asked of it
     finally:
         d.stop()

@@ -138,12 +138,16 @@ def test_two_ranks_on_one_daemon_fetch_the_object_about_once(daemon: Daemon, s3:
         seen.update({int(k): v for k, v in report["seen"].items()})
     assert seen == expected  # every row, each with the bytes on disk
     status = daemon.status()["remote"]
-    print(f"GET bytes through the proxy: {fetched:,} for a {size:,}-byte object ({fetched / size:.3f}x); "
+    print(f"GET bytes through the proxy: {fetched:,} for a {size:,}-byte object ({fetched / size:.3f}x, "
+          f"{fetched / (ROWS * 1032):.3f}x its rows); "
           f"the daemon fetched {status['fetched_bytes']:,} at {status['bytes_per_s'] / 1e6:.1f} MB/s; "
           f"{proxy.methods.get('HEAD', 0) - heads} HEAD requests")
     # the rows once, and HDF5's metadata (each rank's description, the daemon's inspections and loads of x and y)
     assert status["fetched_bytes"] <= size + (1 << 20)  # the rows once, the metadata of two loads well under 1 MiB
-    assert fetched <= 1.15 * size, f"{fetched / size:.2f}x the object: fetched more than once per node"
+    rows = ROWS * (1024 + 8)  # what the ranks use: every row of x and y
+    # the issue's goal: at most 1.05x the rows the node's ranks use (1.084x before the metadata blocks were cut to
+    # 16 KiB and the ends checked without HDF5's chunk cache; about 1.02x since)
+    assert fetched <= 1.05 * rows, f"{fetched / rows:.3f}x the rows: fetched more than once per node"
 
 
 def test_a_rewritten_object_is_source_changed_never_the_old_segment(daemon: Daemon, s3: Any, local: Path,  # noqa: F811

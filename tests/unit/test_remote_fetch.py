@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from h5serve import AccessDenied, ConfigError, ProtocolError
+from h5serve import AccessDenied, ConfigError, ProtocolError, SegmentError
 from h5serve.daemon.access.urls import UrlPolicy, check_url_shape, parse_allow_url
 from h5serve.hdf5.fetch import RANGE_BYTES, remote_extents
 from h5serve.hdf5.source import inspect_dataset
@@ -70,6 +70,33 @@ def test_an_acquire_names_an_object_only_with_its_identity() -> None:
     frame = msgpack.packb({"v": 1, "id": 3, "op": "acquire", "path": "s3://b/k.h5", "key": "x", "world_size": 1,
                            "rank": 0, "pin": [5, "e", "v"]})
     assert decode_request(frame)[1] == Acquire("s3://b/k.h5", "x", 1, 0, pin=(5, "e", "v"))
+
+
+def test_an_acquire_names_many_objects_each_with_its_identity() -> None:
+    files = ("s3://b/k.h5", "s3://b/l.h5")
+    req = Acquire(files[0], "x", 2, 1, "global", files=files, pins=((100, '"e1"', ""), (200, '"e2"', "v")))
+    _, back = decode_request(encode_request(7, req))
+    assert back == req and isinstance(back, Acquire) and back.pins[1] == (200, '"e2"', "v")
+    assert b"pins" not in encode_request(1, Acquire("/data/x.h5", "x", 1, 0))  # not many objects: as before
+    with pytest.raises(ProtocolError, match="absolute"):
+        Acquire(files[0], "x", 1, 0, files=files)  # URLs without their identities
+    with pytest.raises(ProtocolError, match="pins"):
+        Acquire(files[0], "x", 1, 0, files=files, pins=((1, "", ""),))  # one identity for two objects
+    with pytest.raises(ProtocolError, match="pins"):
+        Acquire("/d/a.h5", "x", 1, 0, files=("/d/a.h5", "/d/b.h5"), pins=((1, "", ""), (1, "", "")))
+    with pytest.raises(ProtocolError, match="exclude"):
+        Acquire(files[0], "x", 1, 0, files=files, pin=(1, "", ""), pins=((1, "", ""), (1, "", "")))
+    with pytest.raises(ProtocolError, match="pin"):
+        Acquire(files[0], "x", 1, 0, files=files, pins=((1, "", ""), (-1, "", "")))
+
+
+def test_a_segment_of_many_objects_is_named_by_every_etag() -> None:
+    files = (("s3://b/k.h5", 0, 0, 100, 0, 6), ("s3://b/l.h5", 0, 0, 100, 0, 4))
+    meta = _meta(files=files, remote=('"e1"', "", '"e2"', ""))
+    assert SegmentMeta.from_wire(msgpack.unpackb(msgpack.packb(meta.to_wire()))) == meta
+    assert meta.identity() != _meta(files=files, remote=('"e1"', "", '"e3"', "")).identity()
+    with pytest.raises(SegmentError, match="remote"):  # an ETag for each object, or none
+        SegmentMeta.from_wire(msgpack.unpackb(msgpack.packb({**meta.to_wire(), "remote": ['"e1"', ""]})))
 
 
 def _meta(**extra: object) -> SegmentMeta:

@@ -83,7 +83,7 @@ def connect(spec: BackendSpec, rank_for_logs: int, on_fallback: Callable[[H5Serv
     BudgetExceeded, a bad key). An s3:// object the daemon fetches (``spec.pin``) is always waited
     for: a read here meanwhile would fetch it once more per rank."""
     spec = pinned(spec, describe)  # an s3:// object the daemon fetches: with its identity (client/remote.py)
-    if wait or spec.pin:
+    if wait or spec.pin or spec.pins:
         return ShmBackend.connect(spec, rank_for_logs)
     deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
     client = DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user)

@@ -181,7 +181,8 @@ class ShmBackend(ArrayBackend):
         """
         requests = [
             Acquire(spec.path, key, spec.selection.world_size, spec.selection.rank, spec.selection.mode,
-                    None if dtype is None else dtype.str, spec.selection.span, spec.files, pin=spec.pin)
+                    None if dtype is None else dtype.str, spec.selection.span, spec.files, pin=spec.pin,
+                    pins=spec.pins)
             for key, dtype in zip(spec.keys, spec.dtypes)
         ]
         first = [AcquireResult.from_wire(client.request_by(r, deadline)) for r in requests]  # starts every load
@@ -264,6 +265,9 @@ class ShmBackend(ArrayBackend):
         m = segment.meta
         wanted = Selection(request.mode, request.world_size, request.rank, request.span).rows(m.total_rows)
         pinned = request.pin is None or (m.source_path, m.source_size, *m.remote) == (request.path, *request.pin)
+        if request.pins:  # many objects: each file's URL, size, ETag and version id as described
+            pinned = [(f[0], f[3], *m.remote[2 * i:2 * i + 2]) for i, f in enumerate(m.files)] == [
+                (path, size, etag, version) for path, (size, etag, version) in zip(request.files, request.pins)]
         if m.key != request.key or m.row_range != wanted or len(m.files) != len(request.files) or not pinned:
             # rows, not labels: selections share segments
             segment.close()

@@ -53,11 +53,12 @@ from ...util.units import format_bytes, parse_size, row_nbytes
 from ..backends.chunkcache import local_ranks
 from ..backends.files import FileHandles
 from ..backends.protocol import NoHooks
+from ..remote import pinned
 from ..spec import BackendSpec, describe_spec
 from .batch import StreamBatch
 from .blockcache import BlockCache, worker_capacity
 from .daemon_blocks import DaemonBlocks
-from .window_fit import DaemonWindow, check_window, daemon_window
+from .window_fit import DaemonWindow, check_window, daemon_window, remote_probe
 
 __all__ = ["StreamAsk", "StreamConfig", "StreamBackend", "StreamBatch", "StreamSource", "default_window", "key_shape",
            "node_memory", "resolve_stream", "stream_row_bytes", "stream_source", "whole_cost", "whole_keys",
@@ -341,6 +342,7 @@ class StreamBackend(NoHooks):
                  on_fallback: Callable[[H5ServeError], None] | None = None,
                  description: DatasetDescription | None = None, whole: Sequence[bool] | None = None) -> None:
         description = describe_spec(spec) if description is None else description
+        spec = pinned(spec, lambda: description)  # an s3:// object the daemon fetches: with its identity
         source = stream_source(description)
         infos = source.infos
         self.out_dtypes, self.total_rows = source.out_dtypes, infos[0].rows
@@ -379,10 +381,10 @@ class StreamBackend(NoHooks):
                           c.capacity * c.block_bytes, c.worker_room)
 
     def _daemon(self, on_fallback: Callable[[H5ServeError], None] | None) -> DaemonWindow | None:
-        if self.spec.remote:  # the daemon fetches no stream blocks of remote files yet: said by client/remote.py
+        if self.spec.remote and self.spec.pin is None and not self.spec.pins:  # read here: said by client/remote.py
             return None
         try:
-            return daemon_window(self.spec)
+            return daemon_window(self.spec, remote_probe(self.spec, self.infos))
         except H5ServeError as exc:
             if on_fallback is None or not falls_back(exc):
                 raise

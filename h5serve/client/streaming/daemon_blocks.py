@@ -113,7 +113,7 @@ class DaemonBlocks:
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
         # prototype (branch wip-arena): the daemon's arenas instead of a segment per block
-        self._use_arena = arenas_used(self._stitch and not spec.files, arena_offered)
+        self._use_arena = arenas_used(self._stitch and not spec.files and spec.pin is None, arena_offered)
         self._reset()
         if self._arena is None and self.mapped_cap < min(self.capacity, self.layout.n_blocks):
             warnings.warn(past_the_cap(self.capacity, self.mapped_cap), RuntimeWarning, stacklevel=2)
@@ -183,14 +183,16 @@ class DaemonBlocks:
         """One acquire per key for ``block``; of many files, the block's rows of the one file that
         holds them (a block never spans two): the segment is that file's, shared with any job
         that reads the file, alone or in another set."""
+        pin = self.spec.pin
         if self.spec.files:
             index, a, b = self.layout.locate(block)
             path = self.spec.files[index]
+            pin = self.spec.pins[index] if self.spec.pins else None  # many s3:// objects: this one's identity
         else:
             (a, b), path = self.layout.span(block), self.spec.path
         sel = self.spec.selection
         return [Acquire(path, key, sel.world_size, sel.rank, STREAM, None if dtype is None else dtype.str,
-                        rows=(a, b), prefetch=prefetch)
+                        rows=(a, b), prefetch=prefetch, pin=pin)
                 for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
 
 

@@ -40,7 +40,7 @@ class WholeKeys:
         sel = self.spec.selection
         dtype = self.spec.dtypes[index]
         return Acquire(self.spec.path, self.spec.keys[index], sel.world_size, sel.rank, GLOBAL,
-                       None if dtype is None else dtype.str)
+                       None if dtype is None else dtype.str, pin=self.spec.pin)
 
     def start(self, client: DaemonClient) -> None:
         """Ask for every whole key once, without waiting: their loads start now."""

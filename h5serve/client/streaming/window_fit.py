@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import os
 import resource
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ConfigError
+from ...hdf5.source import DatasetInfo
+from ...order.sharding import STREAM
 from ...segments.arena import ARENA_VERSION
 from ...segments.stitch import mappings_in_use, max_mappings
-from ...util.units import format_bytes
+from ...util.units import format_bytes, row_nbytes
 from ...wire.connection import DaemonClient
+from ...wire.protocol import Acquire
 from ..spec import BackendSpec
 
 __all__ = ["DaemonWindow", "KERNEL_SHARE", "MAX_MAPPED_ENV", "check_window", "daemon_window", "mappable_blocks",
-           "past_the_cap"]
+           "past_the_cap", "remote_probe"]
 
 # of the memory mappings (vm.max_map_count) and descriptors (RLIMIT_NOFILE) the kernel lets a
 # process have, the share a stream's mapped blocks may take; the rest is the program's own
@@ -35,16 +40,36 @@ class DaemonWindow:
     arena: bool = False
 
 
-def daemon_window(spec: BackendSpec) -> DaemonWindow:
-    """Ask the node's daemon (ping) for its budget and whether it offers arenas.
+def daemon_window(spec: BackendSpec, probe: Acquire | None = None) -> DaemonWindow:
+    """Ask the node's daemon (ping) for its budget and whether it offers arenas; with ``probe``
+    (an s3:// object's first row of its smallest key, ``remote_probe``), whether it fetches that
+    object for this job at all, so that a refusal (``--allow-url``) falls back before the first
+    batch, as in global mode.
 
-    Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon)."""
+    Raised when no (trusted) daemon answers: DaemonUnavailable (or UntrustedDaemon); when it
+    refuses the probe: its error (AccessDenied, SourceChanged, ObjectStoreError...)."""
     with DaemonClient(spec.runtime_dir, spec.timeout, spec.daemon_user) as client:
         info = client.ping()
         budget = info.get("budget")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # an older daemon: its status
             budget = int(client.status()["memory"]["budget"])
+        if probe is not None:
+            client.acquire(probe, deadline=None if spec.timeout is None else time.monotonic() + spec.timeout)
     return DaemonWindow(budget, info.get("arena") == ARENA_VERSION)
+
+
+def remote_probe(spec: BackendSpec, infos: Sequence[DatasetInfo]) -> Acquire | None:
+    """For an s3:// object the daemon is to fetch (``spec.pin``): an acquire of the first row
+    of its key of the smallest rows, the cheapest load that tells whether the daemon fetches it
+    (one row and the object's metadata); None for a local file."""
+    pin = spec.pins[0] if spec.pins else spec.pin  # many objects: the first (a block names one object)
+    if pin is None:
+        return None
+    index = min(range(len(infos)), key=lambda i: row_nbytes(infos[i].row_shape, infos[i].dtype))
+    dtype = spec.dtypes[index]
+    sel = spec.selection
+    return Acquire(spec.path, spec.keys[index], sel.world_size, sel.rank, STREAM,
+                   None if dtype is None else dtype.str, rows=(0, 1), pin=pin)
 
 
 def mappable_blocks(keys: int, stitched: bool, floor: int) -> int:

@@ -105,7 +105,8 @@ def _without_tracebacks(exc: BaseException) -> BaseException:
 Pin = tuple[int, str, str]  # an s3:// object's identity as the client described it: size, ETag, version id
 
 
-def _pending_key(path: str, key: str, peer: Peer, files: tuple[str, ...], pin: Pin | None) -> tuple[object, ...]:
+def _pending_key(path: str, key: str, peer: Peer, files: tuple[str, ...], pin: Pin | tuple[Pin, ...] | None,
+                 ) -> tuple[object, ...]:
     """One resolution in flight per file (or file list, or object version), key and requesting identity."""
     return (files or path, key, peer.uid, peer.gid, pin)
 
@@ -164,7 +165,7 @@ class Resolver:
             pass
 
     def peek(self, path: str, key: str, peer: Peer, files: tuple[str, ...] = (),
-             pin: Pin | None = None) -> Resolved | ResolvedFiles | BaseException | None:
+             pin: Pin | tuple[Pin, ...] | None = None) -> Resolved | ResolvedFiles | BaseException | None:
         """This request's resolution if it is done, without taking it (its client's next
         ``poll`` still gets it, error included): the result, the error it raised, or None while
         it runs or when none is in flight."""
@@ -174,11 +175,12 @@ class Resolver:
         return future.exception() or future.result()
 
     def poll(self, path: str, key: str, peer: Peer, files: tuple[str, ...] = (),
-             pin: Pin | None = None) -> Resolved | ResolvedFiles | None:
+             pin: Pin | tuple[Pin, ...] | None = None) -> Resolved | ResolvedFiles | None:
         """The resolution of this request: started now if none is in flight, waited for until
         RESOLVE_WAIT_S after it started; None while it is still running (ask again). ``files``: many files as
         one dataset, every one resolved (resolve_files; their segment: fileset.py). ``pin``: ``path``
-        is an s3:// object the client described as this (``resolve_remote``).
+        is an s3:// object the client described as this (``resolve_remote``); with ``files``, one
+        per file: many s3:// objects, each resolved so (``resolve_remote_files``).
 
         Raised when the file cannot be served: the H5ServeError saying why.
         """
@@ -190,7 +192,9 @@ class Resolver:
         if future is None:
             if len(self._pending) >= _PENDING_MAX:
                 self._forget_abandoned()
-            if files:
+            if files and pin:
+                future = self._pool.submit(self.resolve_remote_files, files, key, pin)
+            elif files:
                 future = self._pool.submit(resolve_files, self, files, key, peer)
             elif pin is not None:
                 future = self._pool.submit(self.resolve_remote, path, key, pin)
@@ -231,6 +235,13 @@ class Resolver:
         for k, (_, future) in list(self._pending.items()):
             if self._stale(future):
                 self._drop(k)
+
+    def resolve_remote_files(self, urls: tuple[str, ...], key: str, pins: Pin | tuple[Pin, ...]) -> ResolvedFiles:
+        """Many s3:// objects as one dataset, each resolved as ``resolve_remote`` resolves one.
+
+        Raised for the first that cannot be served: its error, naming it."""
+        assert len(pins) == len(urls) and all(isinstance(p, tuple) for p in pins)
+        return ResolvedFiles(tuple(self.resolve_remote(url, key, p) for url, p in zip(urls, pins)))  # type: ignore[arg-type]
 
     def resolve_remote(self, url: str, key: str, pin: Pin) -> Resolved:
         """An s3:// object, for any peer: allowed (``--allow-url``, urls.py), looked up now with the

@@ -66,6 +66,8 @@ def files_meta(req: Acquire, resolved: ResolvedFiles) -> SegmentMeta:
         files=tuple((*m.ident.as_tuple(), m.info.rows) for m in members), depends=_depends(resolved),
         vlen=infos[0].vlen, values=round(mean * rows) if infos[0].vlen else 0,
         start=req.rows[0] if req.rows else 0,
+        # many s3:// objects: every one's ETag and version id, in the name (remoteload.py fetches them)
+        remote=tuple(v for m in members if m.remote for v in (m.remote.etag, m.remote.version_id)),
     )
 
 

@@ -379,7 +379,7 @@ def run_load(job: LoadJob, reply: Connection, daemon_gone: Callable[[], bool] | 
     daemon_gone = daemon_gone or die_with_daemon(job.daemon_pid)
     if is_url(job.meta.source_path):  # an s3:// object: fetched by ranged GETs (remoteload.py)
         return run_remote_load(job.shm_dir, job.tmp_name, job.final_name, job.meta, job.checksum, reply, daemon_gone,
-                               keep_reply=files is not None)
+                               kept=files)
     set_process_name(LOADER_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when loads stop
     writer: SegmentWriter | None = None

@@ -160,7 +160,7 @@ class SegmentStore:
         counts as a hit."""
         now = time.monotonic()
         for key, (req, peer, since) in list(self._resolving.items()):
-            resolved = self.resolver.peek(req.path, req.key, peer, req.files, req.pin)
+            resolved = self.resolver.peek(req.path, req.key, peer, req.files, req.pins or req.pin)
             if resolved is None and now - since <= RESOLVE_TIMEOUT_S:
                 continue  # still resolving
             del self._resolving[key]
@@ -183,7 +183,7 @@ class SegmentStore:
 
     def _find_or_load(self, req: Acquire, peer: Peer) -> AcquireResult:
         try:
-            resolved = self.resolver.poll(req.path, req.key, peer, req.files, req.pin)
+            resolved = self.resolver.poll(req.path, req.key, peer, req.files, req.pins or req.pin)
         except AccessDenied:
             self.counters["refusals"] += 1
             raise
@@ -200,7 +200,7 @@ class SegmentStore:
         resolves alike (the same identities, ctime included, and dataset: a file changed since
         replaces the entry), the least recently used forgotten past MAX_REMEMBERED_METAS requests."""
         memo = (req.path, req.key, req.dtype, req.mode, req.world_size, req.rank, req.span, req.rows, req.files,
-                req.pin)
+                req.pin, req.pins)
         found = self._metas.get(memo)
         if found is not None and (found[0] is resolved or found[0] == resolved):  # same identities, same rows
             meta, name = found[1], found[2]
@@ -341,7 +341,8 @@ class SegmentStore:
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
                           self.load_processes, self.checksum,
                           self._drops_pages(entry), entry.spans,
-                          keep=entry.meta.mode == STREAM and entry.spans is not None and len(entry.spans) == 1,
+                          keep=entry.meta.mode == STREAM and (entry.spans is None and bool(entry.meta.remote)
+                                                              or entry.spans is not None and len(entry.spans) == 1),
                           room=room, virtual_ok=entry.requester in (os.geteuid(), 0))
             entry.process, entry.reply = self.pool.launch(job)
             self.loads.start(entry)
