@@ -301,7 +301,7 @@ class Server:
         except H5ServeError as exc:
             self.store.errors[exc.code] += 1
             if isinstance(exc, (ProtocolError, ConfigError)):  # raised while decoding: the id it read, if any
-                request_id = getattr(exc, "request_id", request_id)
+                request_id = getattr(exc, "request_id", 0) or request_id  # 0: raised after decoding
             return encode_error(request_id, exc.code, str(exc))
         except Exception as exc:  # the daemon never dies of a request
             log.exception("internal error while handling a request")
