@@ -400,6 +400,9 @@ def faulty(s3: Any, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterat
         monkeypatch.setattr(remote, "BLOCK_BYTES", 8 << 10)
         monkeypatch.setattr(remote, "CACHE_BLOCKS", 2)
         monkeypatch.setattr(remote, "RETRY", remote.RetryPolicy(attempts=4, first_s=0.01, cap_s=0.05, deadline_s=20))
+        # a request the loaded proxy never answers is retried after 5 s, not failed after 60 (CI once
+        # saw a ReadTimeoutError past the 20 s deadline in the phase that must succeed)
+        monkeypatch.setattr(remote, "READ_TIMEOUT_S", 5.0)
         yield proxy
     finally:
         proxy.shutdown()
