@@ -73,6 +73,7 @@ __all__ = [
     "count_leases",
     "any_leased",
     "try_evict",
+    "reserve_range",
 ]
 
 PUBLISHED_MODE = 0o400  # every published segment, in every deployment: its owner may read it, nobody else
@@ -253,6 +254,15 @@ def _fallocate(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Pa
             ) from exc
         _raise_if_full(exc, meta, shm_dir, size)
         raise
+
+
+def reserve_range(fd: int, offset: int, length: int, meta: SegmentMeta, shm_dir: Path) -> None:
+    """Reserve ``length`` bytes of ``fd`` from ``offset`` (``posix_fallocate``) before they are
+    written through a mapping (a stream arena's slot): a full tmpfs is a ShmFull here, never a
+    SIGBUS or an ENOSPC from the copy later.
+
+    Raised when the shm filesystem has no room: ShmFull (says needed and free bytes)."""
+    _fallocate(fd, offset, length, meta, shm_dir)
 
 
 def _raise_if_full(exc: OSError, meta: SegmentMeta, shm_dir: Path, size: int) -> None:

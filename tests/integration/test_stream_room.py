@@ -20,7 +20,9 @@ import pytest
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.errors import BudgetExceeded, ShmFull
 from h5serve.order.stream_plan import segment_cost
+from h5serve.segments.arena import ArenaLayout
 from h5serve.wire.connection import DaemonClient
+from h5serve.wire.runtime import arena_wanted
 
 from ..helpers import Daemon, make_h5, running_daemon, tmpfs, wait_for, watch_memory
 
@@ -145,9 +147,15 @@ def test_a_rank_waiting_for_room_maps_no_block(h5: Path, tmp_path: Path) -> None
     copies its rows, and waits for room for the next one while mapping none, so the next one
     takes the room of the last and the epoch goes on a block at a time. A view of the last block
     it had copied rows from kept that block mapped, and leased, while it waited: it waited for
-    itself until its ``timeout=`` failed it with BudgetExceeded."""
+    itself until its ``timeout=`` failed it with BudgetExceeded. With the stream arena
+    (prototype, H5SERVE_ARENA=1) a block is a slot of each key's arena, whose header and table
+    the budget counts too: room for those and one slot each."""
     hog_file = make_h5(tmp_path / "hog.h5", rows=HOG_ROWS, row_shape=(1024,))
     block = segment_cost(BLOCK_ROWS * SHAPE[0]) + segment_cost(BLOCK_ROWS * 8)  # x and y, as the budget counts them
+    if arena_wanted():
+        arenas = (ArenaLayout(ROWS // BLOCK_ROWS, BLOCK_ROWS, SHAPE[0], "|u1", SHAPE),
+                  ArenaLayout(ROWS // BLOCK_ROWS, BLOCK_ROWS, 8, "<i8", ()))
+        block = sum(lay.data_offset + lay.slot_bytes for lay in arenas)
     budget = segment_cost(HOG_ROWS * 1024) + segment_cost(HOG_ROWS * 8) + block + 4096  # less than a second block
     with running_daemon("--max-memory", str(budget)) as d:
         hog = SharedH5Dataset(hog_file, "x", "y", mode="global", rank=0, world_size=1, runtime_dir=d.runtime_dir,

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from torch.utils.data import get_worker_info
 
 from ...errors import CapacityError, SegmentError
 from ...order.stream_order import BlockLayout
@@ -33,6 +34,7 @@ from ...segments.arena import READY, TABLE_OFFSET, ArenaLayout, lock_range, read
 from ...wire.connection import DaemonClient
 from ...wire.protocol import Acquire, AcquireResult
 from ...wire.runtime import ARENA_ENV, arena_wanted
+from .refusal import NoRoom
 
 __all__ = ["ArenaBlocks", "arenas_used"]
 
@@ -133,12 +135,16 @@ def _let_go(mapping: mmap.mmap, fd: int) -> None:
 class ArenaBlocks:
     """The blocks of ``layout`` of ``keys`` streamed keys in the daemon's arenas, for one process.
     ``requests(block, prefetch)``: the acquires of a block, one per key (DaemonBlocks._requests);
-    ``client()``: the process's DaemonClient; ``keeps_all``: the window holds every block (kept)."""
+    ``client()``: the process's DaemonClient; ``no_room``: how long a needed block waits for room
+    and the words when it found none; ``keeps_all``: the window holds every block (kept);
+    ``waited()``: called at each wait for room (DaemonBlocks.budget_waits)."""
 
     def __init__(self, layout: BlockLayout, keys: int, requests: Callable[[int, bool], list[Acquire]],
-                 client: Callable[[], DaemonClient], wait_s: float, depth: int, keeps_all: bool) -> None:
+                 client: Callable[[], DaemonClient], no_room: NoRoom, depth: int, keeps_all: bool,
+                 waited: Callable[[], None] = lambda: None) -> None:
         self.layout, self.keys, self._requests_of, self._client = layout, keys, requests, client
-        self.wait_s, self.depth, self.keeps_all = wait_s, depth, keeps_all
+        self.no_room, self.wait_s, self._waited = no_room, no_room.wait_s, waited
+        self.depth, self.keeps_all = depth, keeps_all
         self._pid = os.getpid()
         n = max(layout.n_blocks, 1)
         self._state = np.zeros(n, dtype=np.int8)
@@ -154,6 +160,7 @@ class ArenaBlocks:
         self.holds = 0  # blocks this process took leases on
         self.asked_again = 0  # leases that found the slot reused between the answer and the lock
         self.ready_waits = 0
+        self.yields = 0  # times this process let every lease go while it waited for room
         self.exchanges = 0  # request_many calls (one wait each)
 
     def _requests(self, block: int, prefetch: bool) -> list[Acquire]:
@@ -184,11 +191,19 @@ class ArenaBlocks:
             self._release(block)
         self._held_since, self._last_retained = self.holds, np.array(alive, dtype=np.int64)
 
-    def release(self, done: np.ndarray) -> None:
+    def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """Let go of ``done`` and, in a DataLoader worker, of every lease outside ``keep``
+        (DaemonBlocks.release: an idle worker holds nothing the batch its rank waits for lacks
+        room for; None: nothing, the sampler was not told of the workers)."""
         self._check_pid()
-        if not self.keeps_all:
-            for block in np.asarray(done).tolist():
-                self._release(int(block))
+        if self.keeps_all:
+            return
+        for block in np.asarray(done).tolist():
+            self._release(int(block))
+        if keep is None and get_worker_info() is None:
+            return  # the rank gathers its own batches: it keeps what its window holds
+        for block in self._outside(_HELD, np.zeros(0, dtype=np.int64) if keep is None else keep).tolist():
+            self._release(block)
 
     def _release(self, block: int) -> None:
         if self._state[block] != _HELD:
@@ -246,17 +261,28 @@ class ArenaBlocks:
         return True
 
     # ----- holding a block --------------------------------------------------------------------
-    def _hold(self, block: int, needed: np.ndarray) -> None:
+    def _hold(self, block: int) -> None:
         """Lease ``block``'s slot in every key's arena."""
         requests = self._requests(block, False)
         answers: list[AcquireResult | None] = list(self._asked.pop(block, [None] * len(requests)))
         start = int(self.layout.bounds[block])
         deadline = time.monotonic() + self.wait_s
+        # a wait for room lets every lease go, this block's keys leased so far too: leased again
+        while not all(self._slot[k][block] >= 0 for k in range(self.keys)):
+            self._hold_keys(block, requests, answers, start, deadline)
+            answers = [None] * len(requests)
+        self._state[block] = _HELD
+        self.holds += 1
+
+    def _hold_keys(self, block: int, requests: list[Acquire], answers: list[AcquireResult | None], start: int,
+                   deadline: float) -> None:
         for k, request in enumerate(requests):
+            if self._slot[k][block] >= 0:
+                continue
             result = answers[k]
             while True:
                 if result is None or result.state != "ready":
-                    result = self._ready(request, deadline, needed)
+                    result = self._ready(request, block, deadline)
                 try:
                     arena = self._mapped(k, result)
                 except FileNotFoundError:  # removed since the answer (no stream had it open): asked again
@@ -277,8 +303,6 @@ class ArenaBlocks:
                 if time.monotonic() > deadline:
                     raise SegmentError(f"stream block {block} was reused each time before this rank could lease it "
                                        f"for {self.wait_s:g}s")
-        self._state[block] = _HELD
-        self.holds += 1
 
     def _mapped(self, key: int, result: AcquireResult) -> _Mapped:
         arena = self._arena[key]
@@ -291,31 +315,53 @@ class ArenaBlocks:
         arena = self._arena[key] = _Mapped(result)
         return arena
 
-    def _ready(self, request: Acquire, deadline: float, needed: np.ndarray) -> AcquireResult:
-        """The block loaded; no slot to be had (CapacityError) waited out with backoff, holding
-        nothing this batch does not need, until ``deadline``."""
+    def _ready(self, request: Acquire, block: int, deadline: float) -> AcquireResult:
+        """The block loaded; no room for it (CapacityError: no slot in the budget, a full shm
+        filesystem, a full load queue) waited out with backoff until ``deadline``, holding no
+        lease meanwhile, as a segment per block lets go of every block it maps
+        (DaemonBlocks._let_go): two ranks apart by a few steps never each wait for the other's.
+
+        Raised when there is still no room by then: the same class, in refusal.py's words."""
         self.ready_waits += 1
         pause = _FIRST_BACKOFF_S
         while True:
             try:
                 return self._client().acquire(request, None, deadline)
-            except CapacityError:
+            except CapacityError as exc:
+                held = np.flatnonzero(self._state == _HELD).tolist()
                 if time.monotonic() + pause > deadline:
-                    raise
-                self.retain(needed)
+                    raise self.no_room.error(request, block, held, exc) from exc
+                self._let_go()
+                self._waited()
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
+
+    def _let_go(self) -> None:
+        """Drop every lease, the block being leased's keys too (``_hold`` leases them again)."""
+        if not any((slots >= 0).any() for slots in self._slot):
+            return
+        self.yields += 1
+        for block in np.flatnonzero(self._state == _HELD).tolist():
+            self._release(block)
+        for k, slots in enumerate(self._slot):  # a block's keys leased before the wait
+            arena = self._arena[k]
+            for block in np.flatnonzero(slots >= 0).tolist():
+                if arena is not None:
+                    arena.lock(int(slots[block]), fcntl.F_UNLCK)
+                slots[block] = -1
+        self._last_retained = None
 
     # ----- gathering ------------------------------------------------------------------------
     def gather(self, rows: np.ndarray) -> list[np.ndarray]:
         """Each streamed key's rows ``rows`` (global), leasing the blocks not held yet first."""
         self._check_pid()
         ids = self.layout.block_of(rows)
+        local = rows - self.layout.bounds[ids]
         for _ in range(3):  # again only if leasing in a new arena (a daemon restarted) let some go
             absent = self._state[ids] != _HELD
             if not absent.any():
                 break
-            missing, batch = np.unique(ids[absent]), np.unique(ids)
+            missing = np.unique(ids[absent])
             # one exchange for every block not answered ready yet (not a round trip each)
             stale = [b for b in missing.tolist()
                      if self._state[b] == _NONE or any(a.state != "ready" for a in self._asked[b])]
@@ -323,10 +369,29 @@ class ArenaBlocks:
                 self._asked.pop(b, None)
                 self._state[b] = _NONE
             self._ask({b: False for b in stale})
+            yields = self.yields
             for block in missing.tolist():
                 if self._state[block] != _HELD:
-                    self._hold(int(block), batch)
-        local = rows - self.layout.bounds[ids]
+                    self._hold(int(block))
+            if self.yields != yields:  # it waited for room and let this batch's blocks go meanwhile
+                return self._take_each(ids, local)
+        return self._take(ids, local)
+
+    def _take_each(self, ids: np.ndarray, local: np.ndarray) -> list[np.ndarray]:
+        """The batch a block at a time, each leased then its rows copied: with room for one block
+        beside what others hold, the next block's wait lets the last one go and takes its room."""
+        out: list[np.ndarray] = []
+        for block in np.unique(ids).tolist():
+            if self._state[block] != _HELD:
+                self._hold(int(block))
+            mask = ids == block
+            parts = self._take(ids[mask], local[mask])
+            out = out or [np.empty((len(ids), *part.shape[1:]), dtype=part.dtype) for part in parts]
+            for whole, part in zip(out, parts):
+                whole[mask] = part
+        return out
+
+    def _take(self, ids: np.ndarray, local: np.ndarray) -> list[np.ndarray]:
         out = []
         for k in range(self.keys):
             arena = self._arena[k]

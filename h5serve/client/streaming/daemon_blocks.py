@@ -75,7 +75,7 @@ from ..ragged import RaggedColumn
 from ..spec import BackendSpec
 from .arena_blocks import ArenaBlocks, arenas_used
 from .blockcache import Arrays, gather_by_block
-from .refusal import no_room_message
+from .refusal import NoRoom
 from .stitched import StitchedBlocks
 from .whole_keys import WholeKeys
 from .window_fit import mappable_blocks, past_the_cap
@@ -109,6 +109,7 @@ class DaemonBlocks:
         self._streamed = ([infos[i] for i in streamed], [self.out_dtypes[i] for i in streamed])  # block by block
         self.capacity, self.budget, self.block_cost = int(capacity), int(budget), int(block_cost)
         self.wait_s = DEFAULT_WAIT_S if spec.timeout is None else float(spec.timeout)
+        self._no_room = NoRoom(bool(spec.files), self.wait_s, self.capacity, self.block_cost, self.budget)
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
@@ -120,16 +121,15 @@ class DaemonBlocks:
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        # the blocks this process keeps mapped: the window's, or fewer where the kernel's limits on
-        # mappings and descriptors would be reached first (a window of 100,000s of small blocks):
-        # past them the least recently used block is unmapped here (the daemon keeps it loaded)
-        # and mapped again when a batch needs it, so the order and the node's memory do not change
+        # the blocks this process keeps mapped: the window's, or fewer where the kernel's limits on mappings
+        # and descriptors come first (100,000s of small blocks): past them the least recently used block is
+        # unmapped here (the daemon keeps it loaded) and mapped again when needed (order, memory unchanged)
         self.mapped_cap = min(self.capacity, mappable_blocks(len(self._streamed[0]), self._stitch, PREFETCH_DEPTH))
         self._keeps_all = self.mapped_cap >= self.layout.n_blocks  # the window holds every block: kept mapped
         self._stitched = (StitchedBlocks(self.layout, len(self._streamed[0]), self.mapped_cap)
                           if self._stitch and not self._use_arena else None)
-        self._arena = (ArenaBlocks(self.layout, len(self._streamed[0]), self._requests, self.client, self.wait_s,
-                                   PREFETCH_DEPTH, self._keeps_all) if self._use_arena else None)
+        self._arena = (ArenaBlocks(self.layout, len(self._streamed[0]), self._requests, self.client, self._no_room,
+                                   PREFETCH_DEPTH, self._keeps_all, self._waited_for_room) if self._use_arena else None)
         self._client: DaemonClient | None = None
         self._held: OrderedDict[int, list[AttachedSegment]] = OrderedDict()
         # per block: _NONE, _ASKED (in _asked) or _HELD (in _held), so that a step's window is
@@ -195,7 +195,6 @@ class DaemonBlocks:
                         rows=(a, b), prefetch=prefetch, pin=pin)
                 for key, dtype, whole in zip(self.spec.keys, self.spec.dtypes, self.whole) if not whole]
 
-
     # ----- the window -------------------------------------------------------------------------
     def _outside(self, state: int, *windows: np.ndarray) -> np.ndarray:
         """The blocks in ``state`` that none of ``windows`` holds (ascending). One vectorised
@@ -234,7 +233,7 @@ class DaemonBlocks:
         mapping them again each epoch is most of an epoch's cost)."""
         self._check_pid()
         if self._arena is not None:
-            self._arena.release(done)
+            self._arena.release(done, keep)
             return
         if self._keeps_all:
             return
@@ -390,12 +389,14 @@ class DaemonBlocks:
                 return result
             except CapacityError as exc:
                 if time.monotonic() + pause > deadline:
-                    raise type(exc)(no_room_message(request, block, bool(self.spec.files), self.wait_s, self.capacity,
-                                                    self.block_cost, self.budget, list(self._held), exc)) from exc
+                    raise self._no_room.error(request, block, list(self._held), exc) from exc
                 self._let_go()
                 self.budget_waits += 1
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_BACKOFF_S)
+
+    def _waited_for_room(self) -> None:
+        self.budget_waits += 1
 
     def _let_go(self) -> None:
         """Close every block mapped, and the keys of the block being mapped (``_block`` maps them

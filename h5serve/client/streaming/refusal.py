@@ -5,12 +5,13 @@ pure function of what was asked and the numbers."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ...errors import BudgetExceeded, CapacityError, ShmFull
 from ...util.units import format_bytes
 from ...wire.protocol import Acquire
 
-__all__ = ["no_room_message"]
+__all__ = ["NoRoom", "no_room_message"]
 
 
 def no_room_message(request: Acquire, block: int | None, many_files: bool, wait_s: float, capacity: int,
@@ -45,3 +46,20 @@ def no_room_message(request: Acquire, block: int | None, many_files: bool, wait_
             f"the window is {capacity} blocks of {format_bytes(block_cost)} ({window}), this rank "
             f"holds {holds} and {others}. The daemon said: {exc}. {fix}; timeout= sets how long "
             "to wait")
+
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """A stream's window as its refusal names it (``no_room_message``'s numbers but the block)."""
+
+    many_files: bool
+    wait_s: float
+    capacity: int
+    block_cost: int
+    budget: int
+
+    def error(self, request: Acquire, block: int | None, held: Sequence[int], exc: CapacityError) -> CapacityError:
+        """``exc``'s class with the words of a block that found no room for ``wait_s``."""
+        return type(exc)(no_room_message(request, block, self.many_files, self.wait_s, self.capacity,
+                                         self.block_cost, self.budget, held, exc))

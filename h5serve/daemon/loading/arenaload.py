@@ -22,6 +22,7 @@ from ...errors import SegmentError, SourceChanged
 from ...hdf5.identity import identities_unchanged
 from ...segments import SegmentMeta
 from ...segments.arena import ArenaTarget
+from ...segments.lifecycle import reserve_range
 from ...util.units import PAGE_BYTES
 from .loader import LoadError, LoadJob, LoadOk, LoadStats, read_part
 from .openfile import OpenFile
@@ -60,9 +61,10 @@ class ArenaSlotWriter:
 
 
 def open_slot(shm_dir: Path, target: ArenaTarget, meta: SegmentMeta) -> ArenaSlotWriter:
-    """``target``'s slot, opened and checked.
+    """``target``'s slot, opened, checked and its pages reserved (a slot is sparse until loaded).
 
-    Raised when the arena is not the file the daemon created (gone, replaced): SegmentError."""
+    Raised when the arena is not the file the daemon created (gone, replaced): SegmentError.
+    Raised when the shm filesystem has no room for the slot: ShmFull, as a segment's load."""
     dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         fd = os.open(target.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -74,6 +76,11 @@ def open_slot(shm_dir: Path, target: ArenaTarget, meta: SegmentMeta) -> ArenaSlo
     if st.st_ino != target.ino or st.st_uid != os.geteuid() or st.st_size < target.offset + target.nbytes:
         os.close(fd)
         raise SegmentError(f"stream arena {target.name} is not the file the daemon created")
+    try:
+        reserve_range(fd, target.offset, target.nbytes, meta, shm_dir)
+    except BaseException:
+        os.close(fd)
+        raise
     return ArenaSlotWriter(fd, target, meta)
 
 
