@@ -124,6 +124,7 @@ class Arenas:
         self.kept = 0  # sweeps that kept an arena past its grace because a process had it open or leased
         self._arenas: dict[tuple, _Arena] = {}
         self._queue: list[tuple[_Arena, _Slot]] = []
+        self._turn = False  # take_turn: the slot loads' turn at the next loader freed
         self._running: list[tuple[_Arena, _Slot]] = []
         self._reaping: list[ForkServerProcess] = []
         self.loads = 0
@@ -301,15 +302,28 @@ class Arenas:
     def launch(self) -> None:
         """Start queued slot loads while loaders are free (the store's running loads count too)."""
         while self._queue and len(self._running) + len(self._host.loads.running()) < self.max_loaders:
-            arena, slot = self._queue.pop(0)
-            assert slot.meta is not None
-            layout = arena.layout
-            target = ArenaTarget(arena.name, arena.ino, layout.slot_offset(slot.index),
-                                 slot.meta.rows * layout.row_bytes)
-            job = LoadJob(self.shm_dir, "", "", slot.meta, self.group, os.getpid(), 1, False, False, slot.spans,
-                          keep=True, virtual_ok=slot.uid in (os.geteuid(), 0), arena=target)
-            slot.process, slot.reply = self.pool.launch(job)
-            self._running.append((arena, slot))
+            self._start()
+
+    def take_turn(self) -> bool:
+        """Start the oldest queued slot load if it is the slot loads' turn: every other loader the
+        store starts while segment loads wait too. The store started its own queue first, so a
+        queue kept full of one user's segment loads left a slot load queued until that stopped
+        (a stream's needed block waited out its timeout). Whether one was started."""
+        self._turn = not self._turn
+        if not (self._turn and self._queue):
+            return False
+        self._start()
+        return True
+
+    def _start(self) -> None:
+        arena, slot = self._queue.pop(0)
+        assert slot.meta is not None
+        layout = arena.layout
+        target = ArenaTarget(arena.name, arena.ino, layout.slot_offset(slot.index), slot.meta.rows * layout.row_bytes)
+        job = LoadJob(self.shm_dir, "", "", slot.meta, self.group, os.getpid(), 1, False, False, slot.spans,
+                      keep=True, virtual_ok=slot.uid in (os.geteuid(), 0), arena=target)
+        slot.process, slot.reply = self.pool.launch(job)
+        self._running.append((arena, slot))
 
     def poll(self) -> None:
         """Reap finished slot loads: publish (the table, then the write lock dropped) or free the slot."""

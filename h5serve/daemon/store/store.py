@@ -334,13 +334,15 @@ class SegmentStore:
     def _launch_pending(self) -> None:
         running = len(self.loads.running()) + self.arenas.running  # prototype: slot loads take loaders too
         while running < self.max_loaders:
+            if self.arenas.take_turn():  # prototype: slot loads and segment loads take turns
+                running += 1
+                continue
             entry, self._last_uid = next_queued(self.loads.queued(), self._last_uid)
             if entry is None:
                 return
             room = self._room_of(entry) if entry.meta.vlen else None
             job = LoadJob(self.shm_dir, entry.tmp_name, entry.file, entry.meta, self.group, os.getpid(),
-                          self.load_processes, self.checksum,
-                          self._drops_pages(entry), entry.spans,
+                          self.load_processes, self.checksum, self._drops_pages(entry), entry.spans,
                           keep=entry.meta.mode == STREAM and (entry.spans is None and bool(entry.meta.remote)
                                                               or entry.spans is not None and len(entry.spans) == 1),
                           room=room, virtual_ok=entry.requester in (os.geteuid(), 0))
@@ -362,11 +364,10 @@ class SegmentStore:
                 and not read_again_soon(self.loads.queued(), entry))
 
     def _room_of(self, entry: Entry) -> Room:
-        """The room of a variable-length load about to start (counted once it runs: ``Entry.charge``):
-        its estimate, counted since it was asked for, and half of what the budget has free now
-        (a lone load may grow well past a short estimate; the other half stays for the loads
-        asked next). Rooms are counted like segments, so loads side by side never share the
-        same free bytes and every segment together stays within the budget."""
+        """The room of a variable-length load about to start (counted once it runs: ``Entry.charge``): its
+        estimate, counted since it was asked for, and half of what the budget has free now (a lone load may
+        grow well past a short estimate; the other half stays for the loads asked next). Rooms are counted
+        like segments: loads side by side never share the same free bytes, every segment within the budget."""
         free = max(self.max_memory - self.used_bytes(), 0)  # ``entry`` counted at its estimate (queued)
         room = entry.meta.allocated_size + free // 2 // PAGE_BYTES * PAGE_BYTES  # whole pages
         return Room(room, self.max_memory, self.budget_rule)
