@@ -149,6 +149,7 @@ class ArenaBlocks:
         n = max(layout.n_blocks, 1)
         self._state = np.zeros(n, dtype=np.int8)
         self._slot = [np.full(n, -1, dtype=np.int64) for _ in range(keys)]
+        self._leased: list[set[int]] = [set() for _ in range(keys)]  # per key: the slots this process leases
         self._arena: list[_Mapped | None] = [None] * keys
         self._asked: dict[int, list[AcquireResult]] = {}
         self._made: dict[tuple[int, bool], list[Acquire]] = {}
@@ -213,6 +214,7 @@ class ArenaBlocks:
             arena = self._arena[k]
             if slot >= 0 and arena is not None:
                 arena.lock(slot, fcntl.F_UNLCK)
+            self._leased[k].discard(slot)
             self._slot[k][block] = -1
         self._state[block] = _NONE
 
@@ -293,9 +295,14 @@ class ArenaBlocks:
                 if not 0 <= result.slot < arena.layout.n_slots:
                     raise SegmentError(f"the daemon answered slot {result.slot} of stream arena {result.name}, "
                                        f"which has {arena.layout.n_slots}")
-                if arena.lock(result.slot, fcntl.F_RDLCK):
+                # a slot this process leases for another block: a stale answer (the block was there
+                # before), and never unlocked here: one open file description has one lock a range, so
+                # the unlock dropped the other block's lease and the daemon reused its slot under it
+                mine = result.slot in self._leased[k]
+                if not mine and arena.lock(result.slot, fcntl.F_RDLCK):
                     if arena.shows(result.slot, start, result.generation):
                         self._slot[k][block] = result.slot
+                        self._leased[k].add(result.slot)
                         break
                     arena.lock(result.slot, fcntl.F_UNLCK)
                 self.asked_again += 1  # reused (or being reused) since the answer: ask again
@@ -312,6 +319,8 @@ class ArenaBlocks:
             for block in np.flatnonzero(self._slot[key] >= 0).tolist():
                 self._release(block)
             arena.close()
+            self._slot[key][:] = -1  # a block's keys leased before it (not held yet) went with the arena
+            self._leased[key].clear()
         arena = self._arena[key] = _Mapped(result)
         return arena
 
@@ -348,6 +357,7 @@ class ArenaBlocks:
             for block in np.flatnonzero(slots >= 0).tolist():
                 if arena is not None:
                     arena.lock(int(slots[block]), fcntl.F_UNLCK)
+                self._leased[k].discard(int(slots[block]))
                 slots[block] = -1
         self._last_retained = None
 
@@ -418,8 +428,9 @@ class ArenaBlocks:
             if arena is not None:
                 arena.close()
         self._arena = [None] * self.keys
-        for slots in self._slot:
+        for slots, leased in zip(self._slot, self._leased):
             slots[:] = -1
+            leased.clear()
         self._made.clear()
         self._asked.clear()
         self._state[:] = _NONE
