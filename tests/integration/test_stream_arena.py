@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
-from h5serve.client.streaming.arena_blocks import _Mapped
+from h5serve.client.streaming.arena_blocks import ArenaBlocks, _Mapped
+from h5serve.client.streaming.refusal import NoRoom
 from h5serve.errors import BudgetExceeded
+from h5serve.order.stream_order import BlockLayout
 from h5serve.segments import segment_prefix
-from h5serve.segments.arena import ARENA_MARK, READY
+from h5serve.segments.arena import ARENA_MARK, READY, lock_range
 from h5serve.segments.stitch import mappings_in_use
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
@@ -112,6 +114,37 @@ def test_leases_keep_a_slot_and_a_reused_slot_is_seen(tmp_path: Path, monkeypatc
                 c.acquire(blocks[0])
         finally:
             arena.close()
+
+
+def test_a_stale_answer_naming_a_slot_leased_for_another_block_keeps_that_lease(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process holds block 15 in the slot block 0 had, and block 0's old answer names that slot:
+    asked again, the lease on block 15 kept. The unlock after the table check (it shows block 15)
+    used to drop it (one open file description, one lock a range) and the daemon reused the slot
+    under block 15: wrong rows (test_stream_workers, 2 ranks with forked workers)."""
+    monkeypatch.setenv(ARENA_ENV, "1")
+    path = make_h5(tmp_path / "small.h5", rows=1000, row_shape=(1024,))  # 16 blocks of 64 KiB
+    with running_daemon("--max-memory", str(1024 * 1024), "--loaders", "1") as d, DaemonClient(d.runtime_dir) as c:
+        blocks = _blocks(path)
+        stale = c.acquire(blocks[0])  # block 0's slot, nobody leasing it
+        for request in blocks[1:16]:  # the budget holds 15 slots: block 15 reuses block 0's (least recently used)
+            c.acquire(request)
+        held = ArenaBlocks(BlockLayout(1000, 64), 1, lambda block, prefetch: [blocks[block]], lambda: c,
+                           NoRoom(False, 30.0, 16, 64 * 1024, 1024 * 1024), 8, False)
+        other = os.open(Path(stale.shm_dir) / stale.name, os.O_RDWR)  # another description, as the daemon has
+        try:
+            with h5py.File(path) as f:
+                x = f["x"][:]
+            np.testing.assert_array_equal(held.gather(np.arange(960, 1000))[0], x[960:1000])
+            assert held._slot[0][15] == stale.slot  # block 15 in block 0's old slot
+            held._asked[0], held._state[0] = [stale], 1  # block 0 asked for before: its old answer
+            np.testing.assert_array_equal(held.gather(np.arange(64))[0], x[:64])
+            assert held.asked_again >= 1
+            offset, size = held._arena[0].layout.slot_offset(stale.slot), held._arena[0].layout.slot_bytes
+            assert not lock_range(other, offset, size, fcntl.F_WRLCK)  # block 15's lease held: no reuse
+        finally:
+            os.close(other)
+            held.close()
 
 
 def test_two_ranks_share_one_arena(h5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
