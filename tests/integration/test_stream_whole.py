@@ -15,6 +15,7 @@ import pytest
 
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.wire.connection import DaemonClient
+from h5serve.wire.runtime import arena_wanted
 
 from ..helpers import make_h5, running_daemon
 
@@ -46,6 +47,12 @@ def _segments(runtime_dir: Path) -> list[dict]:
         return client.status()["segments"]
 
 
+def _arenas(runtime_dir: Path) -> dict[str, int]:
+    """The daemon's stream arenas (prototype, H5SERVE_ARENA=1): their count and slot loads."""
+    with DaemonClient(runtime_dir) as client:
+        return client.status()["arenas"]
+
+
 def test_labels_are_held_whole_and_only_images_stream(h5: Path) -> None:
     used = {"max": 0}
     stop = threading.Event()
@@ -69,8 +76,13 @@ def test_labels_are_held_whole_and_only_images_stream(h5: Path) -> None:
                 segments = _segments(d.runtime_dir)
                 labels = [s for s in segments if s["key"] == "y"]
                 assert len(labels) == 1 and labels[0]["mode"] == "global" and labels[0]["whole_file"], labels
-                assert {s["key"] for s in segments if s["mode"] == "stream"} == {"x"}
-                assert ds.stream.cache.attaches >= 65  # x: block by block (65 blocks)
+                if arena_wanted():  # prototype (the daemon's too): x's blocks are slots of one arena
+                    arenas = _arenas(d.runtime_dir)
+                    assert not [s for s in segments if s["mode"] == "stream"], segments
+                    assert arenas["arenas"] == 1 and arenas["loads"] >= 65, arenas  # x: block by block
+                else:
+                    assert {s["key"] for s in segments if s["mode"] == "stream"} == {"x"}
+                    assert ds.stream.cache.attaches >= 65  # x: block by block (65 blocks)
                 for workers, context in ((2, "fork"), (1, "spawn")):
                     got = _epoch(ds, h5, workers, context)
                     assert [b.tolist() for b in got] == [b.tolist() for b in first], context
@@ -89,7 +101,10 @@ def test_an_asked_window_keeps_every_key_in_blocks(h5: Path) -> None:
         try:
             batches = _epoch(ds, h5)
             assert sorted(np.concatenate(batches).tolist()) == list(range(ROWS))
-            assert {(s["key"], s["mode"]) for s in _segments(d.runtime_dir)} == {("x", "stream"), ("y", "stream")}
+            if arena_wanted():  # prototype (the daemon's too): each key's blocks are slots of its own arena
+                assert not _segments(d.runtime_dir) and _arenas(d.runtime_dir)["arenas"] == 2
+            else:
+                assert {(s["key"], s["mode"]) for s in _segments(d.runtime_dir)} == {("x", "stream"), ("y", "stream")}
         finally:
             ds.close()
         # the same order as with no daemon at all, which reads whole blocks through h5py
