@@ -31,7 +31,7 @@ from .test_remote_daemon import ROWS, daemon, local, make_file, proxy, use  # no
 
 pytestmark = pytest.mark.timeout(240)
 
-JOB = Path(__file__).parents[1] / "jobs" / "remote_stream_job.py"
+JOB = Path(__file__).parents[1] / "jobs" / "remote_job.py"
 STREAM = {"mode": "stream", "window": "4MiB", "block_rows": 1024}  # 1 MiB blocks of x, 12 of them, 4 at once
 
 
@@ -78,7 +78,8 @@ def test_two_ranks_fetch_each_block_once_per_node(daemon: Daemon, s3: Any, local
     url = upload(s3, local, "stream-ddp/train.h5")
     data = ROWS * (1024 + 8)  # the rows of x and y: every block is used once in the epoch
     before, heads = proxy.get_bytes, proxy.methods.get("HEAD", 0)
-    reports = torchrun_two_ranks(JOB, [url, str(tmp_path / "out")], tmp_path / "out", daemon.runtime_dir, 180)
+    job_args = [url, str(tmp_path / "out"), "--mode", "stream", "--batch", "128"]
+    reports = torchrun_two_ranks(JOB, job_args, tmp_path / "out", daemon.runtime_dir, 180)
     fetched = proxy.get_bytes - before
     with h5py.File(local) as f:
         x = f["x"][:]
