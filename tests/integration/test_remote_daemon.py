@@ -94,6 +94,21 @@ def use(d: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("H5SERVE_RUNTIME_DIR", str(d.runtime_dir))
 
 
+@pytest.fixture
+def allow_listed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
+    """A shared daemon (root) that fetches only under s3://BUCKET/allowed/, the jobs' daemon;
+    stopped on the way out. Skipped where not root."""
+    if os.geteuid() != 0:
+        pytest.skip("a daemon is shared when run as root or with --group: this test runs its daemon as root")
+    d = Daemon("--allow-url", f"s3://{BUCKET}/allowed/")
+    try:
+        d.start()
+        use(d, monkeypatch)
+        yield d
+    finally:
+        d.stop()
+
+
 def test_every_mode_gives_the_bytes_and_order_of_the_file_on_disk(daemon: Daemon, s3: Any, local: Path,  # noqa: F811
                                                                    proxy: FaultyProxy,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,28 +218,22 @@ def _range_bytes(header: str) -> int:
 
 
 def test_a_shared_daemon_refuses_a_url_outside_its_allow_list(s3: Any, local: Path, proxy: FaultyProxy,  # noqa: F811
+                                                               allow_listed: Daemon,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("a daemon is shared when run as root or with --group: this test runs its daemon as root")
+    d = allow_listed
     allowed = upload(s3, local, "allowed/train.h5")
     other = upload(s3, local, "elsewhere/train.h5")
-    d = Daemon("--allow-url", f"s3://{BUCKET}/allowed/")
-    try:
-        d.start()
-        use(d, monkeypatch)
-        assert SharedH5Dataset(allowed, "x", "y", mode="global", fallback="error").backend == "shm"
-        with pytest.raises(AccessDenied, match="--allow-url") as info:
-            SharedH5Dataset(other, "x", "y", mode="global", fallback="error")
-        assert other in str(info.value)
-        with pytest.warns(RuntimeWarning, match="--allow-url"):  # read here, with the job's own credentials
-            assert SharedH5Dataset(other, "x", "y", mode="global").backend == "lazy"
-        sneaky = f"s3://{BUCKET}/allowed/../elsewhere/train.h5"  # an HTTP client may normalise it out of the prefix
-        with DaemonClient(str(d.runtime_dir)) as client, pytest.raises(AccessDenied, match="'..'"):
-            ident = remote_identity(other)
-            client.acquire(Acquire(sneaky, "x", 1, 0, "global", pin=(ident.size, ident.etag, ident.version_id)),
-                           deadline=time.monotonic() + 60)
-    finally:
-        d.stop()
+    assert SharedH5Dataset(allowed, "x", "y", mode="global", fallback="error").backend == "shm"
+    with pytest.raises(AccessDenied, match="--allow-url") as info:
+        SharedH5Dataset(other, "x", "y", mode="global", fallback="error")
+    assert other in str(info.value)
+    with pytest.warns(RuntimeWarning, match="--allow-url"):  # read here, with the job's own credentials
+        assert SharedH5Dataset(other, "x", "y", mode="global").backend == "lazy"
+    sneaky = f"s3://{BUCKET}/allowed/../elsewhere/train.h5"  # an HTTP client may normalise it out of the prefix
+    with DaemonClient(str(d.runtime_dir)) as client, pytest.raises(AccessDenied, match="'..'"):
+        ident = remote_identity(other)
+        client.acquire(Acquire(sneaky, "x", 1, 0, "global", pin=(ident.size, ident.etag, ident.version_id)),
+                       deadline=time.monotonic() + 60)
     bare = Daemon()  # root without --allow-url: no URL at all
     try:
         bare.start()

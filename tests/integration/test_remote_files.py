@@ -12,7 +12,6 @@ ranks (fixtures: tests/integration/test_remote_daemon.py).
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import zlib
@@ -31,7 +30,7 @@ from h5serve.wire.protocol import Acquire
 
 from ..helpers import Daemon, torchrun_two_ranks
 from .test_remote import BUCKET, FaultyProxy, every_row, rows_at, s3, s3_endpoint, upload  # noqa: F401 - fixtures
-from .test_remote_daemon import daemon, proxy, use  # noqa: F401 - fixtures
+from .test_remote_daemon import allow_listed, daemon, proxy, use  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -155,22 +154,15 @@ def test_a_rewritten_object_of_the_set_is_source_changed(daemon: Daemon, s3: Any
 
 def test_a_shared_daemon_fetches_a_set_only_under_its_allow_list(s3: Any, parts: list[Path],  # noqa: F811
                                                                  proxy: FaultyProxy,  # noqa: F811
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("a daemon is shared when run as root or with --group: this test runs its daemon as root")
+                                                                 allow_listed: Daemon) -> None:  # noqa: F811
+    d = allow_listed
     allowed = uploaded(s3, parts, "allowed")
     upload(s3, parts[0], "elsewhere/part_0.h5")
     mixed = [f"s3://{BUCKET}/allowed/part_1.h5", f"s3://{BUCKET}/elsewhere/part_0.h5"]
-    d = Daemon("--allow-url", f"s3://{BUCKET}/allowed/")
-    try:
-        d.start()
-        use(d, monkeypatch)
-        assert SharedH5Dataset(allowed, "x", "y", mode="global", fallback="error").backend == "shm"
-        with pytest.raises(AccessDenied, match="--allow-url") as info:
-            SharedH5Dataset(mixed, "x", "y", mode="global", fallback="error")
-        assert mixed[1] in str(info.value)
-        with pytest.warns(RuntimeWarning, match="--allow-url"):  # read here, with the job's own credentials
-            assert SharedH5Dataset(mixed, "x", "y", mode="global").backend == "lazy"
-        assert not [s for s in d.status()["segments"] if s["file"] == mixed[0]]
-    finally:
-        d.stop()
+    assert SharedH5Dataset(allowed, "x", "y", mode="global", fallback="error").backend == "shm"
+    with pytest.raises(AccessDenied, match="--allow-url") as info:
+        SharedH5Dataset(mixed, "x", "y", mode="global", fallback="error")
+    assert mixed[1] in str(info.value)
+    with pytest.warns(RuntimeWarning, match="--allow-url"):  # read here, with the job's own credentials
+        assert SharedH5Dataset(mixed, "x", "y", mode="global").backend == "lazy"
+    assert not [s for s in d.status()["segments"] if s["file"] == mixed[0]]

@@ -12,7 +12,6 @@ torchrun ranks (tests/integration/test_remote_daemon.py has the fixtures and glo
 
 from __future__ import annotations
 
-import os
 import warnings
 import zlib
 from pathlib import Path
@@ -27,11 +26,11 @@ from h5serve.client import SharedH5Dataset, make_loader
 
 from ..helpers import Daemon, torchrun_two_ranks
 from .test_remote import BUCKET, FaultyProxy, s3, s3_endpoint, upload  # noqa: F401 - fixtures
-from .test_remote_daemon import ROWS, daemon, local, make_file, proxy, use  # noqa: F401 - fixtures
+from .test_remote_daemon import ROWS, allow_listed, daemon, local, make_file, proxy, use  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(240)
 
-JOB = Path(__file__).parents[1] / "jobs" / "remote_stream_job.py"
+JOB = Path(__file__).parents[1] / "jobs" / "remote_job.py"
 STREAM = {"mode": "stream", "window": "4MiB", "block_rows": 1024}  # 1 MiB blocks of x, 12 of them, 4 at once
 
 
@@ -78,7 +77,8 @@ def test_two_ranks_fetch_each_block_once_per_node(daemon: Daemon, s3: Any, local
     url = upload(s3, local, "stream-ddp/train.h5")
     data = ROWS * (1024 + 8)  # the rows of x and y: every block is used once in the epoch
     before, heads = proxy.get_bytes, proxy.methods.get("HEAD", 0)
-    reports = torchrun_two_ranks(JOB, [url, str(tmp_path / "out")], tmp_path / "out", daemon.runtime_dir, 180)
+    job_args = [url, str(tmp_path / "out"), "--mode", "stream", "--batch", "128"]
+    reports = torchrun_two_ranks(JOB, job_args, tmp_path / "out", daemon.runtime_dir, 180)
     fetched = proxy.get_bytes - before
     with h5py.File(local) as f:
         x = f["x"][:]
@@ -116,26 +116,19 @@ def test_an_object_rewritten_mid_epoch_is_source_changed_never_a_mix(
 
 
 def test_a_shared_daemon_streams_only_under_its_allow_list(s3: Any, local: Path, proxy: FaultyProxy,  # noqa: F811
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("a daemon is shared when run as root or with --group: this test runs its daemon as root")
+                                                           allow_listed: Daemon) -> None:  # noqa: F811
+    d = allow_listed
     allowed = upload(s3, local, "allowed/train.h5")
     other = upload(s3, local, "elsewhere/train.h5")
-    d = Daemon("--allow-url", f"s3://{BUCKET}/allowed/")
-    try:
-        d.start()
-        use(d, monkeypatch)
-        ok = SharedH5Dataset(allowed, "x", "y", fallback="error", **STREAM)
-        assert ok.backend == "shm"
-        ok.close()
-        with pytest.raises(AccessDenied, match="--allow-url") as info:
-            SharedH5Dataset(other, "x", "y", fallback="error", **STREAM)
-        assert other in str(info.value)
-        with pytest.warns(RuntimeWarning, match="--allow-url"):  # read here, with the job's own credentials
-            here = SharedH5Dataset(other, "x", "y", **STREAM)
-        assert here.backend == "lazy"
-        assert sum(len(y) for _, y in make_loader(here, 500, seed=1)) == ROWS
-        here.close()
-        assert not [s for s in d.status()["segments"] if s["file"] == other]
-    finally:
-        d.stop()
+    ok = SharedH5Dataset(allowed, "x", "y", fallback="error", **STREAM)
+    assert ok.backend == "shm"
+    ok.close()
+    with pytest.raises(AccessDenied, match="--allow-url") as info:
+        SharedH5Dataset(other, "x", "y", fallback="error", **STREAM)
+    assert other in str(info.value)
+    with pytest.warns(RuntimeWarning, match="--allow-url"):  # read here, with the job's own credentials
+        here = SharedH5Dataset(other, "x", "y", **STREAM)
+    assert here.backend == "lazy"
+    assert sum(len(y) for _, y in make_loader(here, 500, seed=1)) == ROWS
+    here.close()
+    assert not [s for s in d.status()["segments"] if s["file"] == other]

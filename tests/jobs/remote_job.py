@@ -1,6 +1,7 @@
-"""A DDP job for tests/integration/test_remote_daemon.py, run under torchrun (gloo): every rank
-opens the same s3:// object in ``mode="global"`` with the node's daemon (``fallback="error"``:
-the daemon's segments or nothing), runs one epoch of a tiny DDP model, and writes
+"""A DDP job for tests/integration/test_remote_daemon.py, test_remote_files.py and
+test_remote_stream.py, run under torchrun (gloo): every rank opens the same s3:// objects in
+``--mode`` (global, or stream with ``--window`` and ``--block-rows``) with the node's daemon
+(``fallback="error"``: the daemon's segments or nothing), runs one epoch of a tiny DDP model, and writes
 ``<out>/rank<N>.json``: the backend, and for every row it saw, its label and the crc32 of x."""
 
 import argparse
@@ -18,14 +19,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("out")
+    parser.add_argument("--mode", default="global", choices=["global", "stream"])
+    parser.add_argument("--window", default="4MiB")  # stream mode's
+    parser.add_argument("--block-rows", type=int, default=1024)  # stream mode's
+    parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    ds = SharedH5Dataset(args.url, "x", "y", mode="global", fallback="error")
+    stream = {"window": args.window, "block_rows": args.block_rows} if args.mode == "stream" else {}
+    ds = SharedH5Dataset(args.url, "x", "y", mode=args.mode, fallback="error", **stream)
     features = int(np.prod(np.asarray(ds[0][0]).shape))
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Flatten(), nn.Linear(features, 2)))
     seen: dict[int, int] = {}
-    for x, y in make_loader(ds, 256, seed=1):
+    for x, y in make_loader(ds, args.batch, seed=1):
         model(x.float()).sum().backward()  # all-reduced: both ranks take part in every batch
         for row, label in zip(np.asarray(x), np.asarray(y)):
             seen[int(label)] = zlib.crc32(row.tobytes())
