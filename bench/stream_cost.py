@@ -1,8 +1,9 @@
 """A rank's CPU per epoch in stream mode against global mode on the same file in the page
 cache, one process, no workers, at windows of 5%, 25% and 100% of the file: blocks gathered a
-block at a time (``H5SERVE_STITCH=0``, as before), stitched (one gather per key a batch) and,
-on branch wip-arena, from the daemon's stream arenas (``H5SERVE_ARENA=1``: each key mapped once,
-a block a slot leased by an OFD lock; docs/architecture.md, *Stream arena*).
+block at a time (``H5SERVE_ARENA=0 H5SERVE_STITCH=0``, a segment per block), stitched
+(``H5SERVE_ARENA=0``: a segment per block, one gather per key a batch) and from the daemon's
+stream arenas (the default: each key mapped once, a block a slot leased by an OFD lock;
+docs/architecture.md, *Stream arena*).
 
     python -m bench.stream_cost [--mib 256] [--epochs 3]
 
@@ -57,12 +58,14 @@ def stream_cost(data_dir: Path, mib: int = 256, epochs: int = 3) -> list[Row]:
         for share in (0.05, 0.25, 1.0):
             window = str(int(size * share)) if share < 1 else str(int(size * 1.05))
             found = {}
-            for stitch, env in (("0", "H5SERVE_STITCH"), ("1", "H5SERVE_STITCH"), ("arena", "H5SERVE_ARENA")):
-                os.environ[env] = "1" if stitch == "arena" else stitch
+            for stitch in ("0", "1", "arena"):  # the client's choice; the daemon offers arenas
+                os.environ["H5SERVE_ARENA"] = "1" if stitch == "arena" else "0"
+                os.environ["H5SERVE_STITCH"] = "0" if stitch == "0" else "1"
                 try:
                     found[stitch] = _epochs(path, daemon.runtime_dir, epochs, mode="stream", window=window)
                 finally:
-                    os.environ.pop(env, None)
+                    os.environ.pop("H5SERVE_ARENA", None)
+                    os.environ.pop("H5SERVE_STITCH", None)
             before, after, arena = (min(c for c, _ in found[k][1:]) for k in ("0", "1", "arena"))
             log(f"window {share:.0%}: CPU an epoch {before:.2f} s block by block, {after:.2f} s stitched, "
                 f"{arena:.2f} s arena (global {g_cpu:.2f} s); second epoch {found['0'][1][1]:,.0f} / "

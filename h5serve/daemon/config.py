@@ -18,7 +18,7 @@ __all__ = ["DaemonConfig", "DEFAULT_MEMORY_FRACTION", "DEFAULT_STALL_TIMEOUT_S",
 DEFAULT_MEMORY_FRACTION = 0.8  # of the shm filesystem's free space when the daemon starts
 SWEEP_INTERVAL_S = 2.0  # how often ready segments are checked against their source files
 FAILURE_MEMORY_S = 10.0  # how long a failed load's error is reported to pollers before a retry
-# prototype (branch wip-arena): a stream arena nobody has open, leases or loads is removed once it
+# a stream arena nobody has open, leases or loads is removed once it
 # was not asked for in ARENA_GRACE_S (an answer's client opens it within that), looked for every ARENA_SWEEP_S
 ARENA_GRACE_S = 5.0
 ARENA_SWEEP_S = 0.5
@@ -86,8 +86,9 @@ class DaemonConfig:
     # with idle_exit: in use while this directory has an entry (a SLURM prolog's hold for each
     # running job of the daemon's user: idle.holds); root's, so the user cannot forge a hold
     hold_dir: Path | None = None
-    # prototype (branch wip-arena): offer stream arenas (H5SERVE_ARENA=1 in the daemon's environment at start)
-    arenas: bool = False
+    # offer stream arenas (unless H5SERVE_ARENA=0 at start); a shared daemon (--group) never does:
+    # docs/security.md, *Stream arenas*
+    arenas: bool = True
 
     def __post_init__(self) -> None:
         for name in ("loaders", "load_processes"):

@@ -239,7 +239,7 @@ class Server:
             group=config.group, allow_roots=config.allow_roots, budget_rule=rule, allow_urls=config.allow_urls,
             load_processes=config.load_processes or default_load_processes(),
             stall_timeout=config.stall_timeout, checksum=config.checksum,
-            drop_page_cache=config.drop_page_cache, arenas=config.arenas,
+            drop_page_cache=config.drop_page_cache, arenas=config.arenas and config.group is None,
         )
         self._stopping = False
         self._stop_reason = ""  # said in the log and to systemd (STATUS=) when the daemon stops on its own
@@ -272,9 +272,9 @@ class Server:
             self._shutdown_by(peer)
         assert isinstance(request, (Ping, Shutdown))
         # a stream-mode client sizes its window by the budget; "used" lets a poller skip status's segment list
-        # "arena": the arena layout's version this daemon offers (prototype; not sent without it)
+        # "arena": the arena layout's version this daemon offers (not sent when it offers none)
         return {**info, "budget": self.store.max_memory, "used": self.store.used_bytes(),
-                **({"arena": ARENA_VERSION} if self.config.arenas else {})}
+                **({"arena": ARENA_VERSION} if self.store.arenas.offered else {})}
 
     def _shutdown_by(self, peer: Peer | None) -> None:
         """Stop, when ``peer`` is the daemon's own user or root: a ``--group`` member may use the

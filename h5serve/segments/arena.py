@@ -1,4 +1,4 @@
-"""The stream arena (prototype, branch wip-arena; docs/architecture.md, *Stream arena*): one shm
+"""The stream arena (docs/architecture.md, *Stream arena*): one shm
 file per (source file identity, key, dtype, block rows) holding a stream's blocks of fixed-size
 rows in fixed slots, so that a rank maps each key once and a batch is one gather.
 

@@ -121,7 +121,7 @@ class Acquire:
     files: tuple[str, ...] = ()  # many files as one dataset (files.py): every path, in row order
     rows: tuple[int, int] | None = None  # mode="stream": the block's global rows [start, stop)
     prefetch: bool = False  # mode="stream": asked ahead of need (the daemon refuses rather than evict for it)
-    # mode="stream", prototype (branch wip-arena): the block's rows in a slot of the key's arena of
+    # mode="stream": the block's rows in a slot of the key's arena of
     # slots of this many rows (segments/arena.py), not a segment of its own; 0: not sent
     arena: int = 0
     # an s3:// object (``path`` is its URL): its identity as the client described it, [size, ETag, version id]
@@ -235,7 +235,7 @@ class AcquireResult:
     # published; a client maps only a file that still has both (0: not known, not checked)
     ino: int = 0
     ctime_ns: int = 0
-    # an arena block (prototype, Acquire.arena): its slot in the arena ``name`` and the slot's
+    # an arena block (Acquire.arena): its slot in the arena ``name`` and the slot's
     # generation when the daemon answered (the rank checks both in the slot table under its lock)
     slot: int = 0
     generation: int = 0
@@ -337,7 +337,7 @@ def encode_request(request_id: int, request: Request) -> bytes:
         del fields["rows"]
     if fields.get("prefetch") is False:  # not a prefetch: the message as before
         del fields["prefetch"]
-    if fields.get("arena") == 0:  # not an arena block (prototype): the message as before
+    if fields.get("arena") == 0:  # not an arena block: the message as before
         del fields["arena"]
     if "pin" in fields and fields["pin"] is None:  # a local file: the message as before
         del fields["pin"]

@@ -48,14 +48,14 @@ HANDOUT_SOCKET_NAME = "h5serve.fds"  # segment descriptors for the daemon's othe
 PIDFILE_NAME = "h5serve.pid"
 LOGFILE_NAME = "h5serve.log"
 DAEMON_USER_ENV = "H5SERVE_DAEMON_USER"
-# "1": stream blocks of fixed-size rows in the daemon's arenas (prototype, branch wip-arena): a
-# client asks for them, a daemon started with it offers them (its ping says "arena")
+# "0": no stream arenas (docs/architecture.md, *Stream arena*): a client set so asks for a segment
+# per block, a daemon started so offers none (its ping says "arena" when it does)
 ARENA_ENV = "H5SERVE_ARENA"
 
 
 def arena_wanted() -> bool:
-    """Whether this process was started with ``ARENA_ENV=1`` (the stream arena prototype)."""
-    return os.environ.get(ARENA_ENV) == "1"
+    """Whether stream blocks go to the daemon's arenas: yes unless ``ARENA_ENV=0``."""
+    return os.environ.get(ARENA_ENV, "1").strip() != "0"
 
 
 @dataclass(frozen=True)

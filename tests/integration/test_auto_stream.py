@@ -135,7 +135,7 @@ def test_one_rank_streams_and_auto_stream_false_keeps_lazy_reads(h5: Path) -> No
             segments = status["segments"]
             labels = [s for s in segments if s["key"] == "y"]
             assert len(labels) == 1 and labels[0]["mode"] == "global" and labels[0]["whole_file"], labels
-            in_arena = arena_wanted()  # prototype (H5SERVE_ARENA=1, the daemon's too): x's blocks in an arena
+            in_arena = arena_wanted()  # (unless H5SERVE_ARENA=0) x's blocks in an arena
             assert {s["key"] for s in segments if s["mode"] == "stream"} == (set() if in_arena else {"x"})
             assert status["arenas"]["arenas"] == int(in_arena)
             for workers, context in ((2, "fork"), (1, "spawn")):  # workers map the labels' segment and blocks too

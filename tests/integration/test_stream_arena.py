@@ -1,4 +1,4 @@
-"""The stream arena prototype (branch wip-arena, ``H5SERVE_ARENA=1``; docs/architecture.md,
+"""The stream arena (docs/architecture.md,
 *Stream arena*) on a real daemon: every row of every epoch exactly once and equal to the file's
 with a budget a quarter of the file (slots reused all along), each key's arena mapped once (the
 process's mappings do not grow with the blocks it reads); the lease protocol: a slot a rank

@@ -1,4 +1,4 @@
-"""The stream arena prototype (``H5SERVE_ARENA=1``) and the daemon's memory: a slot that finds no
+"""The stream arena and the daemon's memory: a slot that finds no
 room is refused with the error a segment per block meets (BudgetExceeded from the store's
 refusal, counted as one); slot loads count against the loads one uid may queue, together with
 its segments' (MAX_QUEUED_LOADS_PER_UID); an arena is removed, every page of it given back, once

@@ -1,6 +1,6 @@
-"""The stream arena prototype (``H5SERVE_ARENA=1``) beside a daemon that offers no arenas: a
+"""The stream arena beside a daemon that offers no arenas: a
 client asks for arenas only when the daemon's ping offers them (``"arena"``: the layout's
-version), and otherwise streams a segment per block, as without the variable: same rows, same
+version), and otherwise streams a segment per block, as with H5SERVE_ARENA=0: same rows, same
 order, no arena file. Both kinds of daemon without arenas are real: this one started without the
 variable, and an older daemon (the last main without the arena, its package taken from git)."""
 
@@ -21,6 +21,7 @@ from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import ARENA_ENV
 
 from ..helpers import Daemon, make_h5, running_daemon
+from ..users import as_user, root_only, throwaway_group, throwaway_user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,7 +64,7 @@ def test_a_daemon_started_without_arenas(h5: Path, monkeypatch: pytest.MonkeyPat
     """Started without ``H5SERVE_ARENA=1``: its ping offers no arena, an ``Acquire.arena`` is
     refused (ProtocolError), and a client with the variable set streams a segment per block,
     the rows and order of a client without it."""
-    monkeypatch.delenv(ARENA_ENV, raising=False)
+    monkeypatch.setenv(ARENA_ENV, "0")
     with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
         with DaemonClient(d.runtime_dir) as client:
             assert "arena" not in client.ping()
@@ -86,7 +87,7 @@ def test_an_arena_daemon_is_asked_for_arenas(h5: Path, monkeypatch: pytest.Monke
     with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
         with DaemonClient(d.runtime_dir) as client:
             assert client.ping()["arena"] == 1
-        monkeypatch.delenv(ARENA_ENV)
+        monkeypatch.setenv(ARENA_ENV, "0")
         without = _epoch(h5, d.runtime_dir)
         monkeypatch.setenv(ARENA_ENV, "1")
         np.testing.assert_array_equal(_epoch(h5, d.runtime_dir), without)
@@ -118,8 +119,37 @@ def test_an_older_daemon(h5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
         with DaemonClient(d.runtime_dir) as client:
             assert "arena" not in client.ping()
         asked = _epoch(h5, d.runtime_dir)
-        monkeypatch.delenv(ARENA_ENV)
+        monkeypatch.setenv(ARENA_ENV, "0")
         np.testing.assert_array_equal(asked, _epoch(h5, d.runtime_dir))
         _no_arena_file(d)
     finally:
         d.stop()
+
+
+@root_only
+def test_a_shared_daemon_offers_no_arena_and_a_member_streams_its_own_segments(
+        public_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``--group`` daemon never offers arenas, whatever the variable: an arena is one file every
+    stream of a (file, key) shares, and the daemon hands a member only descriptors of what it was
+    granted (docs/security.md, *Stream arenas*). A member in stream mode gets the rows and order
+    of a client without the variable, from segments it alone was handed, and no arena file exists."""
+    h5 = make_h5(public_dir / "data.h5", rows=ROWS, row_shape=SHAPE)
+    with throwaway_group() as group, throwaway_user((group,)) as member:
+        monkeypatch.setenv(ARENA_ENV, "1")  # asked for, by the daemon and its clients
+        d = Daemon("--group", group.name, "--max-memory", str(BUDGET), "--loaders", "2")
+        d.dir.chmod(0o755)
+        try:
+            d.start()
+            with DaemonClient(d.runtime_dir) as client:
+                assert "arena" not in client.ping()
+                with pytest.raises(ProtocolError, match="offers no stream arenas"):
+                    client.acquire(Acquire(str(h5), "x", 1, 0, "stream", None, rows=(0, BLOCK_ROWS),
+                                           arena=BLOCK_ROWS))
+            runtime_dir = d.runtime_dir
+            status, order = as_user(member, lambda: _epoch(h5, runtime_dir).tolist(), timeout=120)
+            assert status == "ok", order
+            monkeypatch.setenv(ARENA_ENV, "0")
+            np.testing.assert_array_equal(np.asarray(order), _epoch(h5, runtime_dir))
+            _no_arena_file(d)
+        finally:
+            d.stop()

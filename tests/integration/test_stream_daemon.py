@@ -49,7 +49,7 @@ def daemon(budget: int = BUDGET) -> AbstractContextManager[Daemon]:
 
 
 def counters(d: Daemon) -> dict[str, int]:
-    """The daemon's counters; with the stream arena (prototype, H5SERVE_ARENA=1, the daemon's too)
+    """The daemon's counters; with the stream arena (unless H5SERVE_ARENA=0)
     a block is a slot load, not a segment's: ``loads`` counts both, ``evictions`` a slot reused
     or punched for another block as well as a segment evicted."""
     with DaemonClient(d.runtime_dir) as client:

@@ -74,7 +74,7 @@ def test_a_tiny_block_stream_prefetches_within_the_load_queue(h5: Path) -> None:
         with DaemonClient(d.runtime_dir) as client:
             status = client.status()
     counters = status["counters"]
-    if arena_wanted():  # prototype (H5SERVE_ARENA=1, the daemon's too): x's blocks are slot loads of its arena
+    if arena_wanted():  # (unless H5SERVE_ARENA=0) x's blocks are slot loads of its arena
         assert counters["refusals"] == 0 and counters["loads"] == 1, counters  # y: one segment
         assert status["arenas"]["loads"] == ROWS // CHUNK, status["arenas"]
     else:

@@ -148,7 +148,7 @@ def test_a_rank_waiting_for_room_maps_no_block(h5: Path, tmp_path: Path) -> None
     takes the room of the last and the epoch goes on a block at a time. A view of the last block
     it had copied rows from kept that block mapped, and leased, while it waited: it waited for
     itself until its ``timeout=`` failed it with BudgetExceeded. With the stream arena
-    (prototype, H5SERVE_ARENA=1) a block is a slot of each key's arena, whose header and table
+    (unless H5SERVE_ARENA=0) a block is a slot of each key's arena, whose header and table
     the budget counts too: room for those and one slot each."""
     hog_file = make_h5(tmp_path / "hog.h5", rows=HOG_ROWS, row_shape=(1024,))
     block = segment_cost(BLOCK_ROWS * SHAPE[0]) + segment_cost(BLOCK_ROWS * 8)  # x and y, as the budget counts them

@@ -48,7 +48,7 @@ def _segments(runtime_dir: Path) -> list[dict]:
 
 
 def _arenas(runtime_dir: Path) -> dict[str, int]:
-    """The daemon's stream arenas (prototype, H5SERVE_ARENA=1): their count and slot loads."""
+    """The daemon's stream arenas (unless H5SERVE_ARENA=0): their count and slot loads."""
     with DaemonClient(runtime_dir) as client:
         return client.status()["arenas"]
 
@@ -76,7 +76,7 @@ def test_labels_are_held_whole_and_only_images_stream(h5: Path) -> None:
                 segments = _segments(d.runtime_dir)
                 labels = [s for s in segments if s["key"] == "y"]
                 assert len(labels) == 1 and labels[0]["mode"] == "global" and labels[0]["whole_file"], labels
-                if arena_wanted():  # prototype (the daemon's too): x's blocks are slots of one arena
+                if arena_wanted():  # x's blocks are slots of one arena
                     arenas = _arenas(d.runtime_dir)
                     assert not [s for s in segments if s["mode"] == "stream"], segments
                     assert arenas["arenas"] == 1 and arenas["loads"] >= 65, arenas  # x: block by block
@@ -101,7 +101,7 @@ def test_an_asked_window_keeps_every_key_in_blocks(h5: Path) -> None:
         try:
             batches = _epoch(ds, h5)
             assert sorted(np.concatenate(batches).tolist()) == list(range(ROWS))
-            if arena_wanted():  # prototype (the daemon's too): each key's blocks are slots of its own arena
+            if arena_wanted():  # each key's blocks are slots of its own arena
                 assert not _segments(d.runtime_dir) and _arenas(d.runtime_dir)["arenas"] == 2
             else:
                 assert {(s["key"], s["mode"]) for s in _segments(d.runtime_dir)} == {("x", "stream"), ("y", "stream")}

@@ -1,4 +1,4 @@
-"""The stream arena's file layout and leases (segments/arena.py; prototype, branch wip-arena):
+"""The stream arena's file layout and leases (segments/arena.py):
 the header read back as written, a file that is no arena refused, OFD locks that conflict
 between open file descriptions and never within one, and a punched slot's pages given back."""
 

@@ -620,7 +620,7 @@ def test_acquire_result_rejects_bad_field_types(change):
 
 
 def test_acquire_result_is_a_dataclass_with_wire_fields():
-    # branch wip-arena: an arena block's slot and generation, sent only with a generation (prototype)
+    # an arena block's slot and generation, sent only with a generation
     assert [f.name for f in dataclasses.fields(AcquireResult)] == [*VALID_RESULT, "slot", "generation"]
 
 

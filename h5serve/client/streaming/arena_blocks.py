@@ -1,5 +1,5 @@
-"""Stream mode's blocks of fixed-size rows from the daemon's arenas (prototype, branch wip-arena,
-``H5SERVE_ARENA=1``; docs/architecture.md, *Stream arena*; segments/arena.py).
+"""Stream mode's blocks of fixed-size rows from the daemon's arenas (unless
+``H5SERVE_ARENA=0``; docs/architecture.md, *Stream arena*; segments/arena.py).
 
 Each streamed key's arena is mapped once, whole, read-only; a block is *held* while this process
 has an OFD read lock on its slot's range (taken, then the slot table checked to still show the
@@ -8,7 +8,7 @@ for again). Releasing a block drops the lock and nothing else: no munmap, no mma
 block. A batch is one ``take`` per key over the arena's rows, at slot-relative row numbers
 (``slot * rows a slot + row - block start``), as ``stitched.py`` gathers without an arena.
 
-One process only in this prototype: a forked child's locks would be its parent's (one open file
+One process only: a forked child's locks would be its parent's (one open file
 description), so a child drops what it inherited without unlocking and opens its own.
 """
 
@@ -43,13 +43,14 @@ log = logging.getLogger("h5serve.client")
 
 def arenas_used(eligible: bool, offered: bool) -> bool:
     """Whether a stream takes its blocks from the daemon's arenas: ``eligible`` (fixed-size rows,
-    stitched, of one file), asked for (``ARENA_ENV=1``) and ``offered`` by the daemon's ping.
-    Asked for and not offered (an older daemon, or one started without it): a segment per
-    block, said in the log, never an acquire the daemon would refuse."""
+    stitched, of one file), not turned off (``ARENA_ENV=0``) and ``offered`` by the daemon's
+    ping. Not offered (an older daemon, one started with ``ARENA_ENV=0``, a shared one): a
+    segment per block, said in the log, never an acquire the daemon would refuse."""
     if not (eligible and arena_wanted()):
         return False
     if not offered:
-        log.info("h5serve: %s=1 but the daemon offers no stream arenas: a segment per block", ARENA_ENV)
+        log.info("h5serve: the daemon offers no stream arenas (older, shared, or %s=0): a segment per block",
+                 ARENA_ENV)
     return offered
 
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.01, 0.5

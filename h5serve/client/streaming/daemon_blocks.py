@@ -113,7 +113,7 @@ class DaemonBlocks:
         # fixed-size rows: every key's blocks side by side, one gather a batch (stitched.py)
         self._stitch = (bool(self._streamed[0]) and not any(i.vlen for i in self._streamed[0])
                         and can_stitch(HEADER_SIZE) and os.environ.get(STITCH_ENV, "1") != "0")
-        # prototype (branch wip-arena): the daemon's arenas instead of a segment per block
+        # the daemon's arenas instead of a segment per block
         self._use_arena = arenas_used(self._stitch and not spec.files and spec.pin is None, arena_offered)
         self._reset()
         if self._arena is None and self.mapped_cap < min(self.capacity, self.layout.n_blocks):

@@ -32,7 +32,7 @@ MAX_MAPPED_ENV = "H5SERVE_MAX_MAPPED_BLOCKS"  # a lower cap on the blocks a proc
 @dataclass(frozen=True)
 class DaemonWindow:
     """What the client learnt from the node's daemon for stream mode: its memory budget, and
-    whether it offers stream arenas (prototype, branch wip-arena)."""
+    whether it offers stream arenas."""
 
     budget: int  # the daemon's --max-memory (or what it derived from /dev/shm), bytes
     # its ping offers the arena layout this client maps (a daemon started with H5SERVE_ARENA=1);

@@ -1,5 +1,4 @@
-"""A stream block's rows loaded into a slot of its key's arena (prototype, branch wip-arena;
-segments/arena.py), in a loader process: the same part reader as a segment's load
+"""A stream block's rows loaded into a slot of its key's arena (segments/arena.py), in a loader process: the same part reader as a segment's load
 (``loader._read_part`` through ``ArenaSlotWriter``, which offers what it takes of a
 ``SegmentWriter``: ``data`` and ``data_target``), one part, no checksum, no page cache drop.
 
@@ -46,7 +45,7 @@ class ArenaSlotWriter:
         return self._fd, self.target.offset
 
     def set_progress(self, rows_done: int) -> None:
-        pass  # the daemon sees a slot's load by its reply only (prototype)
+        pass  # the daemon sees a slot's load by its reply only
 
     def mark_activity(self) -> None:
         pass

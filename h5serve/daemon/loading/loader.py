@@ -109,7 +109,7 @@ class LoadJob:
     # variable-length rows: the bytes the segment may take, its share of the budget (vlenload.py); None for
     # fixed rows, whose segment's size is known before the load (the store counted exactly that)
     room: Room | None = None
-    arena: ArenaTarget | None = None  # prototype: a stream block into a slot of its arena (arenaload.py)
+    arena: ArenaTarget | None = None  # a stream block into a slot of its arena (arenaload.py)
 
 
 _REMOTE_PRELOAD: list[str] = []  # what s3:// loads import, preloaded too when the daemon is told to fetch URLs
@@ -236,7 +236,7 @@ def _read_part(meta: SegmentMeta, rows: RowRange, writer: SegmentWriter, span: t
     return PartResult(copied, -1 if crc is None else crc.value)
 
 
-read_part = _read_part  # the arena prototype's loads (arenaload.py) read through it too
+read_part = _read_part  # the arenas' loads (arenaload.py) read through it too
 
 
 def _joined_crc(first: PartResult, spans: list[tuple[int, int] | None], parts: Parts | None,

@@ -1,4 +1,4 @@
-"""The daemon's stream arenas (prototype, branch wip-arena; docs/architecture.md, *Stream arena*):
+"""The daemon's stream arenas (docs/architecture.md, *Stream arena*):
 a stream block of fixed-size rows asked for with ``Acquire.arena`` (its key's rows a slot)
 goes into a slot of one arena file per (source identity, key, dtype, rows a slot), not into a
 segment of its own (segments/arena.py has the layout and the leases).
@@ -115,7 +115,7 @@ class Arenas:
 
     def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
                  pool: LoaderPool, host: ArenaHost, offered: bool = False) -> None:
-        self.offered = offered  # started with H5SERVE_ARENA=1: its ping says so, else Acquire.arena is refused
+        self.offered = offered  # its ping says so; else Acquire.arena is refused (H5SERVE_ARENA=0, or --group)
         self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
         self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
         self._host = host
@@ -147,8 +147,8 @@ class Arenas:
         arenas (a client asks only when its ping says it does): ProtocolError."""
         assert req.rows is not None
         if not self.offered:
-            raise ProtocolError("this daemon offers no stream arenas (started without H5SERVE_ARENA=1; its ping "
-                                "says so): ask for the block without 'arena'")
+            raise ProtocolError("this daemon offers no stream arenas (started with H5SERVE_ARENA=0, or shared with "
+                                "--group; its ping says so): ask for the block without 'arena'")
         arena = self._arena_of(req, meta)
         start = req.rows[0]
         failed = arena.failures.get(start)
@@ -191,13 +191,12 @@ class Arenas:
         name = f"{segment_prefix(self.namespace)}{ARENA_MARK}{secrets.token_hex(16)}"
         dir_fd = os.open(self.shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o640 if self.group is not None else 0o600, dir_fd=dir_fd)
+            # the daemon's user's alone: arenas are offered only by a daemon no other user may use
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
         try:
-            if self.group is not None:
-                os.fchown(fd, -1, self.group)
             os.ftruncate(fd, layout.file_size)  # sparse: tmpfs gives a slot its pages when it is written
             write_header(fd, layout)
             mapping = mmap.mmap(fd, layout.data_offset, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -403,7 +402,7 @@ class Arenas:
         os.close(arena.fd)
 
     def report(self) -> dict[str, int]:
-        """Counters and sizes for ``status`` (prototype)."""
+        """Counters and sizes for ``status``."""
         slots = [s for a in self._arenas.values() for s in a.slots]
         return {"arenas": len(self._arenas), "loads": self.loads, "reclaims": self.reclaims, "punches": self.punches,
                 "slots": len(slots), "ready": sum(s.state == READY for s in slots), "bytes": self.nbytes,

@@ -119,7 +119,7 @@ class SegmentStore:
         # stream job asks for every block and key again and again, and building the meta and
         # hashing its name was a third of answering a hit
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
-        # prototype (branch wip-arena): stream blocks asked for in slots of an arena (arena.py)
+        # stream blocks asked for in slots of an arena (arena.py)
         self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self, arenas)
 
     # ----- startup -------------------------------------------------------------------------
@@ -245,7 +245,7 @@ class SegmentStore:
 
         Raised when ``uid`` already has MAX_QUEUED_LOADS_PER_UID loads waiting: CapacityError.
         """
-        if req.arena and not meta.vlen and not meta.files:  # prototype: a slot of the key's arena
+        if req.arena and not meta.vlen and not meta.files:  # a slot of the key's arena
             result = self.arenas.acquire(req, meta, None if spans is None else spans(), uid)
             if not self._answering:
                 self.arenas.launch()
@@ -332,9 +332,9 @@ class SegmentStore:
                 log.exception("could not start a loader; the load stays queued and is started again later")
 
     def _launch_pending(self) -> None:
-        running = len(self.loads.running()) + self.arenas.running  # prototype: slot loads take loaders too
+        running = len(self.loads.running()) + self.arenas.running  # slot loads take loaders too
         while running < self.max_loaders:
-            if self.arenas.take_turn():  # prototype: slot loads and segment loads take turns
+            if self.arenas.take_turn():  # slot loads and segment loads take turns
                 running += 1
                 continue
             entry, self._last_uid = next_queued(self.loads.queued(), self._last_uid)
@@ -396,7 +396,7 @@ class SegmentStore:
                 used -= entry.charge
                 self.counters["evictions"] += 1
                 log.log(load_log_level(entry.meta), "evicted %s to make room", entry.file)
-        if used + needed > self.max_memory and punch:  # prototype: unleased arena slots (not ``arena``'s) go
+        if used + needed > self.max_memory and punch:  # unleased arena slots (not ``arena``'s) go
             used -= self.arenas.punch(used + needed - self.max_memory, keep=arena)
         if used + needed > self.max_memory:
             self.counters["refusals"] += not prefetch  # a prefetch refused is asked again when needed
@@ -469,7 +469,7 @@ class SegmentStore:
             "counters": dict(self.counters),
             "errors": dict(self.errors),
             "remote": self._remote_status(),
-            "arenas": self.arenas.report(),  # prototype (branch wip-arena)
+            "arenas": self.arenas.report(),
         }
 
     def _remote_status(self) -> dict[str, Any]:
