@@ -1,4 +1,5 @@
-"""A stream block's rows loaded into a slot of its key's arena (segments/arena.py), in a loader process: the same part reader as a segment's load
+"""A stream block's rows loaded into a slot of its key's arena (segments/arena.py), in a
+loader process: the same part reader as a segment's load
 (``loader._read_part`` through ``ArenaSlotWriter``, which offers what it takes of a
 ``SegmentWriter``: ``data`` and ``data_target``), one part, no checksum, no page cache drop.
 

@@ -21,7 +21,7 @@ import mmap
 import os
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess
@@ -81,7 +81,6 @@ class _Slot:
     state: int = FREE
     needed: bool = False  # a request that was no prefetch asked for its block since it was loaded
     punched: bool = False  # its pages given back (free, not counted in the budget)
-    last_used: float = 0.0
     meta: SegmentMeta | None = None
     spans: tuple[tuple[int, int], ...] | None = None
     uid: int = 0
@@ -101,6 +100,16 @@ class _Arena:
     slot_of: dict[int, int] = field(default_factory=dict)  # block start row -> slot
     failures: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # block start -> code, message, when
     asked: float = field(default_factory=time.monotonic)  # its last acquire (``sweep``'s grace counts from it)
+    serial: int = 0  # its number in ``Arenas._lru``'s keys
+    # kept as slots change, so that no step looks at every slot (150,000 of them in a large window)
+    used: int = 0  # slots with their pages (counted in the budget)
+    free: list[int] = field(default_factory=list)  # FREE slots that have their pages
+    holes: list[int] = field(default_factory=list)  # punched slots (FREE, no pages)
+    loading: int = 0  # slots LOADING (queued or running)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.data_offset + self.used * self.layout.slot_bytes
 
     def publish(self, slot: _Slot) -> None:
         """The table's row for ``slot``: its block and generation first, its state last."""
@@ -123,6 +132,10 @@ class Arenas:
         self.removed = 0  # arenas unlinked: no stream used them any more
         self.kept = 0  # sweeps that kept an arena past its grace because a process had it open or leased
         self._arenas: dict[tuple, _Arena] = {}
+        self._by_serial: dict[int, _Arena] = {}
+        # every arena's READY slots, least recently asked for first: (arena serial, slot index)
+        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._serials = 0
         self._queue: list[tuple[_Arena, _Slot]] = []
         self._turn = False  # take_turn: the slot loads' turn at the next loader freed
         self._running: list[tuple[_Arena, _Slot]] = []
@@ -134,8 +147,7 @@ class Arenas:
     @property
     def nbytes(self) -> int:
         """What the budget counts of the arenas: their headers and every slot used so far."""
-        return sum(a.layout.data_offset + sum(not s.punched for s in a.slots) * a.layout.slot_bytes
-                   for a in self._arenas.values())
+        return sum(a.nbytes for a in self._arenas.values())
 
     # ----- acquire --------------------------------------------------------------------------
     def acquire(self, req: Acquire, meta: SegmentMeta, spans: tuple[tuple[int, int], ...] | None,
@@ -163,13 +175,15 @@ class Arenas:
             check_queue_of(self._host.loads.queued(), uid, meta, self._host.counters, self.queued_by(uid))
             slot = self._take_slot(arena, meta, req.prefetch)
             slot.block, slot.generation, slot.state, slot.needed = start, slot.generation + 1, LOADING, False
+            arena.loading += 1
             slot.meta, slot.spans, slot.uid = meta, spans, uid
             arena.publish(slot)
             arena.slot_of[start] = slot.index
             self._queue.append((arena, slot))
         else:
             slot = arena.slots[index]
-        slot.last_used = time.monotonic()
+            if slot.state == READY:
+                self._lru.move_to_end((arena.serial, index))
         slot.needed = slot.needed or not req.prefetch
         st = os.fstat(arena.fd)
         dir_st = os.stat(self.shm_dir)
@@ -204,8 +218,11 @@ class Arenas:
             os.close(fd)
             os.unlink(self.shm_dir / name)
             raise
-        arena = _Arena(name, fd, os.fstat(fd).st_ino, layout, table_of(mapping, layout), mapping)
+        self._serials += 1
+        arena = _Arena(name, fd, os.fstat(fd).st_ino, layout, table_of(mapping, layout), mapping,
+                       serial=self._serials)
         self._arenas[key] = arena
+        self._by_serial[arena.serial] = arena
         log.info("stream arena %s for %s[%s]: %d slots of %d rows (%s each)", name, meta.source_path, meta.key,
                  layout.n_slots, req.arena, format_bytes(layout.slot_bytes))
         return arena
@@ -220,51 +237,66 @@ class Arenas:
         prefetch never takes another rank's next block."""
         layout = arena.layout
         refusals = self._host.counters["refusals"]  # a refusal of the store's eviction below is this one's
-        free = next((s for s in arena.slots if s.state == FREE and not s.punched), None)
         # a free slot's lock fails only while a rank that locked it before reading the table lets go
-        if free is not None and self._lock(arena, free):
-            return free
+        if arena.free and self._lock(arena, arena.slots[arena.free[-1]]):
+            return arena.slots[arena.free.pop()]
         grown = self._grow(arena, meta, prefetch)
         if grown is not None:
             return grown
-        can_grow = len(arena.slots) < layout.n_slots or any(s.punched for s in arena.slots)
-        candidates = sorted(((a, s) for a in self._arenas.values() if a is arena or can_grow
-                             for s in a.slots if s.state == READY and (s.needed or not prefetch)),
-                            key=lambda pair: pair[1].last_used)
-        for owner, slot in candidates:
+        can_grow = len(arena.slots) < layout.n_slots or bool(arena.holes)
+        while True:
+            found = self._unleased(arena, can_grow, prefetch)
+            if found is None:
+                break
+            owner, slot = found
+            del self._lru[(owner.serial, slot.index)]
             if owner is arena:
-                if self._lock(arena, slot):
-                    del arena.slot_of[slot.block]
-                    self.reclaims += 1
-                    return slot
-            elif self._punch(owner, slot):
-                grown = self._grow(arena, meta, prefetch)
-                if grown is not None:
-                    return grown
+                del arena.slot_of[slot.block]
+                self.reclaims += 1
+                return slot
+            self._punch_locked(owner, slot)
+            grown = self._grow(arena, meta, prefetch)
+            if grown is not None:
+                return grown
         # no slot to be had: the store's refusal of a segment that does not fit (refusals.over_budget),
         # counted once, the same error a block in a segment of its own meets
         if self._host.counters["refusals"] == refusals:
             self._host.counters["refusals"] += not prefetch
         raise over_budget(meta, layout.slot_bytes, self._host.used_bytes(), self.max_memory, self._host.budget_rule)
 
+    def _unleased(self, arena: _Arena, can_grow: bool, prefetch: bool) -> tuple[_Arena, _Slot] | None:
+        """The least recently asked for READY slot nobody leases, write-locked: one of ``arena``'s,
+        or (``can_grow``) another arena's; for a prefetch only one some request needed since its
+        load. The slots looked at before it are the leased ones asked for longer ago (mostly
+        blocks being read now), not every slot."""
+        for serial, index in self._lru:
+            owner = self._by_serial[serial]
+            slot = owner.slots[index]
+            if (owner is arena or can_grow) and (slot.needed or not prefetch) and self._lock(owner, slot):
+                return owner, slot
+        return None
+
     def _grow(self, arena: _Arena, meta: SegmentMeta, prefetch: bool) -> _Slot | None:
         """One more slot's pages (a punched slot's, or a slot never used), write-locked, if the
         budget has room for them (unheld segments evicted for it; no arena's slot punched)."""
-        punched = next((s for s in arena.slots if s.punched), None)
-        if punched is None and len(arena.slots) >= arena.layout.n_slots:
+        if not arena.holes and len(arena.slots) >= arena.layout.n_slots:
             return None
         try:
             self._host.make_room(arena.layout.slot_bytes, meta, prefetch, arena, False)
         except BudgetExceeded:
             return None
-        if punched is None:
-            punched = _Slot(len(arena.slots))
-            arena.slots.append(punched)
-        punched.punched = False
-        if not self._lock(arena, punched):  # a rank between its lock and its look at the table: free, with pages
-            punched.state = FREE
+        if arena.holes:
+            slot = arena.slots[arena.holes.pop()]
+        else:
+            slot = _Slot(len(arena.slots))
+            arena.slots.append(slot)
+        slot.punched = False
+        arena.used += 1
+        if not self._lock(arena, slot):  # a rank between its lock and its look at the table: free, with pages
+            slot.state = FREE
+            arena.free.append(slot.index)
             return None
-        return punched
+        return slot
 
     @staticmethod
     def _lock(arena: _Arena, slot: _Slot) -> bool:
@@ -275,27 +307,28 @@ class Arenas:
         ``needed`` bytes are freed: the store's eviction when another load needs the room
         (never ``keep``'s slots). Returns the bytes freed."""
         freed = 0
-        ready = sorted(((a, s) for a in self._arenas.values() if a is not keep for s in a.slots if s.state == READY),
-                       key=lambda pair: pair[1].last_used)
-        for arena, slot in ready:
+        for serial, index in list(self._lru):
             if freed >= needed:
                 break
-            if self._punch(arena, slot):
+            arena = self._by_serial[serial]
+            slot = arena.slots[index]
+            if arena is not keep and self._lock(arena, slot):
+                del self._lru[(serial, index)]
+                self._punch_locked(arena, slot)
                 freed += arena.layout.slot_bytes
         return freed
 
-    def _punch(self, arena: _Arena, slot: _Slot) -> bool:
-        """Free ``slot`` and give back its pages, if nobody leases it (a write lock without waiting)."""
+    def _punch_locked(self, arena: _Arena, slot: _Slot) -> None:
+        """Free ``slot``, which this daemon write-locked (out of ``_lru``), and give back its pages."""
         offset, size = arena.layout.slot_offset(slot.index), arena.layout.slot_bytes
-        if not lock_range(arena.fd, offset, size, fcntl.F_WRLCK):
-            return False
         arena.slot_of.pop(slot.block, None)
         slot.state, slot.block, slot.punched = FREE, -1, True
         arena.publish(slot)
         punch_hole(arena.fd, offset, size)
         lock_range(arena.fd, offset, size, fcntl.F_UNLCK)
+        arena.used -= 1
+        arena.holes.append(slot.index)
         self.punches += 1
-        return True
 
     # ----- loads ----------------------------------------------------------------------------
     def launch(self) -> None:
@@ -347,8 +380,10 @@ class Arenas:
                 self.pool.loaded()
                 self._reaping.append(slot.process)
             slot.process, slot.reply = None, None
+            arena.loading -= 1
             if isinstance(result, LoadOk):
                 slot.state = READY
+                self._lru[(arena.serial, slot.index)] = None
                 self.loads += 1
             else:
                 code, message = ((result.code, result.message) if isinstance(result, LoadError)
@@ -357,6 +392,7 @@ class Arenas:
                 arena.failures[slot.block] = (code, message, time.monotonic())
                 arena.slot_of.pop(slot.block, None)
                 slot.state, slot.block = FREE, -1
+                arena.free.append(slot.index)
             arena.publish(slot)
             lock_range(arena.fd, arena.layout.slot_offset(slot.index), arena.layout.slot_bytes, fcntl.F_UNLCK)
         self._running = still
@@ -378,15 +414,16 @@ class Arenas:
             return
         self._next_sweep = now + ARENA_SWEEP_S
         for key, arena in list(self._arenas.items()):
-            if now - arena.asked < ARENA_GRACE_S or any(s.state == LOADING for s in arena.slots):
+            if now - arena.asked < ARENA_GRACE_S or arena.loading:
                 continue
             if locked_by_others(arena.fd, 0, arena.layout.file_size):
                 self.kept += 1
                 continue
             log.info("stream arena %s: no stream uses it any more, removed (%s given back)", arena.name,
-                     format_bytes(arena.layout.data_offset + sum(not s.punched for s in arena.slots)
-                                  * arena.layout.slot_bytes))
-            del self._arenas[key]
+                     format_bytes(arena.nbytes))
+            del self._arenas[key], self._by_serial[arena.serial]
+            for slot in arena.slots:
+                self._lru.pop((arena.serial, slot.index), None)
             self._queue = [(a, s) for a, s in self._queue if a is not arena]
             self._close_arena(arena)
             try:
