@@ -69,6 +69,11 @@ def format_status(info: dict[str, Any]) -> str:
         lines.append(f"idle exit: after {idle['after_s']:g}s unused (--idle-exit); unused for {idle['idle_s']:.0f}s "
                      "(status requests do not count)"
                      + (f"; {idle['holds']} hold(s) of running jobs" if idle.get("holds") else ""))
+    arenas = info.get("arenas")
+    if arenas and (arenas.get("arenas") or arenas.get("loads")):
+        lines.append(f"stream arenas: {arenas['arenas']} open, {arenas['ready']} of {arenas['slots']} slot(s) "
+                     f"ready, {format_bytes(arenas['bytes'])}; {arenas['loads']} block load(s), "
+                     f"{arenas['reclaims']} slot(s) reused, {arenas['punches']} given back")
     remote = info.get("remote")
     if remote and remote.get("loads"):
         lines.append(f"remote: {remote['loads']} load(s) of s3:// objects fetched "
