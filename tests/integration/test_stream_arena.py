@@ -23,7 +23,8 @@ import pytest
 from h5serve.client import SharedH5Dataset, make_loader
 from h5serve.client.streaming.arena_blocks import ArenaBlocks, _Mapped
 from h5serve.client.streaming.refusal import NoRoom
-from h5serve.errors import BudgetExceeded
+from h5serve.daemon.config import FAILURE_MEMORY_S
+from h5serve.errors import BudgetExceeded, SegmentError
 from h5serve.order.stream_order import BlockLayout
 from h5serve.segments import segment_prefix
 from h5serve.segments.arena import ARENA_MARK, READY, lock_range
@@ -31,7 +32,16 @@ from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 from h5serve.wire.runtime import ARENA_ENV, resolve_runtime
 
-from ..helpers import h5serve_cli, make_h5, running_daemon, torchrun_two_ranks, wait_for, watch_memory
+from ..helpers import (
+    alive,
+    descendant_pids,
+    h5serve_cli,
+    make_h5,
+    running_daemon,
+    torchrun_two_ranks,
+    wait_for,
+    watch_memory,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -261,3 +271,71 @@ def test_a_daemon_killed_mid_epoch_and_started_again(h5: Path, monkeypatch: pyte
             assert any(ARENA_MARK in name for name in d.segment_files())
         finally:
             ds.close()
+
+
+def _holding_open(pids: list[int], path: Path) -> list[int]:
+    """Those of ``pids`` with ``path`` open (a kept stream loader keeps its source file open)."""
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    found.append(pid)
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def test_a_stalled_slot_load_is_killed_failed_and_loaded_again(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot load that makes no progress (its loader stopped: a hung file system) is killed after
+    ``--stall-timeout``, its block answered with the stall's error (never a wait without end), the
+    slot freed, and loaded again by a new loader once the error is forgotten."""
+    monkeypatch.setenv(ARENA_ENV, "1")  # the daemon offers arenas
+    path = make_h5(tmp_path / "small.h5", rows=1000, row_shape=(1024,))  # 16 blocks of 64 KiB
+    stopped: list[int] = []
+    with running_daemon("--max-memory", str(1024 * 1024), "--loaders", "1", "--stall-timeout", "2") as d, \
+            DaemonClient(d.runtime_dir, timeout=5) as c:
+        try:
+            blocks = _blocks(path)
+            assert c.acquire(blocks[0]).state == "ready"  # a kept loader now holds the file open
+            assert wait_for(lambda: bool(_holding_open(descendant_pids(d.pid), path)), 10)
+            stopped = _holding_open(descendant_pids(d.pid), path)
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            assert c.request(blocks[1])["state"] == "loading"
+            assert wait_for(lambda: not any(alive(p) for p in stopped), 15), "the stopped loader was never killed"
+            with pytest.raises(SegmentError, match=r"small\.h5\[x\] .*made no progress for 2s"):
+                c.request(blocks[1])
+            status = c.status()
+            assert status["counters"]["stalled"] == 1, status["counters"]
+            # the failure is answered for FAILURE_MEMORY_S, then the block loads again
+            assert wait_for(lambda: _ready_or_stalled(c, blocks[1]), FAILURE_MEMORY_S + 30, interval=0.2)
+            again = c.acquire(blocks[1])
+            arena = _Mapped(again)
+            try:
+                assert arena.lock(again.slot, fcntl.F_RDLCK) and arena.shows(again.slot, 64, again.generation)
+                with h5py.File(path) as f:
+                    np.testing.assert_array_equal(arena.take(np.full(64, again.slot), np.arange(64)), f["x"][64:128])
+            finally:
+                arena.close()
+            assert "made no progress for" in (d.runtime_dir / "h5serve.log").read_text()
+        finally:
+            for pid in stopped:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _ready_or_stalled(client: DaemonClient, request: Acquire) -> bool:
+    """Whether ``request`` is answered without the stall's error (its new load queued or done)."""
+    try:
+        client.request(request)
+    except SegmentError as exc:
+        assert "made no progress" in str(exc), exc
+        return False
+    return True

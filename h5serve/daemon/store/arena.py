@@ -47,12 +47,13 @@ from ...segments.arena import (
 )
 from ...util.units import format_bytes, row_nbytes
 from ...wire.protocol import Acquire, AcquireResult
-from ..config import ARENA_GRACE_S, ARENA_SWEEP_S, FAILURE_MEMORY_S
+from ..config import ARENA_GRACE_S, ARENA_SWEEP_S, DEFAULT_STALL_TIMEOUT_S, FAILURE_MEMORY_S
+from ..loading.killload import kill_load
 from ..loading.loader import LoadError, LoadJob, LoadOk
 from ..loading.loaderpool import LoaderPool
 from .loadindex import LoadIndex
 from .loadqueue import check_queue_of
-from .refusals import over_budget
+from .refusals import over_budget, stalled_load
 
 __all__ = ["ArenaHost", "Arenas"]
 
@@ -86,6 +87,7 @@ class _Slot:
     uid: int = 0
     process: ForkServerProcess | None = None
     reply: Connection | None = None
+    started: float = 0.0  # its load's start (the stall watchdog's clock)
 
 
 @dataclass
@@ -123,10 +125,12 @@ class Arenas:
     daemon's leftovers remove them); ``max_memory``: the budget their used slots count against."""
 
     def __init__(self, shm_dir: Path, namespace: str, group: int | None, max_memory: int, max_loaders: int,
-                 pool: LoaderPool, host: ArenaHost, offered: bool = False) -> None:
+                 pool: LoaderPool, host: ArenaHost, offered: bool = False,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.offered = offered  # its ping says so; else Acquire.arena is refused (H5SERVE_ARENA=0, or --group)
         self.shm_dir, self.namespace, self.group = shm_dir, namespace, group
         self.max_memory, self.max_loaders, self.pool = max_memory, max_loaders, pool
+        self.stall_timeout = stall_timeout  # a slot load running this long is stopped (--stall-timeout)
         self._host = host
         self._next_sweep = 0.0
         self.removed = 0  # arenas unlinked: no stream used them any more
@@ -355,11 +359,13 @@ class Arenas:
         job = LoadJob(self.shm_dir, "", "", slot.meta, self.group, os.getpid(), 1, False, False, slot.spans,
                       keep=True, virtual_ok=slot.uid in (os.geteuid(), 0), arena=target)
         slot.process, slot.reply = self.pool.launch(job)
+        slot.started = time.monotonic()
         self._running.append((arena, slot))
 
     def poll(self) -> None:
         """Reap finished slot loads: publish (the table, then the write lock dropped) or free the slot."""
         still = []
+        now = time.monotonic()
         for arena, slot in self._running:
             assert slot.process is not None and slot.reply is not None
             alive = slot.process.is_alive()
@@ -369,9 +375,11 @@ class Arenas:
                     result = slot.reply.recv()
                 except (EOFError, OSError):
                     result = None
-            elif alive:
+            elif alive and now - slot.started < self.stall_timeout:
                 still.append((arena, slot))
                 continue
+            elif alive:
+                result = self._stop_stalled(arena, slot, now)
             if isinstance(result, LoadOk) and self.pool.finished(slot.process):
                 self.pool.loaded()
             else:
@@ -398,6 +406,17 @@ class Arenas:
         self._running = still
         self._reaping = [p for p in self._reaping if not _reaped(p)]
         self.sweep()
+
+    def _stop_stalled(self, arena: _Arena, slot: _Slot, now: float) -> LoadError:
+        """Kill a slot load that ran ``stall_timeout`` (a stopped loader, a hung file system): its
+        failure, which ``poll`` answers for FAILURE_MEMORY_S as a segment load's."""
+        assert slot.process is not None and slot.process.pid is not None and slot.meta is not None
+        killed = kill_load(slot.process.pid)
+        self._host.counters["stalled"] += 1
+        log.warning("stream arena %s slot %d: the load of rows %d-%d made no progress for %.0fs: killed its %d "
+                    "process(es)", arena.name, slot.index, slot.block, slot.block + slot.meta.rows - 1,
+                    now - slot.started, killed)
+        return LoadError(SegmentError.code, stalled_load(slot.meta, 0, self.stall_timeout))
 
     def queued_by(self, uid: int) -> int:
         """Slot loads ``uid`` asked for that wait for a loader (its per-uid queue bound counts them)."""

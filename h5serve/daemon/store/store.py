@@ -120,7 +120,8 @@ class SegmentStore:
         # hashing its name was a third of answering a hit
         self._metas: LRU[tuple, tuple[Resolved | ResolvedFiles, SegmentMeta, str]] = LRU(MAX_REMEMBERED_METAS)
         # stream blocks asked for in slots of an arena (arena.py)
-        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self, arenas)
+        self.arenas = Arenas(shm_dir, self.namespace, group, max_memory, loaders, self.pool, self, arenas,
+                             stall_timeout)
 
     # ----- startup -------------------------------------------------------------------------
     def recover(self) -> None:
