@@ -175,5 +175,15 @@ class _SnapshotCollector:
             ("h5serve_remote_fetched_bytes", "remote_bytes", "Bytes fetched from object stores (s3://) by loads"),
         ):
             yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+        arenas = snap.get("arenas", {})  # stream blocks of fixed-size rows in slots (store/arena.py)
+        yield GaugeMetricFamily("h5serve_stream_arenas", "Stream arenas open", value=arenas.get("arenas", 0))
+        yield GaugeMetricFamily("h5serve_stream_arena_bytes", "Bytes the budget counts of the stream arenas "
+                                "(headers, tables and slots with pages)", value=arenas.get("bytes", 0))
+        for name, key, doc in (
+            ("h5serve_stream_slot_loads", "loads", "Stream blocks loaded into arena slots"),
+            ("h5serve_stream_slot_reuses", "reclaims", "Arena slots reused in place for another block"),
+            ("h5serve_stream_slot_punches", "punches", "Arena slots whose pages were given back"),
+        ):
+            yield CounterMetricFamily(name, doc, value=arenas.get(key, 0))
         yield InfoMetricFamily("h5serve_build", "h5serve build information",
                                value={"version": __version__, "python": platform.python_version()})

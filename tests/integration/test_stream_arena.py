@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from ..helpers import (
     wait_for,
     watch_memory,
 )
+from .test_metrics import scrape
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,7 +61,7 @@ def test_every_row_once_as_in_the_file(h5: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(ARENA_ENV, "1")
     with h5py.File(h5) as f:
         x = f["x"][:]
-    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2") as d:
+    with running_daemon("--max-memory", str(BUDGET), "--loaders", "2", "--metrics-port", "0") as d:
         ds = SharedH5Dataset(h5, "x", "y", rank=0, world_size=1, runtime_dir=d.runtime_dir, fallback="error",
                              mode="stream", window="1MiB", block_rows=BLOCK_ROWS)
         try:
@@ -89,6 +91,15 @@ def test_every_row_once_as_in_the_file(h5: Path, monkeypatch: pytest.MonkeyPatch
             assert shown.returncode == 0, shown.stderr
             assert f"stream arenas: 2 open, {info['arenas']['ready']} of {info['arenas']['slots']}" in shown.stdout
             assert f"{info['arenas']['loads']} block load(s)" in shown.stdout and info["arenas"]["loads"] >= 2 * 65
+
+            def scraped() -> bool:  # and the Prometheus metrics (a snapshot at most a second old)
+                text = scrape(info["metrics_port"])
+                loads = re.search(r"^h5serve_stream_slot_loads_total (\S+)$", text, re.M)
+                return (loads is not None and float(loads.group(1)) >= info["arenas"]["loads"]
+                        and "h5serve_stream_arenas 2.0" in text)
+
+            assert wait_for(scraped, 10, 0.2), scrape(info["metrics_port"])
+            assert re.search(r"^h5serve_stream_arena_bytes [1-9]", scrape(info["metrics_port"]), re.M)
         finally:
             ds.close()
 
