@@ -1,0 +1,127 @@
+"""Processes the ``remote`` group launches (bench/remote.py), every one reading from the loopback
+S3 server named by ``AWS_ENDPOINT_URL``:
+
+- ``run SYSTEM URL --source FILE`` under ``torchrun --nproc-per-node 2`` (gloo): after a barrier
+  each rank takes the time, builds SYSTEM's loader on the object(s) at URL and iterates epoch 0
+  (batch 256, ``num_workers=0``, no model step: the loader's pace). SYSTEM is ``global`` or
+  ``stream`` (h5serve through the node's daemon at ``--runtime-dir``, ``fallback="error"``),
+  ``streaming`` (MosaicML Streaming, ``remote=URL``, a node-wide local cache) or ``litdata``
+  (LitData, ``Dir(path=cache, url=URL)``). Rank 0 prints ``result {json}``: the construction
+  start, first batch and epoch end of every rank (wall clock) and bench/peer_jobs.py's checks of
+  epoch 0 against the local source (labels are row ids, shares, coverage, image bytes).
+  ``--first-only``: stop at the first batch (no checks).
+- ``download URL``: the bare parallel download, with the same s3fs: the object's bytes as
+  ``--range-bytes`` ranges, ``--concurrency`` in flight (``fs.cat_ranges``); prints ``result``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from .peer_jobs import BATCH, Checks, check, import_streaming, xy
+
+SYSTEMS = ("global", "stream", "streaming", "litdata")
+
+
+def build(args: argparse.Namespace, rank: int, world: int):
+    if args.system in ("global", "stream"):
+        from h5serve.client import SharedH5Dataset, make_loader
+
+        stream = {"block_rows": args.block_rows} if args.system == "stream" else {}
+        ds = SharedH5Dataset(args.url, "x", "y", mode=args.system, rank=rank, world_size=world,
+                             runtime_dir=args.runtime_dir, fallback="error", timeout=600, **stream)
+        if ds.backend != "shm":
+            raise RuntimeError(f"h5serve {args.system}: backend {ds.backend}, not the daemon's segments")
+        return make_loader(ds, BATCH, seed=0)
+    if args.system == "streaming":
+        from torch.utils.data import DataLoader
+
+        ds = import_streaming().StreamingDataset(remote=args.url, local=args.cache, batch_size=BATCH, shuffle=True)
+        return DataLoader(ds, batch_size=BATCH, num_workers=0)
+    import litdata
+
+    os.environ["GLOBAL_RANK"] = str(rank)
+    endpoint = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    ds = litdata.StreamingDataset(litdata.streaming.resolver.Dir(path=args.cache, url=args.url), shuffle=True,
+                                  drop_last=True, storage_options=endpoint)
+    return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    built = time.time()
+    loader = build(args, rank, world)
+    first, seen, kept = 0.0, [], []
+    for i, batch in enumerate(loader):
+        x, y = xy(batch)
+        if not first:
+            first = time.time()
+            if args.first_only:
+                break
+        seen.append(np.asarray(y).astype(np.int64).ravel())
+        if i in (0, 7):
+            kept.append((np.asarray(x).copy(), np.asarray(y).astype(np.int64).copy()))
+    end = time.time()
+    mine = {"built": built, "first": first, "end": end,
+            "labels": np.concatenate(seen) if seen else np.empty(0, np.int64)}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        checks = Checks() if args.first_only else check([e["labels"] for e in every], kept, args.source, world)
+        times = {k: [e[k] for e in every] for k in ("built", "first", "end")}
+        print("result " + json.dumps({**times, "samples": [len(e["labels"]) for e in every],
+                                      "checks": checks.__dict__}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def download(args: argparse.Namespace) -> int:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
+    path = args.url.removeprefix("s3://")
+    size = int(fs.size(path))
+    starts = list(range(0, size, args.range_bytes))
+    ends = [min(a + args.range_bytes, size) for a in starts]
+    t = time.perf_counter()
+    got = fs.cat_ranges([path] * len(starts), starts, ends, batch_size=args.concurrency)
+    took = time.perf_counter() - t
+    failed = [g for g in got if isinstance(g, Exception)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} ranges failed: {failed[0]!r}")
+    print("result " + json.dumps({"seconds": took, "bytes": sum(len(g) for g in got), "size": size,
+                                  "ranges": len(starts)}), flush=True)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.remote_jobs")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("system", choices=SYSTEMS)
+    r.add_argument("url")
+    r.add_argument("--source", required=True, help="the local HDF5 file the rows came from (the checks)")
+    r.add_argument("--runtime-dir")
+    r.add_argument("--block-rows", type=int, default=None)
+    r.add_argument("--cache", default="", help="the peers' local cache directory")
+    r.add_argument("--first-only", action="store_true")
+    d = sub.add_parser("download")
+    d.add_argument("url")
+    d.add_argument("--range-bytes", type=int, default=8 << 20)
+    d.add_argument("--concurrency", type=int, default=16)
+    args = p.parse_args()
+    return run(args) if args.command == "run" else download(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
