@@ -45,25 +45,40 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import CHUNK_ROWS, ROW_SHAPE, BenchDaemon, Row, log, table
+from .common import BenchDaemon, Row, log, table
 from .memory import _tree
 from .peers import NAMES, source_file
 from .s3server import S3Server, aws_env
 from .stream import stream_file, warm_daemon
+
+
+def warm_daemon_file(data_dir: Path) -> Path:
+    """bench/stream.py's tiny file of warm_daemon's load (made there on first use)."""
+    path = data_dir / "stream-warm.h5"
+    if not path.exists():
+        import h5py
+        import numpy as np
+
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with h5py.File(path, "w") as f:
+            f["x"] = np.zeros((4, 4), np.float32)
+    return path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "h5serve-bench"
 STREAM_SHARE = 25  # stream mode's budget, percent of the file
 JOB_TIMEOUT = 600
 PARTS = ("h5serve", "first-batch", "peers")
-CHUNK_BYTES = CHUNK_ROWS * ROW_SHAPE[0] * ROW_SHAPE[1] * ROW_SHAPE[2]
+WARM_KEY = "warm/stream-warm.h5"  # the tiny object warm_remote loads
 PACE_GOAL, BYTES_GOAL, FIRST_GOAL_S = 0.7, 1.05, 2.0
+# stream mode's budget in the first-batch figure: the same at every size (25% of a small object is
+# too small a window for a batch of 256 on 2 ranks), 4x less than the smallest default size
+FIRST_BATCH_BUDGET = 16 << 20
 
 
 @dataclass
@@ -136,7 +151,8 @@ def launch(cmd: list[str], timeout: float = JOB_TIMEOUT) -> dict:
     text = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()]
     err.close()
     if proc.returncode != 0 or not lines:
-        why = [line for line in text if "Error" in line] or text[-2:] or ["no output"]
+        why = ([line.split("]:", 1)[-1].strip() for line in text if "Error:" in line and line.startswith("[rank")]
+               or [line for line in text if "Error:" in line] or text[-2:] or ["no output"])
         return {"failed": f"exit {proc.returncode}: {why[-1][:600]}"}
     return dict(json.loads(lines[0][len("result "):]))
 
@@ -174,17 +190,35 @@ def timings(r: dict) -> dict:
     if "failed" in r:
         return r
     start = min(r["built"])
-    return {**r, "epoch_s": max(r["end"]) - start, "first_s": max(r["first"]) - start}
+    return {**r, "epoch_s": max(r["end"]) - start, "first_s": max(r["first"]) - start,
+            "ready_s": max(r["ready"]) - start}
 
 
-def h5serve_job(server: S3Server, mode: str, url: str, source: Path, size: int, *, first_only: bool = False) -> dict:
-    """One cold 2-rank job of h5serve on a fresh daemon, counted at the server."""
+def warm_remote(url: str, runtime_dir: Path) -> None:
+    """One load of a tiny object, so that the measured job meets a daemon that has fetched
+    before (its s3fs client made: ~1.3 s at the first remote acquire of a fresh daemon), as a
+    node's long-running daemon has; the measured object is still cold."""
+    from h5serve.client import SharedH5Dataset
+
+    ds = SharedH5Dataset(url, "x", rank=0, world_size=1, runtime_dir=runtime_dir, fallback="error")
+    try:
+        ds[0]
+    finally:
+        ds.close()
+
+
+def h5serve_job(server: S3Server, mode: str, url: str, source: Path, size: int, *, first_only: bool = False,
+                stream_budget: int | None = None) -> dict:
+    """One cold 2-rank job of h5serve on a fresh daemon, counted at the server. Stream mode's
+    budget: ``stream_budget``, else STREAM_SHARE of the file."""
     from .bigdata import recommended_block
 
-    budget = 2 * size + (64 << 20) if mode == "global" else size * STREAM_SHARE // 100
+    budget = (2 * size + (64 << 20) if mode == "global" else
+              stream_budget or size * STREAM_SHARE // 100)
     block = recommended_block(source, budget) if mode == "stream" else None
     with BenchDaemon("--max-memory", str(budget), "--allow-url", f"s3://{BUCKET}/") as daemon:
         warm_daemon(source.parent, daemon.runtime_dir)
+        warm_remote(f"s3://{BUCKET}/{WARM_KEY}", daemon.runtime_dir)
         r = timings(counted(server, torchrun, mode, url, source, runtime_dir=daemon.runtime_dir, block_rows=block,
                             first_only=first_only))
         r["daemon"] = daemon.status().get("remote", {})
@@ -193,23 +227,28 @@ def h5serve_job(server: S3Server, mode: str, url: str, source: Path, size: int, 
 
 
 def bare_download(server: S3Server, url: str) -> dict:
-    """``{"8 MiB": figures, "768 KiB": figures}``: fs.cat_ranges, 16 in flight, in a fresh process."""
+    """The object with the same s3fs in a fresh process: ``fs.cat_ranges`` of the daemon's
+    ``RANGE_BYTES`` ranges, ``FETCH_CONCURRENCY`` in flight (the limit), and one whole GET."""
     from h5serve.hdf5.fetch import FETCH_CONCURRENCY, RANGE_BYTES
 
     out = {}
-    for size in (RANGE_BYTES, CHUNK_BYTES):
+    for name, size in ((f"{RANGE_BYTES >> 20} MiB ranges, {FETCH_CONCURRENCY} in flight", RANGE_BYTES),
+                       ("one GET of the whole object", 0)):
         cmd = [sys.executable, "-m", "bench.remote_jobs", "download", url, "--range-bytes", str(size),
                "--concurrency", str(FETCH_CONCURRENCY)]
-        out[f"{size / 2**20:g} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"] = counted(server, launch, cmd)
+        out[name] = counted(server, launch, cmd)
     return out
 
 
 def upload(fs: Any, local: Path, key: str) -> str:
-    if local.is_dir():
-        for f in sorted(p for p in local.rglob("*") if p.is_file()):
-            fs.put_file(str(f), f"{BUCKET}/{key}/{f.relative_to(local)}")
-    else:
-        fs.put_file(str(local), f"{BUCKET}/{key}")
+    """``local`` (a file, or a directory's files) under ``key``; each object then read once by a
+    one-byte GET, so that the server holds its bytes in memory (s3server.keep_objects_in_memory)
+    before anything is measured."""
+    files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
+    for f in files:
+        name = f"{BUCKET}/{key}/{f.relative_to(local)}" if local.is_dir() else f"{BUCKET}/{key}"
+        fs.put_file(str(f), name)
+        fs.cat_file(name, start=0, end=1)
     return f"s3://{BUCKET}/{key}"
 
 
@@ -257,6 +296,7 @@ def remote(data_dir: Path, mib: int = 256, sizes: tuple[int, ...] = (64, 512), p
 
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint}, skip_instance_cache=True)
             fs.mkdir(BUCKET)
+            upload(fs, warm_daemon_file(data_dir), WARM_KEY)
             url = upload(fs, source, source.name)
             log(f"remote: {url} ({size / 2**20:.0f} MiB) on {server.endpoint}")
             report["download"] = bare_download(server, url)
@@ -281,14 +321,16 @@ def first_batches(server: S3Server, fs: Any, data_dir: Path, sizes: tuple[int, .
         path = stream_file(data_dir, mib)
         url = upload(fs, path, path.name)
         for mode in ("stream", "global"):
-            r = h5serve_job(server, mode, url, path, path.stat().st_size, first_only=True)
-            out[f"{mib} MiB {mode}"] = {k: v for k, v in r.items() if k not in ("built", "first", "end")}
+            r = h5serve_job(server, mode, url, path, path.stat().st_size, first_only=True,
+                            stream_budget=FIRST_BATCH_BUDGET)
+            out[f"{mib} MiB {mode}"] = {k: v for k, v in r.items() if k not in ("built", "ready", "first", "end")}
             log(f"remote: first batch, {mib} MiB, {mode}: {r.get('first_s', r.get('failed'))}")
     return out
 
 
 def limit_s(report: dict) -> float | None:
-    done = [d["seconds"] for d in report.get("download", {}).values() if "seconds" in d]
+    """The bare parallel download's seconds (the ranged one: the whole GET is a report)."""
+    done = [d["seconds"] for name, d in report.get("download", {}).items() if "seconds" in d and "ranges" in name]
     return min(done) if done else None
 
 
@@ -363,9 +405,9 @@ def markdown(report: dict) -> str:
 
     for name, d in report.get("download", {}).items():
         if "failed" in d:
-            lines.append(f"| bare download, {name} ranges | failed: {d['failed'][:300]} |" + " |" * 7)
+            lines.append(f"| bare s3fs download, {name} | failed: {d['failed'][:300]} |" + " |" * 7)
             continue
-        lines.append(f"| bare `cat_ranges`, {name} ranges, 16 in flight | {d['seconds']:.2f} | "
+        lines.append(f"| bare s3fs download, {name} | {d['seconds']:.2f} | "
                      f"{size / 1e6 / d['seconds']:.1f} | {bare / d['seconds']:.2f}x | — | {d['get_bytes'] / size:.3f} "
                      f"| {d['requests'].get('GET', 0)} | {d['requests'].get('HEAD', 0)} | — |")
     for mode in ("global", "stream"):
