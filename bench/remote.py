@@ -376,7 +376,7 @@ def rows(report: dict) -> list[Row]:
     for system, r in report.get("peers", {}).items():
         if system not in NAMES or not isinstance(r, dict):
             continue
-        if "failed" in r or "failed" in ours:
+        if "failed" in r or "epoch_s" not in ours:
             out.append(GoalRow(f"remote cold epoch 0, h5serve global vs {NAMES[system]}, {what} (report only)", "s",
                                ours.get("epoch_s", 0.0), note=f"{NAMES[system]}: {r.get('failed', '')[:400]}"))
             continue

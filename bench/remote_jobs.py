@@ -1,14 +1,15 @@
 """Processes the ``remote`` group launches (bench/remote.py), every one reading from the loopback
 S3 server named by ``AWS_ENDPOINT_URL``:
 
-- ``run SYSTEM URL --source FILE`` under ``torchrun --nproc-per-node 2`` (gloo): after a barrier
-  each rank takes the time, builds SYSTEM's loader on the object(s) at URL and iterates epoch 0
-  (batch 256, ``num_workers=0``, no model step: the loader's pace). SYSTEM is ``global`` or
-  ``stream`` (h5serve through the node's daemon at ``--runtime-dir``, ``fallback="error"``),
-  ``streaming`` (MosaicML Streaming, ``remote=URL``, a node-wide local cache) or ``litdata``
-  (LitData, ``Dir(path=cache, url=URL)``). Rank 0 prints ``result {json}``: the construction's
-  start and end, first batch and epoch end of every rank (wall clock) and bench/peer_jobs.py's checks of
-  epoch 0 against the local source (labels are row ids, shares, coverage, image bytes).
+- ``run SYSTEM URL --source FILE`` under ``torchrun --nproc-per-node 2`` (gloo): with SYSTEM's
+  package imported, after a barrier, each rank takes the time, builds SYSTEM's loader on the
+  object(s) at URL and iterates epoch 0 (batch 256, ``num_workers=0``, no model step: the
+  loader's pace). SYSTEM is ``global`` or ``stream`` (h5serve through the node's daemon at
+  ``--runtime-dir``, ``fallback="error"``), ``streaming`` (MosaicML Streaming, ``remote=URL``, a
+  node-wide local cache) or ``litdata`` (LitData, ``Dir(path=cache, url=URL)``, plain http
+  allowed: ``allow_plain_http``). Rank 0 prints ``result {json}``: every rank's construction
+  start and end, first batch and epoch end (wall clock) and bench/peer_jobs.py's checks of epoch
+  0 against the local source (labels are row ids, shares, coverage, image bytes).
   ``--first-only``: stop at the first batch (no checks).
 - ``download URL``: the bare parallel download, with the same s3fs: the object's bytes as
   ``--range-bytes`` ranges, ``--concurrency`` in flight (``fs.cat_ranges``), or with
@@ -22,6 +23,7 @@ import json
 import os
 import time
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +42,17 @@ def imported(system: str) -> None:
         import_streaming()
     else:
         import litdata  # noqa: F401
+
+
+def allow_plain_http(litdata: Any) -> None:
+    """LitData fetches its chunks through obstore (Rust object_store), which refuses a plain
+    http:// endpoint ("Generic S3 error: ... HTTP error: builder error", reqwest's BadScheme)
+    unless told ``allow_http``. object_store reads that from AWS_ALLOW_HTTP, but LitData builds
+    its S3Store with client options of its own (``_OBSTORE_CLIENT_OPTIONS``), which replace the
+    environment's, and takes none from ``storage_options``: so the flag is added to that private
+    constant here. An https endpoint (any real store) needs nothing."""
+    downloader = litdata.streaming.downloader
+    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": True}
 
 
 def build(args: argparse.Namespace, rank: int, world: int):
@@ -61,6 +74,8 @@ def build(args: argparse.Namespace, rank: int, world: int):
 
     os.environ["GLOBAL_RANK"] = str(rank)
     endpoint = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    if endpoint["endpoint_url"].startswith("http://"):
+        allow_plain_http(litdata)
     ds = litdata.StreamingDataset(litdata.streaming.resolver.Dir(path=args.cache, url=args.url), shuffle=True,
                                   drop_last=True, storage_options=endpoint)
     return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=0)
