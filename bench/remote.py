@@ -216,7 +216,8 @@ def h5serve_job(server: S3Server, mode: str, url: str, source: Path, size: int, 
     budget = (2 * size + (64 << 20) if mode == "global" else
               stream_budget or size * STREAM_SHARE // 100)
     block = recommended_block(source, budget) if mode == "stream" else None
-    with BenchDaemon("--max-memory", str(budget), "--allow-url", f"s3://{BUCKET}/") as daemon:
+    # --idle-exit: a daemon left by a bench killed from outside (a test's deadline) goes on its own
+    with BenchDaemon("--max-memory", str(budget), "--allow-url", f"s3://{BUCKET}/", "--idle-exit", "300") as daemon:
         warm_daemon(source.parent, daemon.runtime_dir)
         warm_remote(f"s3://{BUCKET}/{WARM_KEY}", daemon.runtime_dir)
         r = timings(counted(server, torchrun, mode, url, source, runtime_dir=daemon.runtime_dir, block_rows=block,
