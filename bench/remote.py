@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,8 +224,38 @@ def h5serve_job(server: S3Server, mode: str, url: str, source: Path, size: int, 
         r = timings(counted(server, torchrun, mode, url, source, runtime_dir=daemon.runtime_dir, block_rows=block,
                             first_only=first_only))
         r["daemon"] = daemon.status().get("remote", {})
+        if "built" in r:
+            r["phases"] = phases(daemon.start_output, url, min(r["built"]), max(r["first"]))
     r.update(budget=budget, block_rows=block)
     return r
+
+
+def phases(start_output: str, url: str, built: float, first: float) -> dict:
+    """From the daemon's log (INFO lines, this machine's clock): seconds from the construction's
+    start to the first load of ``url`` (the ranks' descriptions, the daemon's HEAD and inspection),
+    the loads that ended before the first batch (global mode: x and y; stream mode: the probe
+    and the first blocks), from the first load's start to the last one's end, and from then to
+    the slower rank's first batch."""
+    log = Path(start_output.rsplit("log: ", 1)[-1].strip())
+    began, ended = [], []
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        at = line[:23]
+        if (f"loading {url}[" in line or " loaded " in line) and len(at) == 23:
+            try:
+                t = time.mktime(time.strptime(at[:19], "%Y-%m-%d %H:%M:%S")) + int(at[20:23]) / 1000
+            except ValueError:
+                continue
+            if f"loading {url}[" in line:
+                began.append(t)
+            elif began and t <= first + 0.01:
+                ended.append(t)
+    if not began or not ended:
+        return {}
+    return {"until_load_s": began[0] - built, "loads_s": max(ended) - began[0], "after_loads_s": first - max(ended)}
 
 
 def bare_download(server: S3Server, url: str) -> dict:
@@ -418,6 +449,15 @@ def markdown(report: dict) -> str:
     for system, r in report.get("peers", {}).items():
         if system in NAMES and isinstance(r, dict):
             line(NAMES[system], r)
+    timed = [(m, report[m]) for m in ("global", "stream") if "phases" in report.get(m, {})]
+    if timed:
+        lines += ["", "| h5serve | construction to first load (s) | loads before the first batch (s) | then to the "
+                  "first batch (s) | the daemon's fetch (MB/s, all its loads) |", "|---|---:|---:|---:|---:|"]
+        for mode, r in timed:
+            ph, d = r["phases"], r.get("daemon", {})
+            rate = f"{d['bytes_per_s'] / 1e6:.1f}" if d.get("bytes_per_s") else "—"
+            lines.append(f"| {mode} | {ph['until_load_s']:.2f} | {ph['loads_s']:.2f} | {ph['after_loads_s']:.2f} | "
+                         f"{rate} |")
     if report.get("first_batch"):
         lines += ["", "| object, mode | first batch from construction, cold (s) | GET bytes until then / object |",
                   "|---|---:|---:|"]
