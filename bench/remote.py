@@ -303,15 +303,23 @@ def brief(r: dict, size: int) -> str:
 
 
 def remote(data_dir: Path, mib: int = 256, sizes: tuple[int, ...] = (64, 512), parts: tuple[str, ...] = PARTS,
-           report: dict | None = None) -> list[Row]:
+           report: dict | None = None, moto_as_is: bool = False) -> list[Row]:
+    """``moto_as_is``: moto's server exactly as it comes (s3server.keep_objects_in_memory: why not)."""
     report = {} if report is None else report
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError as e:
+        log(f"remote: skipped, {e} (pip install -e '.[test]': moto[server] and s3fs)")
+        report["skipped"] = str(e)
+        return []
     report["load"] = [os.getloadavg()[0]]
     source = source_file(stream_file(data_dir, mib))
     size = source.stat().st_size
-    report.update(mib=mib, size=size)
+    report.update(mib=mib, size=size, moto_as_is=moto_as_is)
     home = Path(tempfile.mkdtemp(prefix="h5s-remote-home-", dir="/tmp"))
     try:
-        with S3Server() as server, environment(aws_env(server.endpoint, home)):
+        with S3Server(moto_as_is) as server, environment(aws_env(server.endpoint, home)):
             import s3fs
 
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint}, skip_instance_cache=True)
@@ -356,6 +364,8 @@ def main() -> None:
                                                  "--quick 8,32)")
     p.add_argument("--quick", action="store_true", help="small objects: a smoke run of a minute or two")
     p.add_argument("--parts", default=",".join(PARTS), help="some of " + ",".join(PARTS))
+    p.add_argument("--moto-as-is", action="store_true",
+                   help="serve objects as moto does (every GET reads the whole object: bench/s3server.py)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None, help="print the docs table of a saved --json, run nothing")
     a = p.parse_args()
@@ -365,7 +375,7 @@ def main() -> None:
     mib = a.mib or (32 if a.quick else 256)
     sizes = tuple(int(s) for s in (a.sizes or ("8,32" if a.quick else "64,512")).split(","))
     report: dict = {}
-    found = remote(a.data_dir, mib, sizes, tuple(a.parts.split(",")), report)
+    found = remote(a.data_dir, mib, sizes, tuple(a.parts.split(",")), report, a.moto_as_is)
     print(table(found))
     print(markdown(report))
     if a.json:
