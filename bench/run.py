@@ -9,7 +9,7 @@ table of ratios.
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
     python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
     python -m bench --only bigdata         # data 4-20x the budget, cold, beside the peers (~5-10 min)
-    python -m bench --only remote          # s3:// on a loopback S3 server: cold epoch vs a bare download (~3 min)
+    python -m bench --only remote          # s3:// on loopback S3: cold epoch vs a bare download, the peers (~5 min)
 
 Data files are made on first use under --data-dir and kept. Speed is measured here, never
 asserted in tests; rows with a target say whether this run met it.
