@@ -214,6 +214,8 @@ def _fmt(value: float | None, unit: str = "") -> str:
         return f"{value:,.0f}"
     if unit == "x native":
         return f"{value:.2f}x"
+    if unit == "x file":  # the remote group's GET bytes over the object's size
+        return f"{value:.3f}x"
     return f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
 
 

@@ -99,10 +99,11 @@ def source_file(plain: Path, rows: int | None = None) -> Path:
     return path
 
 
-def peer_dir(source: Path, system: str, shard_bytes: int | None = None) -> Path:
+def peer_dir(source: Path, system: str, shard_bytes: int | None = None, python: str = sys.executable) -> Path:
     """``system``'s copy of ``source`` (written once and kept; a half-written one is written again).
     ``shard_bytes``: Streaming's MDS shard size limit and LitData's chunk size (None: MDSWriter's
-    default, 67 MB; LitData 64 MB)."""
+    default, 67 MB; LitData 64 MB). ``python``: the interpreter with the peers (bench/remote.py's
+    ``peers_python``)."""
     suffix = f"-{shard_bytes}" if shard_bytes is not None else ""
     out = source.with_name(f"{source.stem}-{system}{suffix}")
     if not (out / "index.json").exists():
@@ -112,7 +113,7 @@ def peer_dir(source: Path, system: str, shard_bytes: int | None = None) -> Path:
         try:
             writer = f"write-{'mds' if system == 'streaming' else system}"
             size = ["--size-limit", str(shard_bytes)] if suffix else []
-            done = subprocess.run([sys.executable, "-m", "bench.peer_jobs", writer,
+            done = subprocess.run([python, "-m", "bench.peer_jobs", writer,
                                    str(source), str(tmp), *size], capture_output=True, text=True, timeout=1800,
                                   cwd=ROOT)
             if done.returncode != 0:

@@ -9,6 +9,7 @@ table of ratios.
     python -m bench --only peers           # beside MosaicML Streaming and LitData (the bench-peers extra)
     python -m bench --only multinode       # 2 namespace nodes beside 1 (root: tests/cluster)
     python -m bench --only bigdata         # data 4-20x the budget, cold, beside the peers (~5-10 min)
+    python -m bench --only remote          # s3:// on loopback S3: cold epoch vs a bare download, the peers (~5 min)
 
 Data files are made on first use under --data-dir and kept. Speed is measured here, never
 asserted in tests; rows with a target say whether this run met it.
@@ -37,7 +38,7 @@ from .common import BenchDaemon, Row, log, make_files, table
 from .shuffle import Quality, as_dicts, shuffle_chart, shuffle_section, shuffle_table
 
 GROUPS = ("iterate", "modes", "shuffle", "memory", "first-batch", "data-model", "stream", "peers", "multinode",
-          "bigdata")
+          "bigdata", "remote")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     loads: dict[str, float] = {}
     peers: dict = {}
     big: dict = {}
+    far: dict = {}
     for group in GROUPS:
         if group not in groups:
             continue
@@ -337,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
 
             log("data bigger than the budget, cold, beside the peers")
             rows += bigdata(args.data_dir, report=big)
+        elif group == "remote":
+            from .remote import remote
+
+            log("s3:// objects on a loopback S3 server, cold, beside a bare download and the peers")
+            rows += remote(args.data_dir, report=far)
         elif group == "multinode":
             from .multinode import multinode
 
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         results.write_text(json.dumps(
             {"machine": machine(), "argv": sys.argv, "seconds": took, "load_average": loads,
              "rows": [r.as_dict() for r in rows], "shuffle": as_dicts(qualities), "peers": peers,
-             "bigdata": big}, indent=1))
+             "bigdata": big, "remote": far}, indent=1))
     if args.write_docs:
         command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         docs = ROOT / "docs"
