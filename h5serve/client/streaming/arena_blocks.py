@@ -218,6 +218,10 @@ class ArenaBlocks:
             self._leased[k].discard(slot)
             self._slot[k][block] = -1
         self._state[block] = _NONE
+        # its acquires, built once a process: kept only while it is in the window (an epoch of
+        # 150,000 blocks kept them all, about a KiB a block)
+        self._made.pop((block, False), None)
+        self._made.pop((block, True), None)
 
     def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
         """Ask for the window's blocks, then those ahead, not held or asked yet: one exchange."""
