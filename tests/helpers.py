@@ -403,3 +403,21 @@ def segments_holding(shm_prefix: str, marker: bytes) -> list[str]:
             except OSError:  # removed meanwhile (a failed load's temporary)
                 pass
     return found
+
+
+def holding(pids: list[int], marker: str) -> list[int]:
+    """The processes among ``pids`` with a file whose path contains ``marker`` open."""
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if marker in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    out.append(pid)
+                    break
+            except OSError:
+                pass
+    return out

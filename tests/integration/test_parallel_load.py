@@ -25,7 +25,16 @@ from h5serve.segments import temporary_owner_pid
 from h5serve.wire.connection import DaemonClient
 from h5serve.wire.protocol import Acquire
 
-from ..helpers import Daemon, alive, expected_checksum, h5serve_cli, short_workdir, temporary_prefix, wait_for
+from ..helpers import (
+    Daemon,
+    alive,
+    expected_checksum,
+    h5serve_cli,
+    holding,
+    short_workdir,
+    temporary_prefix,
+    wait_for,
+)
 
 ROWS, ROW_SHAPE, CHUNK_ROWS = 3000, (3, 8, 8), 50
 PARTS = 3
@@ -72,24 +81,6 @@ def loaders_of(daemon_pid: int) -> list[int]:
     direct children (the forkserver, and the resource tracker if any), but the spare loader
     waiting for the next load (daemon/loading/spare.py)."""
     return [p for p, parent in descendants(daemon_pid).items() if parent != daemon_pid and not _is_spare(p)]
-
-
-def holding(pids: list[int], marker: str) -> list[int]:
-    """The processes among ``pids`` with a file whose path contains ``marker`` open."""
-    out = []
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if marker in os.readlink(f"/proc/{pid}/fd/{fd}"):
-                    out.append(pid)
-                    break
-            except OSError:
-                pass
-    return out
 
 
 def kill_tree(d: Daemon) -> None:

@@ -37,6 +37,7 @@ from ..helpers import (
     alive,
     descendant_pids,
     h5serve_cli,
+    holding,
     make_h5,
     running_daemon,
     torchrun_two_ranks,
@@ -284,24 +285,6 @@ def test_a_daemon_killed_mid_epoch_and_started_again(h5: Path, monkeypatch: pyte
             ds.close()
 
 
-def _holding_open(pids: list[int], path: Path) -> list[int]:
-    """Those of ``pids`` with ``path`` open (a kept stream loader keeps its source file open)."""
-    found = []
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
-                    found.append(pid)
-                    break
-            except OSError:
-                continue
-    return found
-
-
 def test_a_stalled_slot_load_is_killed_failed_and_loaded_again(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A slot load that makes no progress (its loader stopped: a hung file system) is killed after
@@ -315,8 +298,8 @@ def test_a_stalled_slot_load_is_killed_failed_and_loaded_again(tmp_path: Path,
         try:
             blocks = _blocks(path)
             assert c.acquire(blocks[0]).state == "ready"  # a kept loader now holds the file open
-            assert wait_for(lambda: bool(_holding_open(descendant_pids(d.pid), path)), 10)
-            stopped = _holding_open(descendant_pids(d.pid), path)
+            assert wait_for(lambda: bool(holding(descendant_pids(d.pid), str(path))), 10)
+            stopped = holding(descendant_pids(d.pid), str(path))
             for pid in stopped:
                 os.kill(pid, signal.SIGSTOP)
             assert c.request(blocks[1])["state"] == "loading"
