@@ -300,22 +300,30 @@ def torchrun_two_ranks(job: Path, args: list[str], out: Path, runtime_dir: Path,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), *args]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
+    output = output_or_kill(process, deadline, "a rank waited in a collective (unequal batches?)")
+    assert process.returncode == 0, output[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def output_or_kill(process: subprocess.Popen[str], deadline: float, why: str = "") -> str:
+    """``process``'s output (started with ``start_new_session=True``, stdout piped); past
+    ``deadline`` seconds it, its process group and every descendant (torchrun starts each rank in a
+    session of its own) are killed, and the output says so."""
     try:
         output, _ = process.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
-        output = f"killed after {deadline} s: a rank waited in a collective (unequal batches?)"
+        output = f"killed after {deadline} s" + (f": {why}" if why else "")
     finally:
         if process.poll() is None:
-            ranks = descendant_pids(process.pid)  # torchrun starts each rank in a session of its own
+            started = descendant_pids(process.pid)
             os.killpg(process.pid, signal.SIGKILL)
-            for pid in ranks:
+            for pid in started:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             process.wait()
-    assert process.returncode == 0, output[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return output
 
 
 def vlen_file(path: Path, mib: dict[str, float], first_rows: int = 1024, rows: int = 1100,

@@ -7,15 +7,13 @@ run where their interpreter (``.venv-peers``, or ``H5SERVE_PEERS_PYTHON``) is mi
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ..helpers import descendant_pids
+from ..helpers import output_or_kill
 
 pytest.importorskip("moto.server", reason="moto[server] is not installed: pip install -e '.[test]'")
 pytest.importorskip("s3fs", reason="s3fs is not installed: pip install -e '.[s3]'")
@@ -31,19 +29,7 @@ def run_group(tmp_path: Path, parts: str, deadline: float) -> tuple[dict, str]:
            "--json", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        stdout = f"killed after {deadline} s"
-    finally:
-        if proc.poll() is None:
-            started = descendant_pids(proc.pid)  # torchrun's ranks run in sessions of their own
-            for pid in started:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+    stdout = output_or_kill(proc, deadline)
     assert proc.returncode == 0 and out.exists(), stdout[-4000:]
     return json.loads(out.read_text()), stdout
 
