@@ -6,9 +6,10 @@ through a file object from fsspec (docs/architecture.md, *Remote files*).
   describes its files, checked again at every later open (``open_remote(url, pin=...)``), so a
   worker never reads a rewritten object under the old description.
 - ``open_remote``: a read-only, seekable file object for ``h5py.File(fileobj)``, with a bounded
-  block cache (``BLOCK_BYTES`` x ``CACHE_BLOCKS`` per open file). On S3 every range request
-  carries ``If-Match: <ETag>`` (s3fs does it for a file it opened), so once the object changes
-  a read fails with SourceChanged instead of mixing two versions.
+  block cache (``BLOCK_BYTES`` x ``CACHE_BLOCKS`` per open file), whose requests the reading
+  thread runs itself (threadloop.py: h5py deadlocks with a service thread's garbage collection).
+  On S3 every range request carries ``If-Match: <ETag>``, so once the object changes a read
+  fails with SourceChanged instead of mixing two versions.
 - ``remote_call``: one policy of retries (RETRY: exponential backoff with full jitter, a
   deadline) for transient failures (5xx, 429 and S3's SlowDown, timeouts, connection resets,
   responses cut short); the libraries below are told not to retry themselves, so a read is
@@ -25,12 +26,14 @@ h5serve never reads, stores or prints them.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import os
 import random
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -43,6 +46,7 @@ from ..errors import (
     ObjectStoreError,
     SourceChanged,
 )
+from .threadloop import filesystem_here, run_here
 
 __all__ = [
     "SCHEMES",
@@ -78,6 +82,7 @@ CACHE_BLOCKS = 16  # blocks kept per open file (least recently used dropped): at
 # holds a B-tree node of HDF5's chunk index whole; 8 KiB saved 0.1 MB more for 10 more requests on the same file)
 METADATA_BLOCK_BYTES = 16 << 10
 METADATA_CACHE_BLOCKS = 512  # 8 MiB at most per open
+FETCH_AT_ONCE = 8  # a read's missing blocks: requests in flight at most
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0  # one request, once connected
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
@@ -183,16 +188,8 @@ def _scrub(text: str) -> str:
     return text
 
 
-def _filesystem(scheme: str) -> Any:
-    """fsspec's filesystem for ``scheme`` (one per process: fsspec caches instances by their
-    options and makes new ones after a fork), told not to retry (``remote_call`` does).
-
-    Raised when fsspec or the scheme's backend is not installed: ConfigError naming the extra."""
-    extra = SCHEMES[scheme]
-    try:
-        import fsspec
-    except ImportError as exc:
-        raise ConfigError(f"reading {scheme}:// files needs fsspec: pip install 'h5serve[{extra}]'") from exc
+def _options(scheme: str) -> dict[str, Any]:
+    """fsspec's options for ``scheme``: told not to retry (``remote_call`` does), bounded waits."""
     options: dict[str, Any] = {}
     if scheme == "s3":
         options["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
@@ -202,11 +199,30 @@ def _filesystem(scheme: str) -> Any:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["endpoint_url"] = endpoint
+    return options
+
+
+def _missing_backend(scheme: str, exc: ImportError) -> ConfigError:
+    extra = SCHEMES[scheme]
+    if exc.name == "fsspec":
+        return ConfigError(f"reading {scheme}:// files needs fsspec: pip install 'h5serve[{extra}]'")
+    return ConfigError(f"reading {scheme}:// files needs fsspec's {scheme} backend ({exc.name or exc}): "
+                       f"pip install 'h5serve[{extra}]'")
+
+
+def _filesystem(scheme: str) -> Any:
+    """fsspec's filesystem for ``scheme`` (one per process: fsspec caches instances by their
+    options and makes new ones after a fork), told not to retry (``remote_call`` does). Its
+    requests run on fsspec's service thread: never call it from a file object h5py reads
+    (threadloop.py says why).
+
+    Raised when fsspec or the scheme's backend is not installed: ConfigError naming the extra."""
     try:
-        fs = fsspec.filesystem(scheme, **options)
+        import fsspec
+
+        fs = fsspec.filesystem(scheme, **_options(scheme))
     except ImportError as exc:
-        raise ConfigError(f"reading {scheme}:// files needs fsspec's {scheme} backend ({exc.name or exc}): "
-                          f"pip install 'h5serve[{extra}]'") from exc
+        raise _missing_backend(scheme, exc) from exc
     if scheme == "s3":
         fs.retries = 1  # s3fs's own loop around each request: one try, remote_call retries
     return fs
@@ -313,13 +329,14 @@ def remote_call(url: str, doing: str, fn: Callable[[], T], policy: RetryPolicy |
             time.sleep(wait)
 
 
-def remote_identity(url: str) -> RemoteIdentity:
-    """The identity of the object ``url`` names now (one HEAD request on S3).
+def remote_identity(url: str, doing: str = "looking up") -> RemoteIdentity:
+    """The identity of the object ``url`` names now (one HEAD request on S3); ``doing``: what
+    an error says was being done.
 
     Raised as ``remote_call`` is; for a bad URL or a missing backend: ConfigError."""
     scheme, path = parse_url(url)
     fs = _filesystem(scheme)
-    info = remote_call(url, "looking up", lambda: fs.info(path, refresh=True) if scheme == "s3" else fs.info(path))
+    info = remote_call(url, doing, lambda: fs.info(path, refresh=True) if scheme == "s3" else fs.info(path))
     if info.get("type", "file") != "file":
         raise ObjectNotFound(f"{shown_url(url)} is a directory (a prefix), not an object: name an HDF5 file",
                              url=shown_url(url), status=None)
@@ -338,47 +355,120 @@ def expand_url_pattern(pattern: str) -> list[str]:
 
 
 class RemoteFile(io.RawIOBase):
-    """A remote file opened read-only for h5py (``h5py.File(RemoteFile)``): reads go through
-    fsspec's file (its block cache) and ``remote_call`` (retries, h5serve's errors)."""
+    """A remote file opened read-only for h5py (``h5py.File(RemoteFile)``), with a cache of
+    ``cache_blocks`` blocks of ``block_bytes`` (the least recently used dropped). A read's
+    missing blocks are requested together (FETCH_AT_ONCE in flight at most) by the reading
+    thread itself (threadloop.py: why never by a service thread), each pinned to the version
+    opened (S3: ``If-Match: <ETag>``), through ``remote_call`` (retries, h5serve's errors)."""
 
-    def __init__(self, url: str, raw: Any, identity: RemoteIdentity) -> None:
+    def __init__(self, url: str, identity: RemoteIdentity, block_bytes: int, cache_blocks: int) -> None:
         super().__init__()
         self.url = url
         self.identity = identity
-        self._raw = raw
+        self.scheme, self._path = parse_url(url)
+        self.block_bytes, self.cache_blocks = max(1, block_bytes), max(1, cache_blocks)
+        self._options = _options(self.scheme)
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._pos = 0
+        self._fetched = 0
 
     def readable(self) -> bool:
         return True
 
     @property
     def fetched_bytes(self) -> int:
-        """Bytes this file's block cache has fetched from the store so far (fsspec's count)."""
-        return int(getattr(getattr(self._raw, "cache", None), "total_requested_bytes", 0) or 0)
+        """Bytes this file has fetched from the store so far."""
+        return self._fetched
 
     def seekable(self) -> bool:
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return int(self._raw.seek(offset, whence))
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.identity.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
 
     def tell(self) -> int:
-        return int(self._raw.tell())
+        return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        at = self._raw.tell()
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.identity.size - self._pos))
+        if n == 0:
+            return 0
+        size, at = self.block_bytes, self._pos
+        wanted = range(at // size, (at + n - 1) // size + 1)
+        blocks = {b: self._blocks.get(b) for b in wanted}
+        missing = [b for b, data in blocks.items() if data is None]
+        if missing:
+            got = remote_call(self.url, "reading", lambda: run_here(self._fetch(missing)))
+            blocks.update(zip(missing, got))
+        done = 0
+        for b in wanted:
+            data = blocks[b]
+            assert data is not None
+            lo, hi = max(at, b * size) - b * size, min(at + n, (b + 1) * size) - b * size
+            view[done:done + hi - lo] = data[lo:hi]
+            done += hi - lo
+            self._blocks[b] = data
+            self._blocks.move_to_end(b)
+        while len(self._blocks) > self.cache_blocks:
+            self._blocks.popitem(last=False)
+        self._pos = at + n
+        return n
 
-        def once() -> int:
-            self._raw.seek(at)  # a failed try may have moved nothing or part of the way
-            return int(self._raw.readinto(buffer))
+    async def _fetch(self, blocks: list[int]) -> list[bytes]:
+        """The bytes of ``blocks``, FETCH_AT_ONCE requests in flight at most; after a failure the
+        others are cancelled (none is left running in the loop for the next read)."""
+        try:
+            fs = filesystem_here(self.scheme, self._options)
+        except ImportError as exc:
+            raise _missing_backend(self.scheme, exc) from exc
+        if self.scheme == "s3":
+            fs.retries = 1
+        gate = asyncio.Semaphore(FETCH_AT_ONCE)
 
-        return remote_call(self.url, "reading", once)
+        async def one(block: int) -> bytes:
+            start = block * self.block_bytes
+            end = min(start + self.block_bytes, self.identity.size)
+            async with gate:
+                data = await (self._get_s3(fs, start, end) if self.scheme == "s3" else
+                              fs._cat_file(self._path, start=start, end=end))
+            self._fetched += len(data)
+            if len(data) == self.identity.size and len(data) != end - start:  # a server that ignored the Range
+                data = data[start:end]
+            if len(data) != end - start:  # counted as a connection cut short: tried again
+                raise ConnectionError(f"bytes {start}-{end - 1} came back as {len(data)} bytes")
+            return bytes(data)
+
+        tasks = [asyncio.ensure_future(one(b)) for b in blocks]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _get_s3(self, fs: Any, start: int, end: int) -> bytes:
+        bucket, key, version = fs.split_path(self._path)
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if self.identity.etag:
+            kwargs["IfMatch"] = self.identity.etag
+        if version:
+            kwargs["VersionId"] = version
+        response = await fs._call_s3("get_object", **kwargs)
+        body = response["Body"]
+        try:
+            return bytes(await body.read())
+        finally:
+            body.close()
 
     def close(self) -> None:
-        if not self.closed:
-            try:
-                self._raw.close()
-            finally:
-                super().close()
+        self._blocks.clear()
+        super().close()
 
 
 def open_remote(url: str, pin: RemoteIdentity | None = None, *, block_bytes: int | None = None,
@@ -389,23 +479,11 @@ def open_remote(url: str, pin: RemoteIdentity | None = None, *, block_bytes: int
 
     Raised when it is not ``pin`` any more: SourceChanged naming both. Raised as
     ``remote_call`` is; for a bad URL or a missing backend: ConfigError."""
-    scheme, path = parse_url(url)
-    fs = _filesystem(scheme)
-    if scheme == "s3":
-        fs.invalidate_cache(path)  # the HEAD s3fs's file takes its ETag from must be of now
-    block = BLOCK_BYTES if block_bytes is None else block_bytes
-    blocks = CACHE_BLOCKS if cache_blocks is None else cache_blocks
-    raw = remote_call(url, "opening", lambda: fs.open(path, "rb", block_size=block, cache_type="blockcache",
-                                                      cache_options={"maxblocks": blocks}))
-    try:
-        details = getattr(raw, "details", None) or remote_call(url, "looking up", lambda: fs.info(path))
-        identity = RemoteIdentity.of(url, details)
-        if pin is not None and (identity.size, identity.etag, identity.version_id) != (
-                pin.size, pin.etag, pin.version_id):
-            raise SourceChanged(f"{shown_url(url)} changed since this job described it ({pin.describe()}; now "
-                                f"{identity.describe()}): restart the job to read the new object, and write new "
-                                "data under new keys rather than over objects a job reads")
-    except BaseException:
-        raw.close()
-        raise
-    return RemoteFile(url, raw, identity)
+    identity = remote_identity(url, "opening")
+    if pin is not None and (identity.size, identity.etag, identity.version_id) != (
+            pin.size, pin.etag, pin.version_id):
+        raise SourceChanged(f"{shown_url(url)} changed since this job described it ({pin.describe()}; now "
+                            f"{identity.describe()}): restart the job to read the new object, and write new "
+                            "data under new keys rather than over objects a job reads")
+    return RemoteFile(url, identity, BLOCK_BYTES if block_bytes is None else block_bytes,
+                      CACHE_BLOCKS if cache_blocks is None else cache_blocks)

@@ -339,7 +339,9 @@ def test_a_fifo_raced_in_before_hdf5_opens_never_freezes_the_daemon(public_dir: 
     path = _keyed_file(public_dir / "racy.h5", b"r" * 16)
     fifo = public_dir / "racy.fifo"
     os.mkfifo(fifo)
-    d = Daemon()
+    # the race can also reach a loader's open, which only the stall check ends (120 s by default,
+    # past every request's 60 s deadline, while the loads queued behind it wait their own 60 s)
+    d = Daemon("--stall-timeout", "10")
     stop = threading.Event()
     keys = iter(range(KEYS))
     errors: list[BaseException | None] = []
@@ -361,13 +363,14 @@ def test_a_fifo_raced_in_before_hdf5_opens_never_freezes_the_daemon(public_dir: 
             stop.set()
             worst = _ping_seconds(d.runtime_dir, 10)
             assert d.status()["pid"] == d.pid
+        joined_by = time.monotonic() + 70  # a request's own deadline is 60 s
         for asker in askers:
-            asker.join(40)
+            asker.join(max(0.0, joined_by - time.monotonic()))
         print(f"slowest ping while a raced-in FIFO blocks HDF5's open: {worst * 1000:.1f} ms "
               f"({len(errors)} requests)")
         assert worst < 1.0
         # the stuck one failed after the inspection's deadline ("did not open within 10s"), or in its
-        # loader (whose open the same race can reach: a loader process, stopped by the stall check)
+        # loader (whose open the same race can reach: a loader process, killed by the stall check)
         assert not any(asker.is_alive() for asker in askers)
         assert all(e is None or isinstance(e, H5ServeError) for e in errors), errors
     finally:

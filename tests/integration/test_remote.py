@@ -1,5 +1,5 @@
 """Remote files (issue 34, groundwork): ``SharedH5Dataset("s3://bucket/key.h5")`` against a real
-S3 API server on loopback (moto's server mode, in this process's threads), read lazily through
+S3 API server on loopback (moto's server mode in a process of its own: bench/s3server.py), read lazily through
 fsspec/s3fs: the same rows in the same order as the same file on disk in every mode the lazy
 path has; 404 and 403 as h5serve's errors naming the URL and never the secret key; an object
 rewritten mid-job is SourceChanged, in the process reading it and in one opening it afresh
@@ -11,17 +11,21 @@ installs both)."""
 
 from __future__ import annotations
 
+import gc
 import http.client
 import http.server
-import logging
+import os
 import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 import traceback
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,7 @@ import pytest
 from h5serve import ConfigError, ObjectAccessDenied, ObjectNotFound, ObjectStoreError, SourceChanged
 from h5serve.client import SharedH5Dataset, collate, make_loader
 
-from ..helpers import Daemon, make_h5, vlen_file
+from ..helpers import Daemon, make_h5, output_or_kill, vlen_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,15 +49,12 @@ ROWS, SHAPE = 3001, (4, 4)  # 64-row chunks: 47 of them, 48 KiB of x
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 (a free port), stopped on the way out."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    """A moto S3 server on 127.0.0.1 (a free port) in a process of its own, killed on the way out.
+    Not in this process's threads: a read here holds h5py's lock while it waits for the server,
+    whose garbage collection could need that lock (threadloop.py)."""
+    from bench.s3server import S3Server
+    with S3Server(as_is=True) as server:
+        yield server.endpoint
 
 
 @pytest.fixture
@@ -397,16 +398,33 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     do_GET = do_HEAD = do_PUT = _forward
 
 
+@contextmanager
+def serving(proxy: FaultyProxy) -> Iterator[FaultyProxy]:
+    """``proxy`` serving from a thread of this process until the block ends. Meanwhile this
+    process collects no cyclic garbage on its own: a proxy thread collecting an h5py object
+    would wait for h5py's lock, held by a read here that waits for that thread's answer
+    (threadloop.py); a store is never in the reading process, so only this test setup needs it."""
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield proxy
+    finally:
+        if collecting:
+            gc.enable()
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(timeout=10)
+
+
 @pytest.fixture
 def faulty(s3: Any, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultyProxy]:
     """h5serve's requests through a FaultyProxy (its endpoint in AWS_ENDPOINT_URL), with small
     blocks so that reads keep reaching the store, and short waits between tries."""
     import h5serve.hdf5.remote as remote
 
-    proxy = FaultyProxy(s3_endpoint)
-    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(FaultyProxy(s3_endpoint)) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.server_address[1]}")
         monkeypatch.setattr(remote, "BLOCK_BYTES", 8 << 10)
         monkeypatch.setattr(remote, "CACHE_BLOCKS", 2)
@@ -414,10 +432,86 @@ def faulty(s3: Any, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterat
         # a request the loaded proxy is slow to answer is tried again after 10 s, not failed after 60
         monkeypatch.setattr(remote, "READ_TIMEOUT_S", 10.0)
         yield proxy
-    finally:
-        proxy.shutdown()
-        proxy.server_close()
-        thread.join(timeout=10)
+
+
+_GC_LITTER = """
+import gc, sys, h5py, numpy as np, warnings
+import h5serve.hdf5.remote as remote
+from h5serve.client import SharedH5Dataset, collate
+warnings.simplefilter("ignore", RuntimeWarning)
+remote.BLOCK_BYTES, remote.CACHE_BLOCKS = 4096, 2  # every read a request or more
+
+
+class Holder:
+    pass
+
+
+def litter():  # h5py objects only the cyclic collector frees, in whichever thread it runs
+    for _ in range(20):
+        h = Holder()
+        h.me, h.plist = h, h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+
+
+gc.set_threshold(30, 1, 1)  # a collection every few allocations, in any thread
+ds = SharedH5Dataset(sys.argv[1], "x", "y", mode="global", cache_bytes=0, fallback="lazy")
+rng = np.random.default_rng(0)
+for _ in range(int(sys.argv[2])):
+    litter()
+    x, _ = collate(ds.__getitems__(np.sort(rng.choice(len(ds), 64, replace=False))))
+print("read", flush=True)
+"""
+
+
+def test_garbage_collected_in_another_thread_never_deadlocks_a_read(s3: Any, local: Path, tmp_path: Path) -> None:
+    """h5py holds its global lock while it calls the file object, and frees an h5py object only
+    under that lock: a read that waited on a service thread (fsspec's event loop) deadlocked as
+    soon as that thread's garbage collection reached an h5py object in a reference cycle (h5py
+    issue 2019; seen in CI as a read that never ended). Reads run in the reading thread."""
+    url = upload(s3, local, "gc/train.h5")
+    script = tmp_path / "litter.py"
+    script.write_text(_GC_LITTER)
+    process = subprocess.Popen([sys.executable, str(script), url, "150"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = output_or_kill(process, 60, "150 remote reads beside cyclic garbage did not end (a deadlock)")
+    assert process.returncode == 0 and output.rstrip().endswith("read"), output[-3000:]
+
+
+_FORK_AND_READ = """
+import gc, os, sys, warnings
+import numpy as np
+import h5serve.hdf5.remote as remote
+from h5serve.client import SharedH5Dataset, collate
+warnings.simplefilter("ignore", RuntimeWarning)
+remote.BLOCK_BYTES, remote.CACHE_BLOCKS = 4096, 2  # every read a request or more
+ds = SharedH5Dataset(sys.argv[1], "x", "y", mode="global", cache_bytes=0, fallback="lazy")
+rows = lambda at: collate(ds.__getitems__(np.arange(at, at + 50)))
+rows(0)
+for child in range(3):
+    pid = os.fork()
+    if pid == 0:  # reads with a loop of its own, drops the one it inherited, and exits as a script does
+        rows(1000)
+        gc.collect()
+        sys.exit(0)
+    assert os.waitpid(pid, 0)[1] == 0, "the child failed"
+    rows(2000 + child * 300)  # the parent's loop still wakes for its own requests
+print("read", flush=True)
+"""
+
+
+def test_a_forked_child_reading_leaves_the_parents_reads_working(s3: Any, local: Path, tmp_path: Path) -> None:
+    """Each process reads on a loop of its own: forked children that read (a loop of their own
+    beside the one they inherited) and exit as scripts do never stop the parent's next read, and
+    no process reports a connection left open at exit (aiohttp's "Unclosed client session")."""
+    url = upload(s3, local, "fork/train.h5")
+    script = tmp_path / "fork_read.py"
+    script.write_text(_FORK_AND_READ)
+    # a host name, not an address: resolving it wakes the loop from a thread (its wake-up pipe)
+    by_name = os.environ["AWS_ENDPOINT_URL"].replace("127.0.0.1", "localhost")
+    process = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, env={**os.environ, "AWS_ENDPOINT_URL": by_name})
+    output = output_or_kill(process, 60, "reads around 3 forked readers did not end (a parent's loop broken)")
+    assert process.returncode == 0 and output.rstrip().endswith("read"), output[-3000:]
+    assert "Unclosed" not in output  # every process closed its connections at exit, quietly
 
 
 @pytest.mark.timeout(300)

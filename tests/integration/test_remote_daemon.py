@@ -16,7 +16,6 @@ daemon's own chain), real torchrun ranks.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from .test_remote import (  # noqa: F401 - fixtures
     rows_at,
     s3,
     s3_endpoint,
+    serving,
     upload,
 )
 
@@ -63,16 +63,9 @@ def make_file(path: Path, salt: int = 0) -> Path:
 @pytest.fixture
 def proxy(s3: Any, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultyProxy]:  # noqa: F811
     """Every h5serve request (the test's, the ranks', the daemon's) through a counting proxy."""
-    server = FaultyProxy(s3_endpoint)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(FaultyProxy(s3_endpoint)) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 @pytest.fixture
