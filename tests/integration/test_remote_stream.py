@@ -7,7 +7,9 @@ torchrun ranks (tests/integration/test_remote_daemon.py has the fixtures and glo
 - 2 torchrun ranks on one daemon: the GET bytes at the proxy about the blocks' bytes once, not per rank;
 - an object rewritten mid-epoch: SourceChanged at the next block, never rows of both versions;
 - a shared daemon fetches only under ``--allow-url``: elsewhere AccessDenied with fallback="error",
-  the warning and reads here with fallback="lazy", as in global mode.
+  the warning and reads here with fallback="lazy", as in global mode;
+- forked and spawned DataLoader workers, and a global dataset the daemon has no room for
+  (streamed automatically): the batches of the file on disk.
 """
 
 from __future__ import annotations
@@ -132,3 +134,62 @@ def test_a_shared_daemon_streams_only_under_its_allow_list(s3: Any, local: Path,
     assert sum(len(y) for _, y in make_loader(here, 500, seed=1)) == ROWS
     here.close()
     assert not [s for s in d.status()["segments"] if s["file"] == other]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_stream_the_object_as_the_file_on_disk(
+        daemon: Daemon, s3: Any, local: Path, proxy: FaultyProxy, context: str,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream mode over an object with 2 DataLoader workers (forked or spawned, each its own
+    client of the daemon): the batches of the same file on disk through the same daemon with the
+    same workers (two epochs with forked workers)."""
+    url = upload(s3, local, f"stream-workers-{context}/train.h5")
+    use(daemon, monkeypatch)
+    workers = {"num_workers": 2, "multiprocessing_context": context}
+    here = SharedH5Dataset(local, "x", "y", fallback="error", **STREAM)
+    remote = SharedH5Dataset(url, "x", "y", fallback="error", **STREAM)
+    try:
+        assert here.backend == remote.backend == "shm"
+        for seed in (3, 4) if context == "fork" else (3,):  # spawned workers start in seconds each
+            want = [(np.asarray(x), np.asarray(y)) for x, y in make_loader(here, 200, seed=seed, **workers)]
+            got = [(np.asarray(x), np.asarray(y)) for x, y in make_loader(remote, 200, seed=seed, **workers)]
+            assert len(got) == len(want) and sorted(np.concatenate([y for _, y in got]).tolist()) == list(range(ROWS))
+            for (gx, gy), (wx, wy) in zip(got, want):
+                np.testing.assert_array_equal(gy, wy)
+                np.testing.assert_array_equal(gx, wx)
+    finally:
+        here.close()
+        remote.close()
+    streamed = [s for s in daemon.status()["segments"] if s["file"] == url and s["mode"] == "stream"]
+    assert streamed, "the workers' blocks of the object did not go through the daemon"
+
+
+def test_a_global_object_the_daemon_has_no_room_for_is_streamed_as_the_file_on_disk(
+        s3: Any, local: Path, proxy: FaultyProxy, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Automatic stream mode for an object: a daemon whose budget (6 MiB) is half the object's
+    rows streams a ``mode="global"`` dataset with the warning, in the order the same file on
+    disk gets from the same daemon, every row once."""
+    url = upload(s3, local, "auto/train.h5")
+    d = Daemon("--allow-url", f"s3://{BUCKET}/", "--max-memory", "6MiB")
+    try:
+        d.start()
+        use(d, monkeypatch)
+        opened = []
+        for path in (local, url):
+            with pytest.warns(RuntimeWarning, match=r"more than the daemon's budget of 6.0 MiB: streaming it instead"):
+                ds = SharedH5Dataset(path, "x", "y", mode="global", rank=0, world_size=1, fallback="error")
+            opened.append(ds)
+            assert ds.mode == "stream" and ds.requested_mode == "global" and ds.backend == "shm"
+        here, remote = opened
+        want, got = batches(here), batches(remote)
+        assert sorted(np.concatenate([y for _, y in got]).tolist()) == list(range(ROWS))
+        assert len(got) == len(want)
+        for (gx, gy), (wx, wy) in zip(got, want):
+            np.testing.assert_array_equal(gy, wy)
+            np.testing.assert_array_equal(gx, wx)
+        for ds in opened:
+            ds.close()
+        memory = d.status()["memory"]
+        assert memory["used"] <= memory["budget"]
+    finally:
+        d.stop()
