@@ -124,7 +124,10 @@ def as_positions(indices: object, length: int) -> torch.Tensor:
         array = indices.numpy(force=True).astype(np.int64).reshape(-1)
     else:
         array = np.asarray(indices)
-        if array.dtype.kind not in "iu" and array.size:
+        if array.dtype == np.int64 and array.ndim == 1:  # a sampler's batch (stream mode's): one pass, as above
+            if not array.size or np.maximum.reduce(array.view(np.uint64)) < length:
+                return _remember(torch.from_numpy(array), array)
+        elif array.dtype.kind not in "iu" and array.size:
             raise IndexError(f"indices must be integers, got {array.dtype} values")
         array = array.astype(np.int64, copy=False).reshape(-1)
     return _remember(*_checked(None, array, length))

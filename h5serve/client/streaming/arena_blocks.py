@@ -155,9 +155,9 @@ class ArenaBlocks:
         self._asked: dict[int, list[AcquireResult]] = {}
         self._made: dict[tuple[int, bool], list[Acquire]] = {}
         # the window of the last prefetch (alive, ahead) and of the last retain, to skip repeats
-        self._last_window: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        self._last_window: tuple[_Seen | None, _Seen | None] = (None, None)
         self._settled = False  # the last prefetch asked for all it wanted
-        self._last_retained: np.ndarray | None = None
+        self._last_retained: _Seen | None = None
         self._held_since = -1  # ``holds`` at the last retain
         self.holds = 0  # blocks this process took leases on
         self.asked_again = 0  # leases that found the slot reused between the answer and the lock
@@ -191,7 +191,7 @@ class ArenaBlocks:
             return
         for block in self._outside(_HELD, alive).tolist():
             self._release(block)
-        self._held_since, self._last_retained = self.holds, np.array(alive, dtype=np.int64)
+        self._held_since, self._last_retained = self.holds, _seen(alive)
 
     def release(self, done: np.ndarray, keep: np.ndarray | None = None) -> None:
         """Let go of ``done`` and, in a DataLoader worker, of every lease outside ``keep``
@@ -226,11 +226,11 @@ class ArenaBlocks:
     def prefetch(self, ahead: np.ndarray, alive: np.ndarray) -> None:
         """Ask for the window's blocks, then those ahead, not held or asked yet: one exchange."""
         self._check_pid()
-        alive = np.asarray(alive, dtype=np.int64)
-        ahead = np.asarray(ahead, dtype=np.int64)[:self.depth]
         if self._settled and _same(self._last_window[0], alive) and _same(self._last_window[1], ahead):
             return  # the window of the last call, all of it asked for then
-        self._last_window = (alive.copy(), ahead.copy())
+        self._last_window = (_seen(alive), _seen(ahead))
+        alive = np.asarray(alive, dtype=np.int64)
+        ahead = np.asarray(ahead, dtype=np.int64)[:self.depth]
         self._settled = False
         if self._asked:
             for block in self._outside(_ASKED, ahead, alive).tolist():
@@ -442,5 +442,14 @@ class ArenaBlocks:
         self._last_window, self._settled, self._last_retained = (None, None), False, None
 
 
-def _same(last: np.ndarray | None, now: np.ndarray) -> bool:
-    return last is not None and len(last) == len(now) and bool(np.array_equal(last, now))
+_Seen = tuple[object, np.ndarray]  # a window as handed in, and a copy of its blocks
+
+
+def _seen(now: np.ndarray) -> _Seen:
+    return now, np.array(now, dtype=np.int64)
+
+
+def _same(last: _Seen | None, now: np.ndarray) -> bool:
+    """Whether ``now`` holds the blocks of ``last``: at once when it is the same object (the
+    sampler hands the same arrays while a window does not change, and never changes one)."""
+    return last is not None and (last[0] is now or (len(last[1]) == len(now) and bool(np.array_equal(last[1], now))))
