@@ -34,7 +34,7 @@ from ..errors import ConfigError, ObjectStoreError
 from ..order.sharding import RowRange
 from ..util.units import row_nbytes
 from .rawcopy import MAX_MAPPED_CHUNKS, raw_layout
-from .remote import RemoteIdentity, filesystem_of, parse_url, remote_call, shown_url
+from .remote import RemoteIdentity, filesystem_of, parse_url, remote_call, s3_get_range, shown_url
 from .source import DatasetInfo
 
 __all__ = ["Extent", "FetchStats", "RANGE_BYTES", "FETCH_CONCURRENCY", "remote_extents", "fetch_extents", "fetch_rows"]
@@ -123,18 +123,8 @@ def remote_extents(dset: h5py.Dataset, info: DatasetInfo, dtype: np.dtype, rows:
 
 async def _get(fs: Any, bucket: str, key: str, extent: Extent, pin: RemoteIdentity) -> bytes:
     """One ranged GET, pinned to ``pin``'s ETag (and version id)."""
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key,
-                              "Range": f"bytes={extent.start}-{extent.start + extent.size - 1}"}
-    if pin.etag:
-        kwargs["IfMatch"] = pin.etag
-    if pin.version_id and pin.version_id != "null":
-        kwargs["VersionId"] = pin.version_id
-    response = await fs._call_s3("get_object", **kwargs)
-    body = response["Body"]
-    try:
-        return bytes(await body.read())
-    finally:
-        body.close()
+    version = pin.version_id if pin.version_id != "null" else ""
+    return await s3_get_range(fs, bucket, key, extent.start, extent.start + extent.size, pin.etag, version)
 
 
 class _Fetcher:

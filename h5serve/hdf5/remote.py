@@ -67,6 +67,7 @@ __all__ = [
     "remote_call",
     "remote_error",
     "expand_url_pattern",
+    "s3_get_range",
 ]
 
 log = logging.getLogger("h5serve.remote")
@@ -354,6 +355,23 @@ def expand_url_pattern(pattern: str) -> list[str]:
     return sorted(prefix + str(p) for p in found)
 
 
+async def s3_get_range(fs: Any, bucket: str, key: str, start: int, end: int, etag: str, version_id: str) -> bytes:
+    """Bytes ``[start, end)`` of an S3 object in one ranged GET through s3fs's client (``fs``:
+    an s3fs filesystem), with ``If-Match: etag`` and ``VersionId`` when given: a rewritten object
+    fails the request (412) instead of mixing two versions."""
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+    if etag:
+        kwargs["IfMatch"] = etag
+    if version_id:
+        kwargs["VersionId"] = version_id
+    response = await fs._call_s3("get_object", **kwargs)
+    body = response["Body"]
+    try:
+        return bytes(await body.read())
+    finally:
+        body.close()
+
+
 class RemoteFile(io.RawIOBase):
     """A remote file opened read-only for h5py (``h5py.File(RemoteFile)``), with a cache of
     ``cache_blocks`` blocks of ``block_bytes`` (the least recently used dropped). A read's
@@ -434,8 +452,11 @@ class RemoteFile(io.RawIOBase):
             start = block * self.block_bytes
             end = min(start + self.block_bytes, self.identity.size)
             async with gate:
-                data = await (self._get_s3(fs, start, end) if self.scheme == "s3" else
-                              fs._cat_file(self._path, start=start, end=end))
+                if self.scheme == "s3":
+                    bucket, key, version = fs.split_path(self._path)
+                    data = await s3_get_range(fs, bucket, key, start, end, self.identity.etag, version or "")
+                else:
+                    data = await fs._cat_file(self._path, start=start, end=end)
             self._fetched += len(data)
             if len(data) == self.identity.size and len(data) != end - start:  # a server that ignored the Range
                 data = data[start:end]
@@ -451,20 +472,6 @@ class RemoteFile(io.RawIOBase):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-
-    async def _get_s3(self, fs: Any, start: int, end: int) -> bytes:
-        bucket, key, version = fs.split_path(self._path)
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
-        if self.identity.etag:
-            kwargs["IfMatch"] = self.identity.etag
-        if version:
-            kwargs["VersionId"] = version
-        response = await fs._call_s3("get_object", **kwargs)
-        body = response["Body"]
-        try:
-            return bytes(await body.read())
-        finally:
-            body.close()
 
     def close(self) -> None:
         self._blocks.clear()
