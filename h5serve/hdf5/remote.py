@@ -386,6 +386,10 @@ class RemoteFile(io.RawIOBase):
         self.scheme, self._path = parse_url(url)
         self.block_bytes, self.cache_blocks = max(1, block_bytes), max(1, cache_blocks)
         self._options = _options(self.scheme)
+        # an https server's ETag, when strong, sent as If-Match (a weak one never matches: RFC 9110)
+        etag = identity.etag
+        self._pinned: dict[str, Any] = ({"headers": {"If-Match": etag}} if self.scheme in ("http", "https")
+                                        and etag and not etag.startswith("W/") else {})
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._pos = 0
         self._fetched = 0
@@ -456,7 +460,7 @@ class RemoteFile(io.RawIOBase):
                     bucket, key, version = fs.split_path(self._path)
                     data = await s3_get_range(fs, bucket, key, start, end, self.identity.etag, version or "")
                 else:
-                    data = await fs._cat_file(self._path, start=start, end=end)
+                    data = await fs._cat_file(self._path, start=start, end=end, **self._pinned)
             self._fetched += len(data)
             if len(data) == self.identity.size and len(data) != end - start:  # a server that ignored the Range
                 data = data[start:end]

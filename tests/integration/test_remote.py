@@ -163,15 +163,33 @@ def test_dataloader_workers_read_the_same_batches(s3: Any, local: Path, context:
         np.testing.assert_array_equal(xa, xb)
 
 
-def test_an_https_url_reads_the_same_rows(s3: Any, s3_endpoint: str, local: Path) -> None:
+def test_an_https_url_reads_the_same_rows(s3: Any, s3_endpoint: str, local: Path, tmp_path: Path) -> None:
     """fsspec's http filesystem (aiohttp) on the same server: an object GET by path, unsigned
-    (moto checks no credentials here), ranged as any https server's."""
+    (moto checks no credentials here), ranged as any https server's; rewritten mid-job (same
+    size), SourceChanged at the next request."""
     s3.chmod(upload(s3, local, "http/train.h5"), "public-read")
     url = f"{s3_endpoint}/{BUCKET}/http/train.h5"
     remote = opened(url, mode="contiguous", rank=0, world_size=2)
     here = opened(local, mode="contiguous", rank=0, world_size=2)
     for a, b in zip(every_row(remote), every_row(here)):
         np.testing.assert_array_equal(a, b)
+    # rewritten with the same size mid-job: its next request carries the ETag opened (If-Match), so
+    # the server refuses it (412) rather than answering bytes of the new version
+    import h5serve.hdf5.remote as remote
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remote, "BLOCK_BYTES", 8 << 10)
+        patch.setattr(remote, "CACHE_BLOCKS", 2)
+        reading = opened(url, mode="global", cache_bytes=0)
+        np.testing.assert_array_equal(rows_at(reading, np.arange(10))[1], np.arange(10))
+        changed = tmp_path / "changed.h5"
+        data = bytearray(local.read_bytes())
+        data[-4096:] = bytes(255 - b for b in data[-4096:])  # the same size, other bytes (the last rows' x)
+        changed.write_bytes(bytes(data))
+        s3.chmod(upload(s3, changed, "http/train.h5"), "public-read")
+        with pytest.raises(SourceChanged) as changed_info:
+            rows_at(reading, np.arange(ROWS - 10, ROWS))
+        assert url in str(changed_info.value)
     with pytest.raises(ObjectNotFound) as info:
         opened(f"{s3_endpoint}/{BUCKET}/http/none.h5?X-Amz-Signature=abc")
     assert f"{s3_endpoint}/{BUCKET}/http/none.h5" in str(info.value)
