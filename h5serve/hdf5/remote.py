@@ -1,5 +1,5 @@
 """Remote HDF5 files: ``s3://bucket/key.h5``, ``gs://...``, ``https://host/path.h5``, read by h5py
-through a file object from fsspec (docs/architecture.md, *Remote files*).
+through h5serve's file object over fsspec's filesystems (docs/architecture.md, *Remote files*).
 
 - ``is_url`` / ``parse_url``: which names are URLs, and whether h5serve reads their scheme.
 - ``RemoteIdentity``: what a remote file is (URL, size, ETag, version id); taken when the job
@@ -224,8 +224,13 @@ def _filesystem(scheme: str) -> Any:
         fs = fsspec.filesystem(scheme, **_options(scheme))
     except ImportError as exc:
         raise _missing_backend(scheme, exc) from exc
+    return _one_try(scheme, fs)
+
+
+def _one_try(scheme: str, fs: Any) -> Any:
+    """``fs`` with s3fs's own loop around each request set to one try (remote_call retries)."""
     if scheme == "s3":
-        fs.retries = 1  # s3fs's own loop around each request: one try, remote_call retries
+        fs.retries = 1  # a class attribute of s3fs's, not an option it takes
     return fs
 
 
@@ -445,11 +450,9 @@ class RemoteFile(io.RawIOBase):
         """The bytes of ``blocks``, FETCH_AT_ONCE requests in flight at most; after a failure the
         others are cancelled (none is left running in the loop for the next read)."""
         try:
-            fs = filesystem_here(self.scheme, self._options)
+            fs = _one_try(self.scheme, filesystem_here(self.scheme, self._options))
         except ImportError as exc:
             raise _missing_backend(self.scheme, exc) from exc
-        if self.scheme == "s3":
-            fs.retries = 1
         gate = asyncio.Semaphore(FETCH_AT_ONCE)
 
         async def one(block: int) -> bytes:

@@ -66,9 +66,7 @@ _made_lock = threading.Lock()
 
 def _here() -> _ThreadLoop:
     here: _ThreadLoop | None = getattr(_local, "here", None)
-    if here is None or here.pid != os.getpid():
-        if here is not None:  # a forked child's copy of its parent's: its sessions are the parent's to close
-            here.loop.set_exception_handler(lambda loop, context: None)  # no "Unclosed client session" at exit
+    if here is None or here.pid != os.getpid():  # a forked child's copy stays in _made, never closed here
         here = _local.here = _ThreadLoop()
         with _made_lock:
             _made.append(here)
@@ -81,7 +79,7 @@ def _close_all() -> None:
     with _made_lock:
         mine = [here for here in _made if here.pid == os.getpid()]
         for here in _made:
-            if here.pid != os.getpid():  # inherited: the parent's to close
+            if here.pid != os.getpid():  # inherited: the parent's to close; no "Unclosed client session" here
                 here.loop.set_exception_handler(lambda loop, context: None)
         _made[:] = [here for here in _made if here.pid != os.getpid()]
     for here in mine:

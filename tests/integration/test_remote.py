@@ -169,9 +169,9 @@ def test_an_https_url_reads_the_same_rows(s3: Any, s3_endpoint: str, local: Path
     size), SourceChanged at the next request."""
     s3.chmod(upload(s3, local, "http/train.h5"), "public-read")
     url = f"{s3_endpoint}/{BUCKET}/http/train.h5"
-    remote = opened(url, mode="contiguous", rank=0, world_size=2)
+    over_http = opened(url, mode="contiguous", rank=0, world_size=2)
     here = opened(local, mode="contiguous", rank=0, world_size=2)
-    for a, b in zip(every_row(remote), every_row(here)):
+    for a, b in zip(every_row(over_http), every_row(here)):
         np.testing.assert_array_equal(a, b)
     # rewritten with the same size mid-job: its next request carries the ETag opened (If-Match), so
     # the server refuses it (412) rather than answering bytes of the new version
